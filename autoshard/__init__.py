@@ -1,0 +1,23 @@
+"""autoshard: fully sharded data parallel training, compiled.
+
+``autoshard(model)`` shards a model's parameters as FSDP2 does (DTensor ``Shard(0)``), captures
+its whole training step as one joint forward+backward graph, inserts every all-gather,
+reduce-scatter and free as explicit graph nodes, and runs the result across ranks.
+"""
+
+import os as _os
+
+# In a source checkout ``passes/`` and ``runtime/`` sit beside this package and install as
+# ``autoshard.passes`` and ``autoshard.runtime``; let the checkout import them the same way.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _os.path.isfile(
+    _os.path.join(_root, "passes", "__init__.py")
+):
+    __path__.append(_root)  # type: ignore[name-defined]
+
+from autoshard.errors import AutoshardError  # noqa: E402
+from autoshard.config import Config  # noqa: E402
+from autoshard.plan import Plan  # noqa: E402
+from autoshard.api import ShardedModule, autoshard  # noqa: E402
+
+__all__ = ["autoshard", "ShardedModule", "Config", "Plan", "AutoshardError"]

@@ -1,0 +1,66 @@
+"""Version shims: every use of a private or moving torch API goes through here."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+
+
+def current_trace_graph():
+    """The fx graph make_fx is recording into right now."""
+    return get_proxy_mode().tracer.graph
+
+
+def preserve_node_meta():
+    return fx_traceback.preserve_node_meta()
+
+
+def current_meta() -> dict:
+    return fx_traceback.current_meta
+
+
+def link_backward_to_forward(roots) -> None:
+    """Make backward nodes recorded by make_fx carry the seq_nr of the forward op they
+    differentiate (as AOTAutograd does), by hooking the autograd graph under ``roots``."""
+    try:
+        from torch._functorch._aot_autograd.logging_utils import (
+            setup_stacktrace_preservation_hooks,
+        )
+    except ImportError:  # pragma: no cover - older/newer torch: no mapping, capture still works
+        return
+    setup_stacktrace_preservation_hooks([r for r in roots if r is not None])
+
+
+def reparametrize(module, params_and_buffers):
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, params_and_buffers, tie_weights=True, strict=False)
+
+
+def unsupported_op_exceptions() -> tuple:
+    """Exception types FakeTensorMode raises for ops it cannot run without real data."""
+    from torch._subclasses import fake_tensor as ft
+
+    names = (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
+    )
+    types = tuple(getattr(ft, n) for n in names if hasattr(ft, n))
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        types += (GuardOnDataDependentSymNode,)
+    except ImportError:  # pragma: no cover
+        pass
+    return types
+
+
+@contextlib.contextmanager
+def no_dispatch_modes():
+    yield

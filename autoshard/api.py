@@ -1,0 +1,225 @@
+"""``autoshard(model)`` and the ShardedModule it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from autoshard.capture import ParamSpec, capture
+from autoshard.config import Config
+from autoshard.errors import AutoshardError
+from autoshard.plan import Plan, make_plan
+from autoshard.passes import PassContext, default_passes, run_passes
+from autoshard.runtime import dist as _dist
+from autoshard.runtime.executor import Program
+from autoshard.runtime.storage import fqn_aliases, full_state_dict, shard_module
+
+
+@dataclasses.dataclass
+class _State:
+    mesh: Any
+    device: torch.device
+    config: Config
+    orig_forward: Any
+    aliases: dict
+    programs: dict = dataclasses.field(default_factory=dict)
+    last: Optional[Program] = None
+
+
+class ShardedModule(torch.nn.Module):
+    """A model sharded by autoshard. It is the user's model (same object, same attributes,
+    same state-dict keys) whose parameters are DTensor shards and whose calls run the compiled
+    program. Created by ``autoshard()``; not instantiated directly."""
+
+    _autoshard: _State
+
+    def forward(self, *args, **kwargs):
+        st = self._autoshard
+        leaves, _ = tree_flatten((args, kwargs))
+        key = self._signature(leaves, args, kwargs)
+        prog = st.programs.get(key)
+        if prog is None:
+            prog = self._compile_for(args, kwargs, key, sharded=True)
+        st.last = prog
+        params = [p for _, p in self.named_parameters()]
+        buffers = [b for _, b in self.named_buffers()]
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        user, new_bufs = prog.run(params, buffers, tensors)
+        if new_bufs:
+            named = dict(self.named_buffers())
+            with torch.no_grad():
+                for fqn, new in zip(prog.mutated, new_bufs):
+                    named[fqn].copy_(new)
+        return prog.unflatten(user)
+
+    # --- compile -------------------------------------------------------------------------
+
+    def compile(self, *args, **kwargs) -> "ShardedModule":  # type: ignore[override]
+        """Capture and compile for these example inputs now instead of on the first call."""
+        leaves, _ = tree_flatten((args, kwargs))
+        key = self._signature(leaves, args, kwargs)
+        if key not in self._autoshard.programs:
+            self._compile_for(args, kwargs, key, sharded=True)
+        return self
+
+    def _signature(self, leaves, args, kwargs):
+        st = self._autoshard
+        parts = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if x.device != st.device:
+                    raise AutoshardError(
+                        f"an input tensor is on {x.device} but this rank's mesh device is "
+                        f"{st.device}; move inputs with .to({str(st.device)!r}) before calling "
+                        "the model"
+                    )
+                parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
+            else:
+                parts.append(("const", type(x).__name__, repr(x)))
+        _, spec = tree_flatten((args, kwargs))
+        grads = tuple(p.requires_grad for p in self.parameters())
+        return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads)
+
+    def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
+        st = self._autoshard
+        try:
+            prog = _compile(self, st, args, kwargs)
+        except AutoshardError as e:
+            if sharded:
+                raise AutoshardError(
+                    f"{e}\nThe parameters are already sharded; call sharded.full_state_dict() "
+                    "to get the full tensors back (for example to load into an unsharded "
+                    "copy), or pass example_inputs= to autoshard() so capture runs before "
+                    "anything is sharded."
+                ) from e.__cause__
+            raise
+        st.programs[key] = prog
+        return prog
+
+    # --- inspection ------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recently run (or compiled) program."""
+        prog = self._autoshard.last
+        if prog is None:
+            raise AutoshardError(
+                "nothing is compiled yet: call the model once or sharded.compile(*inputs)"
+            )
+        return prog.plan
+
+    @property
+    def units(self) -> list:
+        return self.plan.units
+
+    def schedule(self) -> str:
+        """The ordered collectives of the compiled program as a table."""
+        return self.plan.schedule_table()
+
+    def full_state_dict(self) -> dict:
+        """Full (gathered) tensors under the original keys, on every rank."""
+        return full_state_dict(self)
+
+
+def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
+    specs = [
+        ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad)
+        for fqn, p in model.named_parameters()
+    ]
+    buffers = dict(model.named_buffers())
+    cap = capture(
+        model, st.orig_forward, specs, buffers, args, kwargs,
+        device=st.device, with_grad=torch.is_grad_enabled(),
+    )
+    world = st.mesh.size()
+    ctx = PassContext(
+        captured=cap,
+        world_size=world,
+        group_name=_dist.group_name(st.mesh),
+        model=model,
+        fqn_aliases=st.aliases,
+        reshard_after_forward=st.config.reshard_after_forward,
+    )
+    run_passes(cap.gm, ctx, default_passes(st.config), verify_each=st.config.verify)
+    split = ctx.split
+    plan = make_plan(world, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd])
+    fingerprint = hashlib.sha256(
+        repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]).encode()
+    ).hexdigest()
+    if not _dist.same_on_all_ranks(st.mesh, fingerprint):
+        raise AutoshardError(
+            "ranks compiled different communication schedules (would deadlock); every rank "
+            "must call the model with inputs of the same shapes, dtypes and structure"
+        )
+    prog = Program(cap, split, ctx.units, plan, world, st.mesh.get_local_rank())
+    st.last = prog
+    return prog
+
+
+def _sharded_class(cls: type) -> type:
+    if issubclass(cls, ShardedModule):
+        return cls
+    return type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+
+
+def autoshard(
+    model: torch.nn.Module,
+    *,
+    mesh=None,
+    config: Optional[Config] = None,
+    example_inputs=None,
+) -> ShardedModule:
+    """Shard ``model``'s parameters over ``mesh`` and compile its training step.
+
+    mesh: a 1-D DeviceMesh; defaults to one over the default process group (initialised from
+        a torchrun environment if needed; world size 1 if there is none).
+    config: an ``autoshard.Config``.
+    example_inputs: a tuple of positional inputs (or a dict of keyword inputs). With it,
+        capture runs before any parameter is sharded, so a model that cannot be captured is
+        left untouched; without it, the first call captures.
+    Returns the same model object, now a ``ShardedModule``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autoshard() takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, ShardedModule):
+        raise ValueError(f"{type(model).__name__} is already sharded by autoshard")
+    config = config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
+    mesh = mesh if mesh is not None else _dist.default_mesh()
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"autoshard supports 1-D meshes for now; got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}. Pass mesh[dim_name] for the sharding dimension."
+        )
+    device = _dist.mesh_device(mesh)
+    st = _State(mesh, device, config, type(model).forward, fqn_aliases(model))
+
+    program = None
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            args, kwargs = (), dict(example_inputs)
+        elif isinstance(example_inputs, (tuple, list)):
+            args, kwargs = tuple(example_inputs), {}
+        else:
+            args, kwargs = (example_inputs,), {}
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor) and x.device != device:
+                raise AutoshardError(
+                    f"example input on {x.device} but this rank's mesh device is {device}; "
+                    f"move it with .to({str(device)!r})"
+                )
+        model.to(device)
+        program = _compile(model, st, args, kwargs)  # before sharding: failure leaves it whole
+
+    shard_module(model, mesh, device)
+    model.__class__ = _sharded_class(type(model))
+    model._autoshard = st
+    if program is not None:
+        leaves, _ = tree_flatten((args, kwargs))
+        st.programs[model._signature(leaves, args, kwargs)] = program
+    return model

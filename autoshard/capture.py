@@ -1,0 +1,354 @@
+"""Capture: one joint forward+backward fx graph of a model's training step.
+
+``make_fx`` traces ``functional_call(model) + torch.autograd.grad`` over fake tensors holding
+the FULL parameter shapes, so capture costs no parameter memory and works for any model size.
+Every placeholder and output is tagged with its role (see ``autoshard.meta``); forward nodes
+carry the module path that produced them and backward nodes the forward node they
+differentiate, wherever autograd records it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autoshard import _compat, meta
+from autoshard.errors import AutoshardError
+from autoshard.graph import alias_closure, writes_input
+
+_capturing = threading.local()
+
+
+def is_capturing() -> bool:
+    return getattr(_capturing, "on", False)
+
+
+@dataclasses.dataclass
+class ParamSpec:
+    """What capture needs to know of one parameter: its full (unsharded) layout."""
+
+    fqn: str
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclasses.dataclass
+class Captured:
+    """A captured joint graph and how its flat inputs/outputs map to the user's call."""
+
+    gm: fx.GraphModule
+    params: list  # ParamSpec per parameter placeholder, in placeholder order
+    buffer_fqns: list
+    in_spec: Any  # pytree spec of (args, kwargs)
+    in_consts: list  # per input leaf: None for a tensor leaf, else the constant value
+    out_spec: Any  # pytree spec of the forward output
+    out_consts: list  # per output leaf: None for a tensor leaf, else the constant value
+    diff_outputs: list  # indices (among tensor output leaves) that get a tangent
+    input_grads: list  # indices (among tensor input leaves) whose gradient is returned
+    mutated_buffers: list  # FQNs of buffers the forward updates in place
+    has_backward: bool
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _module_names(model: torch.nn.Module) -> dict:
+    names = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    return names
+
+
+@contextlib.contextmanager
+def _track_modules(model: torch.nn.Module, stack: list):
+    """Record the module path of every traced op in ``node.meta['nn_module_stack']``."""
+    names = _module_names(model)
+
+    def publish():
+        cur = _compat.current_meta()
+        if stack:
+            cur["nn_module_stack"] = {p: (p, c) for p, c in stack}
+        else:
+            cur.pop("nn_module_stack", None)
+
+    def pre(mod, args):
+        name = names.get(id(mod))
+        if name is not None:
+            stack.append((name, type(mod).__qualname__))
+            publish()
+
+    def post(mod, args, out):
+        name = names.get(id(mod))
+        if name is not None and stack and stack[-1][0] == name:
+            stack.pop()
+            publish()
+
+    h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = torch.nn.modules.module.register_module_forward_hook(post)
+    stack.append(("", type(model).__qualname__))
+    publish()
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+def _is_mutated(node: fx.Node) -> bool:
+    """Whether any op writes into ``node``'s storage (directly or through a view)."""
+    for a in alias_closure(node):
+        for u in a.users:
+            if not writes_input(u):
+                continue
+            for i, arg in enumerate(u.target._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                v = u.args[i] if i < len(u.args) else u.kwargs.get(arg.name)
+                vs = v if isinstance(v, (list, tuple)) else [v]
+                if any(x is a for x in vs):
+                    return True
+    return False
+
+
+def capture(
+    model: torch.nn.Module,
+    forward: Callable,
+    params: list,
+    buffers: dict,
+    args: tuple,
+    kwargs: dict,
+    *,
+    device: torch.device,
+    with_grad: bool,
+) -> Captured:
+    """Trace ``forward(model, *args, **kwargs)`` and, if ``with_grad``, its backward.
+
+    params: ParamSpec per (deduplicated) parameter; buffers: FQN -> tensor (real or meta).
+    """
+    leaves, in_spec = tree_flatten((args, kwargs))
+    in_consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    tensors_in = [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode:
+        fparams = [
+            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            for p in params
+        ]
+    fbufs = [fake_mode.from_tensor(b) for b in buffers.values()]
+    finputs = []
+    for x in tensors_in:
+        f = fake_mode.from_tensor(x.detach())
+        finputs.append(f.requires_grad_(x.requires_grad) if x.is_floating_point() else f)
+
+    pnames = [p.fqn for p in params]
+    bnames = list(buffers)
+    n_p, n_b = len(params), len(bnames)
+    rec: dict = {}
+    stack: list = []
+
+    def joint(*flat):
+        p, b, xs = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
+        bclones = [t.clone() for t in b]
+        rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
+        it = iter(xs)
+        full = [next(it) if c is None else c for c in in_consts]
+        a, kw = tree_unflatten(full, in_spec)
+        state = dict(zip(pnames, p))
+        state.update(zip(bnames, bclones))
+        with _compat.reparametrize(model, state), _track_modules(model, stack):
+            out = forward(model, *a, **kw)
+        _compat.current_meta().pop("nn_module_stack", None)
+        out_leaves, rec["out_spec"] = tree_flatten(out)
+        touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+        rec["out_consts"] = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
+        diff = [i for i, o in enumerate(touts) if o.requires_grad]
+        wrt = [t for t in p if t.requires_grad] + [x for x in xs if x.requires_grad]
+        rec["diff"], rec["tangents"], grads = diff, [], ()
+        if with_grad and diff and wrt:
+            outs = [touts[i] for i in diff]
+            _compat.link_backward_to_forward([o.grad_fn for o in outs])
+            tangents = []
+            for o in outs:
+                tangents.append(torch.empty(o.shape, dtype=o.dtype, device=o.device))
+                rec["tangents"].append(list(_compat.current_trace_graph().nodes)[-1])
+            grads = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
+        rec["grad_mask"] = [g is not None for g in grads]
+        return touts, [g for g in grads if g is not None], bclones
+
+    _capturing.on = True
+    try:
+        with _compat.preserve_node_meta():
+            gm = _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(*fparams, *fbufs, *finputs)
+    except AutoshardError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
+        raise _explain(exc, stack) from exc
+    finally:
+        _capturing.on = False
+
+    for leaf in rec["out_consts"]:
+        if leaf is not None and not isinstance(leaf, _PLAIN):
+            raise AutoshardError(
+                f"{type(model).__name__}.forward returned a {type(leaf).__name__} among its "
+                "outputs; autoshard returns tensors and plain Python values only. For Hugging "
+                "Face models pass use_cache=False (config.use_cache=False)."
+            )
+    wrt_specs = [p for p in params if p.requires_grad]
+    input_rg = [i for i, x in enumerate(finputs) if x.requires_grad]
+    grad_mask = rec["grad_mask"] or [False] * (len(wrt_specs) + len(input_rg))
+    grads_for = [p.fqn for p, m in zip(wrt_specs, grad_mask) if m]
+    input_grads = [i for i, m in zip(input_rg, grad_mask[len(wrt_specs) :]) if m]
+    has_backward = bool(rec["tangents"])
+
+    cap = Captured(
+        gm=gm,
+        params=list(params),
+        buffer_fqns=bnames,
+        in_spec=in_spec,
+        in_consts=in_consts,
+        out_spec=rec["out_spec"],
+        out_consts=rec["out_consts"],
+        diff_outputs=rec["diff"] if has_backward else [],
+        input_grads=input_grads,
+        mutated_buffers=[],
+        has_backward=has_backward,
+    )
+    _tag(cap, rec, grads_for)
+    return cap
+
+
+def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
+    gm, graph = cap.gm, cap.gm.graph
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    n_p, n_b = len(cap.params), len(cap.buffer_fqns)
+    for i, n in enumerate(phs):
+        t = meta.tags(n)
+        t[meta.REGION] = meta.FWD
+        if i < n_p:
+            t.update({meta.ROLE: meta.ROLE_PARAM, meta.FQN: cap.params[i].fqn})
+        elif i < n_p + n_b:
+            t.update({meta.ROLE: meta.ROLE_BUFFER, meta.FQN: cap.buffer_fqns[i - n_p]})
+        else:
+            t.update({meta.ROLE: meta.ROLE_INPUT, meta.INDEX: i - n_p - n_b})
+
+    # tangents were traced as fresh tensors; they become placeholders after the inputs
+    for k, node in enumerate(rec["tangents"]):
+        with graph.inserting_after(phs[-1] if phs else next(iter(graph.nodes))):
+            ph = graph.placeholder(f"tangent_{k}")
+        ph.meta["val"] = node.meta["val"]
+        meta.tags(ph).update({meta.ROLE: meta.ROLE_TANGENT, meta.INDEX: k, meta.REGION: meta.BWD})
+        node.replace_all_uses_with(ph)
+        graph.erase_node(node)
+        phs.append(ph)
+
+    out = meta.output_node(gm)
+    touts, grads, bclones = out.args[0]
+    roles = [{meta.ROLE: meta.OUT_FWD, meta.INDEX: i} for i in range(len(touts))]
+    n_param_grads = len(grads_for)
+    for k, g in enumerate(grads):
+        if k < n_param_grads:
+            roles.append({meta.ROLE: meta.OUT_GRAD, meta.FQN: grads_for[k]})
+        else:
+            roles.append({meta.ROLE: meta.OUT_INPUT_GRAD, meta.INDEX: cap.input_grads[k - n_param_grads]})
+    kept = []
+    for fqn, clone in zip(cap.buffer_fqns, rec["clones"]):
+        if _is_mutated(clone):
+            kept.append(clone)
+            roles.append({meta.ROLE: meta.OUT_BUFFER, meta.FQN: fqn})
+            cap.mutated_buffers.append(fqn)
+        else:
+            clone.replace_all_uses_with(clone.args[0])
+            graph.erase_node(clone)
+    out.args = (list(touts) + list(grads) + kept,)
+    meta.tags(out)[meta.OUTPUTS] = roles
+
+    # regions, module paths, and backward -> forward links
+    region = meta.FWD
+    by_seq = {}
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        t = meta.tags(n)
+        t[meta.REGION] = region
+        stack = n.meta.get("nn_module_stack")
+        seq = n.meta.get("seq_nr")
+        if region == meta.FWD:
+            t[meta.MODULE] = next(reversed(stack)) if stack else ""
+            if seq is not None:
+                by_seq[seq] = n
+        else:
+            src = by_seq.get(seq)
+            if src is not None:
+                t[meta.FWD_NODE] = src.name
+                t[meta.MODULE] = meta.tag(src, meta.MODULE)
+        if n is rec["fwd_last"]:
+            region = meta.BWD
+    gm.graph.lint()
+    gm.recompile()
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_frame(exc: BaseException):
+    frames = traceback.extract_tb(exc.__traceback__)
+    keep = [
+        f
+        for f in frames
+        if not f.filename.startswith(_TORCH_DIR)
+        and not f.filename.startswith(os.path.join(_OWN_DIR, "autoshard"))
+        and not f.filename.startswith(os.path.join(_OWN_DIR, "passes"))
+        and not f.filename.startswith(os.path.join(_OWN_DIR, "runtime"))
+        and not f.filename.startswith("<")
+        and "/contextlib.py" not in f.filename
+    ]
+    return keep[-1] if keep else None
+
+
+def _explain(exc: BaseException, stack: list) -> AutoshardError:
+    module = stack[-1][0] if stack else ""
+    module_desc = f"module '{module}' ({stack[-1][1]})" if stack else "the model"
+    op = getattr(exc, "func", None)
+    frame = _user_frame(exc)
+    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame)"
+    dd = {"DataDependentOutputException", "GuardOnDataDependentSymNode"}
+    kind = type(exc).__name__
+    if kind in dd or op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+        what = "reads a tensor's value in Python (data-dependent control flow)"
+        fix = (
+            "Compute both branches and select with torch.where, use torch.cond, or move the "
+            "value-dependent logic outside the model's forward."
+        )
+    elif kind == "DynamicOutputShapeException":
+        what = "calls an op whose output shape depends on tensor values"
+        fix = "Use a fixed-shape formulation (masking instead of nonzero/boolean indexing)."
+    elif kind in ("UnsupportedOperatorException", "UnsupportedFakeTensorException") or (
+        "fake" in str(exc).lower() and ("impl" in str(exc).lower() or "kernel" in str(exc).lower())
+    ):
+        what = "calls an op that has no fake (meta) kernel, so it cannot be traced without data"
+        fix = (
+            "Register one with torch.library.register_fake (or @torch.library.custom_op with "
+            "a register_fake implementation)."
+        )
+    else:
+        what = f"failed while being traced ({kind}: {str(exc).splitlines()[0][:300]})"
+        fix = "See the chained exception above for the failing call."
+    op_desc = f" op {op}" if op is not None else ""
+    return AutoshardError(
+        f"autoshard could not capture the training step: {module_desc}{op_desc} {what}.\n"
+        f"  at {where}\n  {fix}"
+    )

@@ -1,0 +1,193 @@
+"""Graph analyses shared by the passes: aliasing, liveness, splicing traced rewrites.
+
+networkx holds the graph for order and reachability questions (``to_nx``); answers are always
+mapped back in original node order so that every rank makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Iterable, Optional, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autoshard import meta
+from autoshard._compat import make_fx
+
+
+def to_nx(graph: fx.Graph) -> nx.DiGraph:
+    """The data-flow graph as a networkx DiGraph; nodes carry ``order`` (position)."""
+    g = nx.DiGraph()
+    for i, n in enumerate(graph.nodes):
+        g.add_node(n, order=i)
+        for a in n.all_input_nodes:
+            g.add_edge(a, n)
+    return g
+
+
+def positions(graph: fx.Graph) -> dict:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+# --- aliasing ---------------------------------------------------------------------------------
+
+
+def _aliased_arg(node: fx.Node) -> Optional[fx.Node]:
+    """The input whose storage ``node``'s output shares (a view or an in-place result)."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target is operator.getitem:
+        src = node.args[0]
+        return src if isinstance(src, fx.Node) and _aliased_arg(src) is not None else None
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return node.args[0]  # returns the very tensor the collective writes
+    schema = target._schema
+    if not schema.returns:
+        return None
+    ret_alias = schema.returns[0].alias_info
+    if target is torch.ops.aten._unsafe_view.default:
+        ret_alias = True  # shares storage in practice though the schema says it does not
+    if ret_alias is None:
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None or (ret_alias is True and i == 0):
+            val = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            if isinstance(val, fx.Node):
+                return val
+    return None
+
+
+def writes_input(n: fx.Node) -> bool:
+    """Whether ``n`` writes into one of its inputs (an in-place or out= op)."""
+    t = n.target
+    return isinstance(t, torch._ops.OpOverload) and any(
+        a.alias_info is not None and a.alias_info.is_write for a in t._schema.arguments
+    )
+
+
+def alias_base(node: fx.Node) -> fx.Node:
+    """The node that owns the storage ``node`` reads (itself unless it is a view)."""
+    seen = set()
+    while True:
+        src = _aliased_arg(node)
+        if src is None or src in seen:
+            return node
+        seen.add(node)
+        node = src
+
+
+def alias_closure(root: fx.Node) -> list:
+    """``root`` and every node that views its storage, transitively."""
+    out, stack, seen = [], [root], {root}
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        for u in n.users:
+            if u not in seen and _aliased_arg(u) is n:
+                seen.add(u)
+                stack.append(u)
+    return out
+
+
+def last_use(root: fx.Node, pos: dict) -> tuple:
+    """(last node reading ``root``'s storage, whether the storage escapes via the output).
+
+    A collective issue keeps reading its input until its wait, so the wait counts as the use.
+    Free nodes are not uses.
+    """
+    last, escapes = root, False
+    for a in alias_closure(root):
+        for u in a.users:
+            if u.op == "output":
+                escapes = True
+                continue
+            if meta.is_free(u):
+                continue
+            if meta.is_collective_issue(u):
+                u = next(w for w in u.users if meta.is_wait(w))
+            if pos[u] > pos[last]:
+                last = u
+    return last, escapes
+
+
+# --- splicing traced rewrites -----------------------------------------------------------------
+
+
+def splice(
+    gm: fx.GraphModule,
+    fn: Callable,
+    args: Sequence,
+    before: fx.Node,
+    tag: Callable[[fx.Node], dict] | dict,
+):
+    """Trace ``fn`` with make_fx on the fake values of ``args`` and insert its nodes before
+    ``before``. Every new node keeps its ``meta["val"]`` and gets the tags ``tag`` gives it.
+    Returns ``(outputs, new_nodes)``: ``fn``'s outputs mapped to the new nodes (same
+    structure), and every node inserted, in order."""
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    node_args = [a for a in args if isinstance(a, fx.Node)]
+    sub = make_fx(fn, tracing_mode="fake")(*vals)
+    env = {}
+    ph = iter(node_args)
+    new_nodes = []
+    with gm.graph.inserting_before(before):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(ph)
+            elif n.op == "output":
+                flat, spec = tree_flatten(n.args[0])
+                mapped = [env[x] if isinstance(x, fx.Node) else x for x in flat]
+                out = tree_unflatten(mapped, spec)
+            else:
+                new = gm.graph.node_copy(n, lambda x: env[x])
+                new.meta = {"val": n.meta.get("val")}
+                t = tag(n) if callable(tag) else tag
+                if t:
+                    meta.tags(new).update(t)
+                env[n] = new
+                new_nodes.append(new)
+    return out, new_nodes
+
+
+def insert_free(gm: fx.GraphModule, roots: Iterable[fx.Node], tags_of: Callable) -> list:
+    """Insert ``autoshard::free`` after the last read of each root's storage; roots whose
+    last reads coincide and whose ``tags_of(root, last)`` agree share one free node.
+
+    Roots whose storage escapes through the graph output, or that are placeholders, are left
+    alone. Returns the free nodes."""
+    from autoshard.runtime.ops import free_op
+
+    pos = positions(gm.graph)
+    groups: dict = {}
+    for root in roots:
+        if root.op == "placeholder":
+            continue
+        last, escapes = last_use(root, pos)
+        if not escapes:
+            t = tags_of(root, last)
+            groups.setdefault((last, tuple(sorted(t.items()))), (t, []))[1].append(root)
+    frees = []
+    for (last, _), (t, group) in sorted(groups.items(), key=lambda kv: pos[kv[0][0]]):
+        with gm.graph.inserting_after(last):
+            f = gm.graph.call_function(free_op, (sorted(group, key=pos.__getitem__),))
+        f.meta["val"] = None
+        meta.tags(f).update(t)
+        frees.append(f)
+    return frees
+
+
+def storage_roots(nodes: Iterable[fx.Node]) -> list:
+    """The nodes among ``nodes`` that own a fresh tensor storage (not views, not lists)."""
+    return [
+        n
+        for n in nodes
+        if n.op == "call_function"
+        and _aliased_arg(n) is None
+        and isinstance(n.meta.get("val"), torch.Tensor)
+    ]

@@ -1,0 +1,116 @@
+"""Node meta keys, roles and predicates shared by capture, passes and runtime.
+
+Every tag autoshard puts on a node lives in ``node.meta[KEY]``, a dict. Analysis writes tags;
+rewrites act on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+KEY = "autoshard"
+
+# tag names inside node.meta[KEY]
+ROLE = "role"  # placeholder role, see the ROLE_* values
+FQN = "fqn"  # parameter or buffer FQN of a placeholder
+INDEX = "index"  # input or tangent index of a placeholder
+REGION = "region"  # "fwd" or "bwd"
+MODULE = "module"  # module path of the forward code that produced the node
+FWD_NODE = "fwd_node"  # for backward nodes: name of the forward node they differentiate
+UNIT = "unit"  # unit index of a communication node or a parameter placeholder
+COMM = "comm"  # communication step: see COMM_* values
+OUTPUTS = "outputs"  # on the output node: the role of each returned value
+RECOMPUTED = "recomputed"  # a parameter-only forward node copied into backward
+
+ROLE_PARAM = "param"
+ROLE_BUFFER = "buffer"
+ROLE_INPUT = "input"
+ROLE_TANGENT = "tangent"
+
+OUT_FWD = "output"  # a forward output leaf
+OUT_GRAD = "grad"  # gradient of the parameter FQN
+OUT_INPUT_GRAD = "input_grad"  # gradient of user input INDEX
+OUT_BUFFER = "mutated_buffer"  # new value of the buffer FQN
+
+FWD = "fwd"
+BWD = "bwd"
+
+# communication steps; each is a node tagged with COMM and UNIT
+AG_PACK = "ag_pack"  # local shards -> flat send buffer
+AG_ISSUE = "all_gather"  # async all_gather_into_tensor
+AG_WAIT = "ag_wait"
+AG_UNPACK = "ag_unpack"  # gathered buffer -> full parameters
+RS_PACK = "rs_pack"  # full gradients -> flat send buffer
+RS_ISSUE = "reduce_scatter"
+RS_WAIT = "rs_wait"
+RS_UNPACK = "rs_unpack"
+FREE = "free"
+
+COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE)
+
+
+def tags(node: fx.Node) -> dict:
+    """The autoshard tag dict of a node (created on first access)."""
+    return node.meta.setdefault(KEY, {})
+
+
+def tag(node: fx.Node, name: str, default: Any = None) -> Any:
+    return node.meta.get(KEY, {}).get(name, default)
+
+
+def role(node: fx.Node) -> Optional[str]:
+    return tag(node, ROLE)
+
+
+def is_param(node: fx.Node) -> bool:
+    return node.op == "placeholder" and role(node) == ROLE_PARAM
+
+
+def is_buffer(node: fx.Node) -> bool:
+    return node.op == "placeholder" and role(node) == ROLE_BUFFER
+
+
+def is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and role(node) == ROLE_TANGENT
+
+
+def is_comm(node: fx.Node) -> bool:
+    return tag(node, COMM) is not None
+
+
+def is_free(node: fx.Node) -> bool:
+    return tag(node, COMM) == FREE
+
+
+def is_collective_issue(node: fx.Node) -> bool:
+    return tag(node, COMM) in COLLECTIVE_ISSUES
+
+
+def is_wait(node: fx.Node) -> bool:
+    return tag(node, COMM) in (AG_WAIT, RS_WAIT)
+
+
+def is_backward(node: fx.Node) -> bool:
+    return tag(node, REGION) == BWD
+
+
+def is_forward(node: fx.Node) -> bool:
+    return tag(node, REGION) == FWD
+
+
+def output_roles(gm: fx.GraphModule) -> list:
+    return tags(output_node(gm))[OUTPUTS]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(reversed(gm.graph.nodes)))
+
+
+def val_bytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    return 0

@@ -1,0 +1,85 @@
+"""Graph passes and the one runner that applies them.
+
+A pass is ``def <verb>_<object>_pass(gm, ctx, *, options) -> gm``. The runner applies an
+ordered list, lints the graph after each, and runs the verifier when asked (always in tests
+and under ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1`` prints per-pass time and op-count diff;
+``=2`` also dumps the numbered graph after each pass.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch.fx as fx
+
+from autoshard.passes.units import Unit, assign_units_pass  # noqa: F401
+from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
+from autoshard.passes.split import split_pass  # noqa: F401
+from autoshard.passes.verify import verify  # noqa: F401
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What passes share: the captured signature, the mesh size, and what earlier passes
+    decided (units, the split program)."""
+
+    captured: Any  # autoshard.capture.Captured
+    world_size: int
+    group_name: str
+    model: Any = None  # the nn.Module, for module-structure policies
+    fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
+    reshard_after_forward: bool = True
+    units: Optional[list] = None  # list[Unit], set by assign_units
+    collectives_inserted: bool = False
+    split: Any = None  # autoshard.passes.split.SplitProgram, set by split
+
+
+def debug_level() -> int:
+    try:
+        return int(os.environ.get("AUTOSHARD_DEBUG", "0"))
+    except ValueError:
+        return 1
+
+
+def _op_counts(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_each: bool = False):
+    """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph."""
+    level = debug_level()
+    verify_each = verify_each or level > 0
+    for i, (fn, options) in enumerate(passes):
+        before = _op_counts(gm) if level else None
+        n_before = len(gm.graph.nodes)
+        t0 = time.perf_counter()
+        gm = fn(gm, ctx, options=options or {})
+        gm.graph.lint()
+        if getattr(fn, "reorder_only", False) and len(gm.graph.nodes) != n_before:
+            raise AssertionError(f"{fn.__name__} is reorder-only but changed the node count")
+        if verify_each:
+            verify(gm, ctx)
+        if level:
+            dt = (time.perf_counter() - t0) * 1e3
+            after = _op_counts(gm)
+            diff = {k: after[k] - before[k] for k in set(after) | set(before) if after[k] != before[k]}
+            print(f"[autoshard] pass {i} {fn.__name__}: {dt:.1f} ms, ops {dict(sorted(diff.items()))}",
+                  file=sys.stderr)
+            if level >= 2:
+                print(f"[autoshard] graph after {fn.__name__}:", file=sys.stderr)
+                for k, n in enumerate(gm.graph.nodes):
+                    print(f"  {k:5d} {n.format_node()}", file=sys.stderr)
+    return gm
+
+
+def default_passes(config) -> list:
+    return [
+        (assign_units_pass, {"units": config.units, "policy": config.policy}),
+        (insert_collectives_pass, {}),
+        (split_pass, {}),
+    ]

@@ -1,0 +1,245 @@
+"""insert_collectives: explicit all-gather, reduce-scatter and free nodes for every unit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from autoshard import meta
+from autoshard.graph import (
+    alias_base,
+    insert_free,
+    positions,
+    splice,
+    storage_roots,
+    writes_input,
+)
+
+_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+_RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class ShardLayout:
+    """How one parameter is stored: Shard(0) rows of ceil(dim0 / N), padded on the last ranks
+    (FSDP2's layout), or replicated when it has no dim 0 (a scalar)."""
+
+    def __init__(self, shape, world_size: int):
+        self.shape = tuple(shape)
+        self.world_size = world_size
+        self.sharded = len(self.shape) > 0
+        if self.sharded:
+            self.rows = math.ceil(self.shape[0] / world_size) if self.shape[0] else 0
+            self.inner = self.shape[1:]
+            self.local_shape = (self.rows, *self.inner)
+        else:
+            self.rows, self.inner, self.local_shape = 0, (), ()
+        self.padded_rows = self.rows * world_size
+        self.local_numel = math.prod(self.local_shape)
+
+    def local_range(self, rank: int) -> tuple:
+        """The rows of the full parameter rank ``rank`` stores (possibly empty)."""
+        start = min(rank * self.rows, self.shape[0])
+        return start, min(start + self.rows, self.shape[0])
+
+
+def _by_dtype(fqns, specs):
+    groups = {}
+    for f in fqns:
+        groups.setdefault(specs[f].dtype, []).append(f)
+    return list(groups.values())
+
+
+def _comm_tags(unit: int, region: str, issue_target, issue_kind: str, other_kind: str):
+    def tag(n):
+        kind = issue_kind if n.target is issue_target else other_kind
+        return {meta.COMM: kind, meta.UNIT: unit, meta.REGION: region}
+
+    return tag
+
+
+def _plain_tags(kind, unit, region):
+    return {meta.COMM: kind, meta.UNIT: unit, meta.REGION: region}
+
+
+def _recompute_param_derived(gm: fx.GraphModule) -> None:
+    """Copy forward nodes computed from parameters alone (``t(w)``, casts, views) into the
+    backward that reads them, so no gathered parameter or view of one is saved across."""
+    graph = gm.graph
+    derived = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or not meta.is_forward(n):
+            continue
+        ins = n.all_input_nodes
+        if not ins or writes_input(n):
+            continue
+        if all(meta.is_param(a) or meta.is_buffer(a) or a in derived for a in ins) and any(
+            meta.is_param(a) or a in derived for a in ins
+        ):
+            derived[n] = True
+    if not derived:
+        return
+    order = positions(graph)
+    place = {}
+    for n in reversed(list(derived)):
+        cands = [u for u in n.users if meta.is_backward(u)]
+        cands += [place[u] for u in n.users if u in place]
+        if cands:
+            place[n] = min(cands, key=order.__getitem__)
+    copies = {}
+    for n in derived:
+        if n not in place:
+            continue
+        with graph.inserting_before(place[n]):
+            c = graph.node_copy(n, lambda a: copies.get(a, a))
+        c.meta = dict(n.meta)
+        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
+        copies[n] = c
+    for n, c in copies.items():
+        for u in list(n.users):
+            if meta.is_backward(u) and u is not c and u not in copies.values():
+                u.replace_input_with(n, c)
+    for n in reversed(list(derived)):
+        if not n.users:
+            graph.erase_node(n)
+
+
+def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+    """Make every parameter read go through its unit's all-gather, and every gradient
+    through its unit's reduce-scatter.
+
+    Needs: ``ctx.units`` and parameter placeholders tagged with ``unit`` (assign_units),
+    regions and output roles (capture).
+    Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
+    and one before its first backward use (unless ``ctx.reshard_after_forward`` is False),
+    one reduce_scatter+wait after the last of its gradients is complete; an
+    ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
+    gradient and send buffer. Parameter placeholders now hold the local padded shard
+    (``ShardLayout.local_shape``); gradient outputs are local padded shards.
+    Does nothing to units whose parameters are never read.
+    """
+    graph = gm.graph
+    N, group = ctx.world_size, ctx.group_name
+    specs = {p.fqn: p for p in ctx.captured.params}
+    layouts = {f: ShardLayout(p.shape, N) for f, p in specs.items()}
+    phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
+    keep = not ctx.reshard_after_forward
+    if not keep:
+        _recompute_param_derived(gm)
+
+    for f, n in phs.items():
+        v, lay = n.meta["val"], layouts[f]
+        if lay.sharded:
+            with v.fake_mode:
+                n.meta["val"] = torch.empty(lay.local_shape, dtype=v.dtype, device=v.device)
+
+    roots = {}  # storage root -> unit index
+    regions = (meta.FWD,) if keep else (meta.FWD, meta.BWD)
+    for unit in ctx.units:
+        for region in regions:
+            fqns = [f for f in unit.fqns if layouts[f].sharded]
+            for group_fqns in _by_dtype(fqns, specs):
+                new = _gather(gm, unit.index, region, group_fqns, phs, layouts, N, group, keep)
+                roots.update((r, unit.index) for r in storage_roots(new))
+
+    out = meta.output_node(gm)
+    outs = list(out.args[0])
+    grad_at = {
+        r[meta.FQN]: i for i, r in enumerate(meta.tags(out)[meta.OUTPUTS]) if r[meta.ROLE] == meta.OUT_GRAD
+    }
+    for unit in ctx.units:
+        fqns = [f for f in unit.fqns if f in grad_at]
+        for group_fqns in _by_dtype(fqns, specs):
+            grads = [outs[grad_at[f]] for f in group_fqns]
+            locals_, new = _reduce(gm, unit.index, grads, [layouts[f] for f in group_fqns], N, group)
+            for f, loc in zip(group_fqns, locals_):
+                outs[grad_at[f]] = loc
+            roots.update((r, unit.index) for r in storage_roots(new))
+            for g in grads:
+                base = alias_base(g)
+                if base.op != "placeholder" and meta.is_backward(base):
+                    roots.setdefault(base, unit.index)
+    out.args = (outs,)
+
+    insert_free(
+        gm,
+        list(roots),
+        lambda root, last: _plain_tags(meta.FREE, roots[root], meta.tag(last, meta.REGION)),
+    )
+    ctx.collectives_inserted = True
+    gm.recompile()
+    return gm
+
+
+def _gather(gm, unit, region, fqns, phs, layouts, N, group, keep):
+    """all-gather ``fqns`` (one dtype) before their first use in ``region``; returns new nodes."""
+    pos = positions(gm.graph)
+    users = {
+        u
+        for f in fqns
+        for u in phs[f].users
+        if not meta.is_comm(u) and (keep or meta.tag(u, meta.REGION) == region)
+    }
+    if not users:
+        return []
+    first = min(users, key=pos.__getitem__)
+    lays = [layouts[f] for f in fqns]
+
+    def issue(*shards):
+        flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
+        return _AG(flat, N, group)
+
+    def unpack(buf):
+        cols, off, fulls = buf.view(N, -1), 0, []
+        for lay in lays:
+            full = cols[:, off : off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
+            fulls.append(full[: lay.shape[0]] if lay.padded_rows != lay.shape[0] else full)
+            off += lay.local_numel
+        return fulls
+
+    tag = _comm_tags(unit, region, _AG, meta.AG_ISSUE, meta.AG_PACK)
+    handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag)
+    waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region))
+    fulls, n3 = splice(gm, unpack, [waited], first, _plain_tags(meta.AG_UNPACK, unit, region))
+    for f, full in zip(fqns, fulls):
+        for u in users:
+            u.replace_input_with(phs[f], full)
+    return n1 + n2 + n3
+
+
+def _reduce(gm, unit, grads, lays, N, group):
+    """reduce-scatter (average) full gradients ``grads`` right after the last of them."""
+    pos = positions(gm.graph)
+    before = max(grads, key=pos.__getitem__).next
+
+    def issue(*gs):
+        cols = []
+        for g, lay in zip(gs, lays):
+            if not lay.sharded:
+                cols.append(g.reshape(1, 1).expand(N, 1))
+                continue
+            if lay.padded_rows != lay.shape[0]:
+                pad = [0, 0] * len(lay.inner) + [0, lay.padded_rows - lay.shape[0]]
+                g = torch.nn.functional.pad(g, pad)
+            cols.append(g.reshape(N, -1))
+        flat = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
+        return _RS(flat, "avg", N, group)
+
+    def unpack(buf):
+        off, outs = 0, []
+        for lay in lays:
+            if lay.sharded:
+                outs.append(buf[off : off + lay.local_numel].view(lay.local_shape))
+                off += lay.local_numel
+            else:
+                outs.append(buf[off])
+                off += 1
+        return outs
+
+    tag = _comm_tags(unit, meta.BWD, _RS, meta.RS_ISSUE, meta.RS_PACK)
+    handle, n1 = splice(gm, issue, grads, before, tag)
+    waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD))
+    locals_, n3 = splice(gm, unpack, [waited], before, _plain_tags(meta.RS_UNPACK, unit, meta.BWD))
+    return locals_, n1 + n2 + n3

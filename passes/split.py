@@ -1,0 +1,80 @@
+"""split: the joint graph -> a forward graph, a backward graph and the saved list."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from autoshard import meta
+
+
+@dataclasses.dataclass
+class SplitProgram:
+    """Forward: (param shards, buffers, inputs) -> (outputs, mutated buffers, saved).
+    Backward: (saved, tangents) -> (gradient shards, input gradients)."""
+
+    fwd: fx.GraphModule
+    bwd: fx.GraphModule | None
+    fwd_roles: list  # role of each forward output before the saved tensors
+    bwd_roles: list  # role of each backward output
+    saved: list  # names of the joint-graph nodes saved across
+    n_tangents: int
+
+
+def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:
+    for n in nodes:
+        new = graph.node_copy(n, lambda a: env[a])
+        new.meta = n.meta
+        env[n] = new
+
+
+def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+    """Partition by region tag and record the result in ``ctx.split``.
+
+    Needs: every node tagged with a region (capture; passes tag what they add).
+    Guarantees: the forward graph runs every ``fwd`` node in joint order and returns the user
+    outputs, the mutated buffers, then each forward value a backward node reads (the saved
+    list, in joint order); the backward graph runs every ``bwd`` node in joint order. The joint
+    graph itself is returned unchanged. With no backward region, ``ctx.split.bwd`` is None.
+    """
+    out = meta.output_node(gm)
+    roles = meta.tags(out)[meta.OUTPUTS]
+    values = list(out.args[0])
+    fwd_nodes = [n for n in gm.graph.nodes if n.op != "output" and meta.is_forward(n)]
+    bwd_nodes = [n for n in gm.graph.nodes if n.op != "output" and meta.is_backward(n)]
+    bwd_set = set(bwd_nodes)
+    saved = [n for n in fwd_nodes if any(u in bwd_set for u in n.users)]
+
+    fwd_graph, env = fx.Graph(), {}
+    for n in fwd_nodes:
+        if n.op == "placeholder":
+            env[n] = fwd_graph.placeholder(n.name)
+            env[n].meta = n.meta
+    _copy_into(fwd_graph, [n for n in fwd_nodes if n.op != "placeholder"], env)
+    fwd_idx = [i for i, r in enumerate(roles) if r[meta.ROLE] in (meta.OUT_FWD, meta.OUT_BUFFER)]
+    fwd_graph.output([env[values[i]] for i in fwd_idx] + [env[n] for n in saved])
+
+    bwd = None
+    bwd_idx = [i for i in range(len(roles)) if i not in set(fwd_idx)]
+    tangents = [n for n in bwd_nodes if meta.is_tangent(n)]
+    if bwd_nodes:
+        bwd_graph, benv = fx.Graph(), {}
+        for n in saved:
+            benv[n] = bwd_graph.placeholder(f"saved_{n.name}")
+            benv[n].meta = n.meta
+        for n in tangents:
+            benv[n] = bwd_graph.placeholder(n.name)
+            benv[n].meta = n.meta
+        _copy_into(bwd_graph, [n for n in bwd_nodes if n.op != "placeholder"], benv)
+        bwd_graph.output([benv[values[i]] for i in bwd_idx])
+        bwd = fx.GraphModule(gm, bwd_graph)
+    ctx.split = SplitProgram(
+        fwd=fx.GraphModule(gm, fwd_graph),
+        bwd=bwd,
+        fwd_roles=[roles[i] for i in fwd_idx],
+        bwd_roles=[roles[i] for i in bwd_idx],
+        saved=[n.name for n in saved],
+        n_tangents=len(tangents),
+    )
+    return gm

@@ -1,0 +1,130 @@
+"""The verifier: proves DESIGN.md's invariants on a graph after a pass."""
+
+from __future__ import annotations
+
+import networkx as nx
+import torch.fx as fx
+
+from autoshard import meta
+from autoshard.graph import alias_base, alias_closure, positions, to_nx, writes_input
+
+
+class VerificationError(AssertionError):
+    """A pass broke an invariant; the message names the nodes."""
+
+
+def _fail(msg: str):
+    raise VerificationError(msg)
+
+
+def verify(gm: fx.GraphModule, ctx) -> None:
+    """Check every invariant that applies at this stage of the pipeline.
+
+    Always: each node has a region; forward nodes never read backward nodes.
+    Once collectives are inserted:
+      1. every read of a sharded parameter goes through an all-gather and its wait;
+      2. no node reads a freed storage after its free, and a collective's input stays alive
+         until its wait;
+      3. no gathered parameter (or view of one) is read across forward -> backward unless
+         the plan keeps it (``reshard_after_forward=False``);
+      4. each gradient is reduce-scattered exactly once, after its last accumulation.
+    """
+    graph = gm.graph
+    pos = positions(graph)
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if meta.tag(n, meta.REGION) not in (meta.FWD, meta.BWD):
+            _fail(f"node {n.name} has no region tag")
+        if meta.is_forward(n) and any(meta.is_backward(a) for a in n.all_input_nodes):
+            _fail(f"forward node {n.name} reads a backward node")
+    if not ctx.collectives_inserted:
+        return
+    _check_gathers(gm)
+    _check_frees(gm, pos)
+    _check_crossing(gm, ctx)
+    _check_reductions(gm, pos)
+
+
+def _check_gathers(gm):
+    g = to_nx(gm.graph)
+    waits = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_WAIT]
+    g.remove_nodes_from(waits)
+    for p in gm.graph.nodes:
+        if not meta.is_param(p) or not p.meta["val"].dim():
+            continue
+        for d in nx.descendants(g, p):
+            if d.op == "output":
+                _fail(f"parameter shard {p.name} is returned without being gathered")
+            if meta.tag(d, meta.COMM) not in (meta.AG_PACK, meta.AG_ISSUE, meta.FREE):
+                _fail(
+                    f"node {d.name} reads parameter {meta.tag(p, meta.FQN)} without an "
+                    "all-gather wait before it"
+                )
+
+
+def _check_frees(gm, pos):
+    for f in gm.graph.nodes:
+        if not meta.is_free(f):
+            continue
+        for t in f.args[0]:
+            for a in alias_closure(alias_base(t)):
+                for u in a.users:
+                    if meta.is_free(u) or u.op == "output":
+                        continue
+                    end = u
+                    if meta.is_collective_issue(u):
+                        end = next(w for w in u.users if meta.is_wait(w))
+                    if pos[end] > pos[f]:
+                        _fail(f"{end.name} reads {a.name} after it is freed by {f.name}")
+
+
+def _gathered(n: fx.Node) -> bool:
+    return meta.tag(alias_base(n), meta.COMM) in (meta.AG_ISSUE, meta.AG_WAIT, meta.AG_UNPACK)
+
+
+def _check_crossing(gm, ctx):
+    if not ctx.reshard_after_forward:
+        return
+    for n in gm.graph.nodes:
+        if not meta.is_backward(n):
+            continue
+        for a in n.all_input_nodes:
+            if meta.is_forward(a) and _gathered(a):
+                _fail(
+                    f"backward node {n.name} reads {a.name}, a gathered parameter (or view) "
+                    "from the forward; it must be re-gathered in backward"
+                )
+
+
+def _check_reductions(gm, pos):
+    out = meta.output_node(gm)
+    for v, r in zip(out.args[0], meta.tags(out)[meta.OUTPUTS]):
+        if r[meta.ROLE] != meta.OUT_GRAD:
+            continue
+        base = alias_base(v)
+        if meta.tag(base, meta.COMM) != meta.RS_ISSUE:
+            _fail(f"gradient of {r[meta.FQN]} is returned without a reduce-scatter")
+    for rs in gm.graph.nodes:
+        if meta.tag(rs, meta.COMM) != meta.RS_ISSUE:
+            continue
+        # the full gradients packed into this reduce-scatter: pack nodes' non-pack inputs
+        stack, fulls, seen = [rs], set(), set()
+        while stack:
+            n = stack.pop()
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if meta.tag(a, meta.COMM) == meta.RS_PACK:
+                    stack.append(a)
+                else:
+                    fulls.add(a)
+        for full in fulls:
+            packs = [u for u in full.users if meta.tag(u, meta.COMM) == meta.RS_PACK]
+            if len({meta.tag(p, meta.UNIT) for p in packs}) != 1:
+                _fail(f"full gradient {full.name} is reduce-scattered more than once")
+            for a in alias_closure(alias_base(full)):
+                for u in a.users:
+                    if pos[u] > pos[rs] and writes_input(u):
+                        _fail(f"{u.name} updates gradient {full.name} after its reduce-scatter")

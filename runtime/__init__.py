@@ -1,0 +1,1 @@
+"""Execution of compiled programs: sharded storage, collectives, autograd glue."""

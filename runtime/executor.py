@@ -1,0 +1,90 @@
+"""Running a compiled program: the forward graph now, the backward graph on backward()."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from autoshard import meta
+from autoshard.passes.collectives import ShardLayout
+
+
+class Program:
+    """One compiled training step for one input signature."""
+
+    def __init__(self, captured, split, units, plan, world_size: int, rank: int):
+        self.captured = captured
+        self.split = split
+        self.units = units
+        self.plan = plan
+        self.fwd = split.fwd
+        self.bwd = split.bwd
+        roles = split.fwd_roles
+        self.n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in roles)
+        self.mutated = [r[meta.FQN] for r in roles if r[meta.ROLE] == meta.OUT_BUFFER]
+        self.fqns = [p.fqn for p in captured.params]
+        self.layouts = [ShardLayout(p.shape, world_size) for p in captured.params]
+        self.local_rows = [
+            (lay.local_range(rank)[1] - lay.local_range(rank)[0]) if lay.sharded else None
+            for lay in self.layouts
+        ]
+        slot = {f: i for i, f in enumerate(self.fqns)}
+        self.grad_slots = [
+            ("param", slot[r[meta.FQN]]) if r[meta.ROLE] == meta.OUT_GRAD else ("input", r[meta.INDEX])
+            for r in split.bwd_roles
+        ]
+        self.diff = list(captured.diff_outputs)
+
+    # the padded shard the graph reads, from the DTensor's local rows
+    def pad(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        lay = self.layouts[i]
+        if not lay.sharded or local.shape[0] == lay.rows:
+            return local
+        extra = local.new_zeros((lay.rows - local.shape[0], *lay.inner))
+        return torch.cat([local, extra])
+
+    def run(self, params: list, buffers: list, inputs: list):
+        locals_ = [p.to_local() for p in params]
+        if self.bwd is not None and torch.is_grad_enabled():
+            outs = _Step.apply(self, len(buffers), *locals_, *buffers, *inputs)
+        else:
+            with torch.no_grad():
+                padded = [self.pad(i, t) for i, t in enumerate(locals_)]
+                outs = self.fwd(*padded, *buffers, *inputs)
+        user = list(outs[: self.n_user])
+        return user, list(outs[self.n_user : self.n_user + len(self.mutated)])
+
+    def unflatten(self, user: list):
+        it = iter(user)
+        leaves = [next(it) if c is None else c for c in self.captured.out_consts]
+        return tree_unflatten(leaves, self.captured.out_spec)
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: Program, n_buffers: int, *flat):
+        n_p = len(program.fqns)
+        padded = [program.pad(i, t) for i, t in enumerate(flat[:n_p])]
+        res = program.fwd(*padded, *flat[n_p:])
+        n_out = program.n_user + len(program.mutated)
+        ctx.save_for_backward(*res[n_out:])
+        ctx.program, ctx.n_buffers, ctx.n_inputs = program, n_buffers, len(flat) - n_p - n_buffers
+        outs = tuple(res[:n_out])
+        diff = set(program.diff)
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if i not in diff])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        program = ctx.program
+        tangents = [grads[i].contiguous() for i in program.diff]
+        res = program.bwd(*ctx.saved_tensors, *tangents)
+        n_p = len(program.fqns)
+        param_grads, input_grads = [None] * n_p, [None] * ctx.n_inputs
+        for (kind, i), g in zip(program.grad_slots, res):
+            if kind == "param":
+                rows = program.local_rows[i]
+                param_grads[i] = g if rows is None or rows == g.shape[0] else g[:rows]
+            else:
+                input_grads[i] = g
+        return (None, None, *param_grads, *([None] * ctx.n_buffers), *input_grads)
