@@ -14,7 +14,7 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias gets no gradient
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
         self.fc = nn.Linear(dim, 4 * dim)

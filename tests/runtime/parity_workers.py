@@ -1,0 +1,108 @@
+"""What each rank runs in the parity tests, and the single-process eager reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from autoshard import Config, autoshard
+from models import CASES, build
+
+STEPS = 10
+BATCH = 8
+LR = 1e-3
+
+
+def batches(name, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return CASES[name][1](gen, BATCH)
+
+
+def reference(name, world):
+    """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
+    averaged over ranks (what data-parallel training computes), then AdamW."""
+    model = build(name)
+    _, _, call, loss_fn = CASES[name]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batches(name, step)
+        total = 0.0
+        for xr, yr in zip(x.chunk(world), y.chunk(world)):
+            loss = loss_fn(call(model, xr), yr)
+            (loss / world).backward()
+            total += loss.item() / world
+        losses.append(total)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train(model, name, rank, world, replica=None):
+    _, _, call, loss_fn = CASES[name]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, buf_diff = [], 0.0
+    for step in range(STEPS):
+        x, y = batches(name, step)
+        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+        if replica is not None:  # eager on this rank's data, from the same state
+            full = model.full_state_dict()
+            replica.load_state_dict(full)
+            call(replica, xr)
+        loss = loss_fn(call(model, xr), yr)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if replica is not None:
+            mine, ref = dict(model.named_buffers()), dict(replica.named_buffers())
+            buf_diff = max([buf_diff] + [(mine[k].float() - ref[k].float()).abs().max().item()
+                                         for k in ref])
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, buf_diff
+
+
+def parity_worker(rank, world, names):
+    results = {}
+    for name in names:
+        model = build(name)
+        replica = copy.deepcopy(model) if any(True for _ in model.buffers()) else None
+        sharded = autoshard(model, config=Config(verify=True))
+        losses, buf_diff = _train(sharded, name, rank, world, replica)
+        full = sharded.full_state_dict()
+        results[name] = {
+            "losses": losses,
+            "params": full if rank == 0 else None,
+            "buf_diff": buf_diff,
+            "units": [u.name for u in sharded.units],
+            "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
+        }
+    results["fsdp2:gpt"] = fsdp2_worker(rank, world, "gpt")
+    return results
+
+
+def fsdp2_worker(rank, world, name):
+    """The same training under FSDP2: fully_shard per block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = build(name)
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    _, _, call, loss_fn = CASES[name]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batches(name, step)
+        loss = loss_fn(call(model, x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": full if rank == 0 else None}
