@@ -17,7 +17,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _
 
 from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.config import Config  # noqa: E402
-from autoshard.plan import Plan  # noqa: E402
-from autoshard.api import ShardedModule, autoshard  # noqa: E402
+from autoshard.plans import Plan  # noqa: E402
+from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 
-__all__ = ["autoshard", "ShardedModule", "Config", "Plan", "AutoshardError"]
+__all__ = ["autoshard", "plan", "ShardedModule", "Config", "Plan", "AutoshardError"]

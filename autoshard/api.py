@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import ParamSpec, capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.plan import Plan, make_plan
+from autoshard.plans import Plan, make_plan
 from autoshard.passes import PassContext, default_passes, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
@@ -125,28 +125,42 @@ class ShardedModule(torch.nn.Module):
         return full_state_dict(self)
 
 
-def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
+def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
+                 aliases=None):
+    """Capture ``model``'s step and run the passes; no process group is touched.
+
+    Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the forward and backward graphs.
+    """
     specs = [
         ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad)
         for fqn, p in model.named_parameters()
     ]
-    buffers = dict(model.named_buffers())
     cap = capture(
-        model, st.orig_forward, specs, buffers, args, kwargs,
-        device=st.device, with_grad=torch.is_grad_enabled(),
+        model, forward, specs, dict(model.named_buffers()), args, kwargs,
+        device=device, with_grad=torch.is_grad_enabled(),
     )
-    world = st.mesh.size()
     ctx = PassContext(
         captured=cap,
-        world_size=world,
-        group_name=_dist.group_name(st.mesh),
+        world_size=world_size,
+        group_name=group_name,
         model=model,
-        fqn_aliases=st.aliases,
-        reshard_after_forward=st.config.reshard_after_forward,
+        fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
+        reshard_after_forward=config.reshard_after_forward,
     )
-    run_passes(cap.gm, ctx, default_passes(st.config), verify_each=st.config.verify)
-    split = ctx.split
-    plan = make_plan(world, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd])
+    run_passes(cap.gm, ctx, default_passes(config), verify_each=config.verify)
+    plan = make_plan(
+        world_size, ctx.units, {p.fqn: p for p in specs}, [ctx.split.fwd, ctx.split.bwd]
+    )
+    return cap, ctx, plan
+
+
+def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
+    world = st.mesh.size()
+    cap, ctx, plan = compile_step(
+        model, st.orig_forward, args, kwargs, world_size=world,
+        group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
+        aliases=st.aliases,
+    )
     fingerprint = hashlib.sha256(
         repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]).encode()
     ).hexdigest()
@@ -155,9 +169,35 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
             "ranks compiled different communication schedules (would deadlock); every rank "
             "must call the model with inputs of the same shapes, dtypes and structure"
         )
-    prog = Program(cap, split, ctx.units, plan, world, st.mesh.get_local_rank())
+    prog = Program(cap, ctx.split, ctx.units, plan, world, st.mesh.get_local_rank())
     st.last = prog
     return prog
+
+
+def plan(model: torch.nn.Module, example_inputs, *, world_size: int, config=None,
+         device="cpu") -> Plan:
+    """The plan autoshard would run for ``model`` on ``world_size`` ranks, computed in this
+    process on fake tensors: no process group, no parameter memory (the model may live on the
+    meta device)."""
+    if isinstance(model, ShardedModule):
+        raise ValueError("plan() takes the unsharded model; a ShardedModule has .plan")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    args, kwargs = _split_inputs(example_inputs)
+    config = config if config is not None else Config()
+    _, _, p = compile_step(
+        model, type(model).forward, args, kwargs, world_size=world_size,
+        group_name="plan", device=torch.device(device), config=config,
+    )
+    return p
+
+
+def _split_inputs(example_inputs):
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
 
 
 def _sharded_class(cls: type) -> type:
@@ -201,12 +241,7 @@ def autoshard(
 
     program = None
     if example_inputs is not None:
-        if isinstance(example_inputs, dict):
-            args, kwargs = (), dict(example_inputs)
-        elif isinstance(example_inputs, (tuple, list)):
-            args, kwargs = tuple(example_inputs), {}
-        else:
-            args, kwargs = (example_inputs,), {}
+        args, kwargs = _split_inputs(example_inputs)
         for x in tree_flatten((args, kwargs))[0]:
             if isinstance(x, torch.Tensor) and x.device != device:
                 raise AutoshardError(

@@ -61,6 +61,13 @@ class Captured:
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
+    if t.device.type == "meta":  # planning a meta-device model: buffers live on ``device``
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return fake_mode.from_tensor(t)
+
+
 def _module_names(model: torch.nn.Module) -> dict:
     names = {}
     for name, mod in model.named_modules(remove_duplicate=False):
@@ -144,7 +151,7 @@ def capture(
             torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
             for p in params
         ]
-    fbufs = [fake_mode.from_tensor(b) for b in buffers.values()]
+    fbufs = [_fake_like(fake_mode, b, device) for b in buffers.values()]
     finputs = []
     for x in tensors_in:
         f = fake_mode.from_tensor(x.detach())

@@ -44,6 +44,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, idx):
         pos = torch.arange(idx.shape[1], device=idx.device)
