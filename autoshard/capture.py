@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
 import traceback
 from typing import Any, Callable, Optional
@@ -22,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autoshard import _compat, meta
 from autoshard.errors import AutoshardError
-from autoshard.graph import alias_closure, writes_input
+from autoshard.graph import alias_closure, written_inputs
 
 _capturing = threading.local()
 
@@ -49,9 +50,9 @@ class Captured:
     params: list  # ParamSpec per parameter placeholder, in placeholder order
     buffer_fqns: list
     in_spec: Any  # pytree spec of (args, kwargs)
-    in_consts: list  # per input leaf: None for a tensor leaf, else the constant value
+    in_consts: list  # per input leaf: TENSOR for a tensor leaf, else the constant value
     out_spec: Any  # pytree spec of the forward output
-    out_consts: list  # per output leaf: None for a tensor leaf, else the constant value
+    out_consts: list  # per output leaf: TENSOR for a tensor leaf, else the constant value
     diff_outputs: list  # indices (among tensor output leaves) that get a tangent
     input_grads: list  # indices (among tensor input leaves) whose gradient is returned
     mutated_buffers: list  # FQNs of buffers the forward updates in place
@@ -61,11 +62,30 @@ class Captured:
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+class _TensorSlot:
+    """Marks a tensor leaf in ``in_consts``/``out_consts`` (None is a real constant there)."""
+
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+    def __reduce__(self):
+        return "TENSOR"
+
+
+TENSOR = _TensorSlot()
+
+
 def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
     if t.device.type == "meta":  # planning a meta-device model: buffers live on ``device``
         with fake_mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     return fake_mode.from_tensor(t)
+
+
+def _class_name(mod: torch.nn.Module) -> str:
+    """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
+    mro = type(mod).__mro__
+    return mro[2].__qualname__ if hasattr(mod, "_autoshard") and len(mro) > 2 else mro[0].__qualname__
 
 
 def _module_names(model: torch.nn.Module) -> dict:
@@ -90,7 +110,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
     def pre(mod, args):
         name = names.get(id(mod))
         if name is not None:
-            stack.append((name, type(mod).__qualname__))
+            stack.append((name, _class_name(mod)))
             publish()
 
     def post(mod, args, out):
@@ -101,7 +121,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
-    stack.append(("", type(model).__qualname__))
+    stack.append(("", _class_name(model)))
     publish()
     try:
         yield
@@ -112,18 +132,8 @@ def _track_modules(model: torch.nn.Module, stack: list):
 
 def _is_mutated(node: fx.Node) -> bool:
     """Whether any op writes into ``node``'s storage (directly or through a view)."""
-    for a in alias_closure(node):
-        for u in a.users:
-            if not writes_input(u):
-                continue
-            for i, arg in enumerate(u.target._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                v = u.args[i] if i < len(u.args) else u.kwargs.get(arg.name)
-                vs = v if isinstance(v, (list, tuple)) else [v]
-                if any(x is a for x in vs):
-                    return True
-    return False
+    aliases = alias_closure(node)
+    return any(a in written_inputs(u) for a in aliases for u in a.users)
 
 
 def capture(
@@ -142,7 +152,7 @@ def capture(
     params: ParamSpec per (deduplicated) parameter; buffers: FQN -> tensor (real or meta).
     """
     leaves, in_spec = tree_flatten((args, kwargs))
-    in_consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    in_consts = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors_in = [x for x in leaves if isinstance(x, torch.Tensor)]
 
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=False)
@@ -168,7 +178,7 @@ def capture(
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         it = iter(xs)
-        full = [next(it) if c is None else c for c in in_consts]
+        full = [next(it) if c is TENSOR else c for c in in_consts]
         a, kw = tree_unflatten(full, in_spec)
         state = dict(zip(pnames, p))
         state.update(zip(bnames, bclones))
@@ -177,7 +187,7 @@ def capture(
         _compat.current_meta().pop("nn_module_stack", None)
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
-        rec["out_consts"] = [None if isinstance(o, torch.Tensor) else o for o in out_leaves]
+        rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
         rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
         diff = [i for i, o in enumerate(touts) if o.requires_grad]
         wrt = [t for t in p if t.requires_grad] + [x for x in xs if x.requires_grad]
@@ -205,7 +215,7 @@ def capture(
         _capturing.on = False
 
     for leaf in rec["out_consts"]:
-        if leaf is not None and not isinstance(leaf, _PLAIN):
+        if leaf is not TENSOR and not isinstance(leaf, _PLAIN):
             raise AutoshardError(
                 f"{type(model).__name__}.forward returned a {type(leaf).__name__} among its "
                 "outputs; autoshard returns tensors and plain Python values only. For Hugging "
@@ -330,6 +340,9 @@ def _explain(exc: BaseException, stack: list) -> AutoshardError:
     module = stack[-1][0] if stack else ""
     module_desc = f"module '{module}' ({stack[-1][1]})" if stack else "the model"
     op = getattr(exc, "func", None)
+    if op is None:  # e.g. "no fake impl registered for <CustomOpDef(ns::name)>"
+        found = re.search(r"\b([A-Za-z_]\w*::[A-Za-z_]\w*(?:\.\w+)?)", str(exc))
+        op = found.group(1) if found else None
     frame = _user_frame(exc)
     where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame)"
     dd = {"DataDependentOutputException", "GuardOnDataDependentSymNode"}

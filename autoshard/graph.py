@@ -63,12 +63,35 @@ def _aliased_arg(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def writes_input(n: fx.Node) -> bool:
-    """Whether ``n`` writes into one of its inputs (an in-place or out= op)."""
+# ops that update some inputs in place although their schema does not say so (BatchNorm's
+# running statistics in training): op -> (positions of the written inputs, "training" position)
+_UNDECLARED_WRITES = {
+    torch.ops.aten.native_batch_norm.default: ((3, 4), 5),
+    torch.ops.aten.cudnn_batch_norm.default: ((3, 4), 5),
+    torch.ops.aten.miopen_batch_norm.default: ((3, 4), 5),
+}
+
+
+def written_inputs(n: fx.Node) -> list:
+    """The input nodes ``n`` writes into (in-place ops, out= ops, BatchNorm statistics)."""
     t = n.target
-    return isinstance(t, torch._ops.OpOverload) and any(
-        a.alias_info is not None and a.alias_info.is_write for a in t._schema.arguments
-    )
+    if not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v])
+                       if isinstance(x, fx.Node))
+    hidden = _UNDECLARED_WRITES.get(t)
+    if hidden is not None and len(n.args) > hidden[1] and n.args[hidden[1]]:
+        out.extend(n.args[i] for i in hidden[0] if isinstance(n.args[i], fx.Node))
+    return out
+
+
+def writes_input(n: fx.Node) -> bool:
+    """Whether ``n`` writes into one of its inputs."""
+    return bool(written_inputs(n))
 
 
 def alias_base(node: fx.Node) -> fx.Node:

@@ -6,7 +6,14 @@ import networkx as nx
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.graph import alias_base, alias_closure, positions, to_nx, writes_input
+from autoshard.graph import (
+    alias_base,
+    alias_closure,
+    positions,
+    to_nx,
+    writes_input,
+    written_inputs,
+)
 
 
 class VerificationError(AssertionError):
@@ -20,7 +27,8 @@ def _fail(msg: str):
 def verify(gm: fx.GraphModule, ctx) -> None:
     """Check every invariant that applies at this stage of the pipeline.
 
-    Always: each node has a region; forward nodes never read backward nodes.
+    Always: each node has a region; forward nodes never read backward nodes; no node writes
+    into a graph input (buffers are updated through outputs).
     Once collectives are inserted:
       1. every read of a sharded parameter goes through an all-gather and its wait;
       2. no node reads a freed storage after its free, and a collective's input stays alive
@@ -38,6 +46,9 @@ def verify(gm: fx.GraphModule, ctx) -> None:
             _fail(f"node {n.name} has no region tag")
         if meta.is_forward(n) and any(meta.is_backward(a) for a in n.all_input_nodes):
             _fail(f"forward node {n.name} reads a backward node")
+        for w in written_inputs(n):
+            if alias_base(w).op == "placeholder":
+                _fail(f"{n.name} writes into graph input {alias_base(w).name} in place")
     if not ctx.collectives_inserted:
         return
     _check_gathers(gm)

@@ -6,6 +6,7 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from autoshard import meta
+from autoshard.capture import TENSOR
 from autoshard.passes.collectives import ShardLayout
 
 
@@ -56,7 +57,7 @@ class Program:
 
     def unflatten(self, user: list):
         it = iter(user)
-        leaves = [next(it) if c is None else c for c in self.captured.out_consts]
+        leaves = [next(it) if c is TENSOR else c for c in self.captured.out_consts]
         return tree_unflatten(leaves, self.captured.out_spec)
 
 

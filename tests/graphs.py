@@ -1,0 +1,32 @@
+"""Capture tiny models and run chosen passes on them, in process, with no process group."""
+
+from __future__ import annotations
+
+import torch
+
+from autoshard import Config
+from autoshard.capture import ParamSpec, capture
+from autoshard.passes import PassContext
+from autoshard.runtime.storage import fqn_aliases
+
+
+def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad=True):
+    specs = [ParamSpec(f, tuple(p.shape), p.dtype, p.requires_grad)
+             for f, p in model.named_parameters()]
+    with torch.set_grad_enabled(with_grad):
+        cap = capture(model, type(model).forward, specs, dict(model.named_buffers()), inputs, {},
+                      device=torch.device("cpu"), with_grad=with_grad)
+    ctx = PassContext(captured=cap, world_size=world_size, group_name="test", model=model,
+                      fqn_aliases=fqn_aliases(model),
+                      reshard_after_forward=reshard_after_forward)
+    return cap.gm, ctx
+
+
+def run(gm, ctx, *passes, **options):
+    for p in passes:
+        gm = p(gm, ctx, options=options if p.__name__ == "assign_units_pass" else {})
+    return gm
+
+
+def default_config():
+    return Config()

@@ -1,0 +1,88 @@
+import collections
+
+import torch
+
+from autoshard import meta
+from autoshard.models import GPT
+from autoshard.passes import assign_units_pass, insert_collectives_pass, verify
+from graphs import captured, run
+from models import Odd
+
+
+def _comm(gm):
+    return collections.Counter(
+        (meta.tag(n, meta.REGION), meta.tag(n, meta.UNIT), meta.tag(n, meta.COMM))
+        for n in gm.graph.nodes if meta.is_comm(n)
+    )
+
+
+def _gpt(world=2, **kw):
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=world, **kw)
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass), ctx
+
+
+def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter():
+    gm, ctx = _gpt()
+    c = _comm(gm)
+    for u in ctx.units:
+        assert c[("fwd", u.index, meta.AG_ISSUE)] == 1
+        assert c[("fwd", u.index, meta.AG_WAIT)] == 1
+        assert c[("bwd", u.index, meta.AG_ISSUE)] == 1
+        assert c[("bwd", u.index, meta.RS_ISSUE)] == 1
+        assert c[("bwd", u.index, meta.RS_WAIT)] == 1
+        assert c[("fwd", u.index, meta.FREE)] >= 1 and c[("bwd", u.index, meta.FREE)] >= 1
+    verify(gm, ctx)
+
+
+def test_gather_sits_right_before_the_first_use_and_collectives_are_c10d_functional():
+    gm, _ = _gpt()
+    ops = {n.target for n in gm.graph.nodes if meta.is_collective_issue(n)}
+    assert ops == {torch.ops._c10d_functional.all_gather_into_tensor.default,
+                   torch.ops._c10d_functional.reduce_scatter_tensor.default}
+    for n in gm.graph.nodes:
+        if meta.tag(n, meta.COMM) == meta.AG_WAIT:
+            assert meta.tag(n.prev, meta.COMM) == meta.AG_ISSUE
+
+
+def test_placeholders_hold_padded_local_shards_and_grads_come_back_sharded():
+    gm, ctx = captured(Odd(), torch.randn(4, 6), world_size=4)
+    run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    shapes = {meta.tag(n, meta.FQN): tuple(n.meta["val"].shape)
+              for n in gm.graph.nodes if meta.is_param(n)}
+    assert shapes["embed.weight"] == (2, 6)  # 7 rows over 4 ranks: 2 each, padded
+    assert shapes["tiny"] == (1, 7)  # 1 row: rank 0 holds it, the rest padding
+    assert shapes["scale"] == ()  # a scalar is replicated
+    out = meta.output_node(gm)
+    grads = {r[meta.FQN]: v for v, r in zip(out.args[0], meta.output_roles(gm))
+             if r[meta.ROLE] == meta.OUT_GRAD}
+    assert "frozen.weight" not in grads and "frozen.bias" not in grads
+    assert tuple(grads["embed.weight"].meta["val"].shape) == (2, 6)
+    verify(gm, ctx)
+
+
+def test_frozen_parameters_are_gathered_but_never_reduced():
+    gm, ctx = captured(Odd(), torch.randn(4, 6), world_size=2)
+    run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    frozen = next(n for n in gm.graph.nodes if meta.tag(n, meta.FQN) == "frozen.weight")
+    assert all(meta.tag(u, meta.COMM) == meta.AG_PACK for u in frozen.users)
+    rs = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.RS_ISSUE]
+    assert len(rs) == 1
+    full = rs[0].args[0].meta["val"].numel()
+    trainable = sum(p.numel() for p in Odd().parameters() if p.requires_grad and p.dim())
+    assert full == 2 * (4 * 6 + 4 + 1 * 7 + 3 * 7 + 3) + 2  # padded rows per rank, scalar x2
+    assert full >= trainable
+
+
+def test_parameter_only_forward_nodes_are_recomputed_in_backward():
+    gm, ctx = _gpt()
+    recomputed = [n for n in gm.graph.nodes if meta.tag(n, meta.RECOMPUTED)]
+    assert recomputed and all(meta.is_backward(n) for n in recomputed)
+    verify(gm, ctx)  # includes: nothing gathered in forward is read in backward
+
+
+def test_keeping_parameters_gathered_skips_the_backward_gather():
+    gm, ctx = _gpt(reshard_after_forward=False)
+    c = _comm(gm)
+    assert not any(k[2] == meta.AG_ISSUE and k[0] == "bwd" for k in c)
+    assert sum(v for k, v in c.items() if k[2] == meta.RS_ISSUE) == len(ctx.units)
+    verify(gm, ctx)

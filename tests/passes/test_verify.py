@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from autoshard import meta
+from autoshard.models import GPT
+from autoshard.passes import assign_units_pass, insert_collectives_pass, run_passes, verify
+from autoshard.passes.verify import VerificationError
+from graphs import captured, run
+
+
+def _gpt():
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass), ctx
+
+
+def _first(gm, comm, region=None):
+    return next(n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == comm
+                and (region is None or meta.tag(n, meta.REGION) == region))
+
+
+def test_clean_graph_verifies():
+    gm, ctx = _gpt()
+    verify(gm, ctx)
+
+
+def test_free_before_a_use_is_caught():
+    gm, ctx = _gpt()
+    free = next(n for n in gm.graph.nodes if meta.is_free(n)
+                and meta.tag(n.args[0][0], meta.COMM) == meta.AG_UNPACK)
+    wait = _first(gm, meta.AG_WAIT)
+    free.args[0][0].prepend(free) if False else None
+    target = free.args[0][0]
+    target.append(free)  # move the free to right after the tensor is made
+    with pytest.raises(VerificationError, match="after it is freed"):
+        verify(gm, ctx)
+    assert wait is not None
+
+
+def test_reading_a_parameter_without_its_wait_is_caught():
+    gm, ctx = _gpt()
+    wait = _first(gm, meta.AG_WAIT)
+    issue = wait.args[0]
+    for u in list(wait.users):
+        u.replace_input_with(wait, issue)
+    with pytest.raises(VerificationError, match="without an all-gather wait"):
+        verify(gm, ctx)
+
+
+def test_backward_reading_a_forward_gathered_parameter_is_caught():
+    gm, ctx = _gpt()
+    fwd_full = _first(gm, meta.AG_UNPACK, "fwd")
+    while meta.tag(fwd_full, meta.COMM) == meta.AG_UNPACK and fwd_full.meta["val"].dim() != 2:
+        fwd_full = fwd_full.next
+    bwd_user = next(n for n in gm.graph.nodes if meta.is_backward(n) and not meta.is_comm(n)
+                    and n.op == "call_function" and n.args)
+    bwd_user.update_arg(0, fwd_full)
+    with pytest.raises(VerificationError):
+        verify(gm, ctx)
+
+
+def test_gradient_returned_without_reduce_scatter_is_caught():
+    gm, ctx = _gpt()
+    out = meta.output_node(gm)
+    rs = _first(gm, meta.RS_ISSUE)
+    full = next(a for a in rs.all_input_nodes)
+    vals = list(out.args[0])
+    i = next(i for i, r in enumerate(meta.output_roles(gm)) if r[meta.ROLE] == meta.OUT_GRAD)
+    vals[i] = full
+    out.args = (vals,)
+    with pytest.raises(VerificationError, match="without a reduce-scatter"):
+        verify(gm, ctx)
+
+
+def test_runner_rejects_a_reorder_only_pass_that_adds_nodes():
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
+
+    def reorder_nodes_pass(gm, ctx, *, options):
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        with gm.graph.inserting_after(x):
+            n = gm.graph.call_function(torch.ops.aten.clone.default, (x,))
+        meta.tags(n)[meta.REGION] = meta.FWD
+        return gm
+
+    reorder_nodes_pass.reorder_only = True
+    with pytest.raises(AssertionError, match="reorder-only"):
+        run_passes(gm, ctx, [(reorder_nodes_pass, {})])
