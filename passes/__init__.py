@@ -1,8 +1,8 @@
 """Graph passes and the one runner that applies them.
 
 A pass is ``def <verb>_<object>_pass(gm, ctx, *, options) -> gm``. The runner applies an
-ordered list, lints the graph after each, and runs the verifier when asked (always in tests
-and under ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1`` prints per-pass time and op-count diff;
+ordered list, lints the graph after each, and runs the verifier when asked (``Config.verify``,
+``AUTOSHARD_VERIFY=1`` as the tests set it, or ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1`` prints per-pass time and op-count diff;
 ``=2`` also dumps the numbered graph after each pass.
 """
 
@@ -53,7 +53,7 @@ def _op_counts(gm: fx.GraphModule) -> collections.Counter:
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_each: bool = False):
     """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph."""
     level = debug_level()
-    verify_each = verify_each or level > 0
+    verify_each = verify_each or level > 0 or os.environ.get("AUTOSHARD_VERIFY") == "1"
     for i, (fn, options) in enumerate(passes):
         before = _op_counts(gm) if level else None
         n_before = len(gm.graph.nodes)

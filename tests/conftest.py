@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("AUTOSHARD_TEST", "1")
+os.environ["AUTOSHARD_VERIFY"] = "1"  # every pass is verified in every test, spawned ranks too
 
 
 def pytest_collection_modifyitems(config, items):
