@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
@@ -61,6 +59,11 @@ def unsupported_op_exceptions() -> tuple:
     return types
 
 
-@contextlib.contextmanager
-def no_dispatch_modes():
-    yield
+def boxed(gm):
+    """Make ``gm`` take one list argument that it clears, so each input is released right
+    after its last use (AOTAutograd's boxed calling convention)."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard.capture import TENSOR
 from autoshard.passes.collectives import ShardLayout
 
@@ -19,7 +19,8 @@ class Program:
         self.units = units
         self.plan = plan
         self.fwd = split.fwd
-        self.bwd = split.bwd
+        # the backward takes its inputs boxed: saved activations die at their last use
+        self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
         roles = split.fwd_roles
         self.n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in roles)
         self.mutated = [r[meta.FQN] for r in roles if r[meta.ROLE] == meta.OUT_BUFFER]
@@ -79,7 +80,9 @@ class _Step(torch.autograd.Function):
     def backward(ctx, *grads):
         program = ctx.program
         tangents = [grads[i].contiguous() for i in program.diff]
-        res = program.bwd(*ctx.saved_tensors, *tangents)
+        args = [*ctx.saved_tensors, *tangents]
+        ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
+        res = program.bwd(args)
         n_p = len(program.fqns)
         param_grads, input_grads = [None] * n_p, [None] * ctx.n_inputs
         for (kind, i), g in zip(program.grad_slots, res):
