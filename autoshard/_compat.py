@@ -67,3 +67,17 @@ def boxed(gm):
     gm.graph.set_codegen(_BoxedCodeGen())
     gm.recompile()
     return gm
+
+
+def allocation_events(prof) -> list:
+    """(time ns, bytes) of every allocation (+) and release (-) a torch.profiler session with
+    ``profile_memory=True`` saw, in time order."""
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.tag == _EventType.Allocation:
+            out.append((e.start_time_ns, e.extra_fields.alloc_size))
+        stack.extend(e.children)
+    return sorted(out)
