@@ -12,7 +12,14 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import ParamSpec, capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.plans import Plan, make_plan
+from autoshard import meta
+from autoshard.config import OPTIMIZER_STATES
+from autoshard.cost import get_profile
+from autoshard.graph import clone_graph
+from autoshard.passes.auto import unit_bytes
+from autoshard.passes.collectives import ShardLayout
+from autoshard.plans import Plan, _fmt_bytes, make_plan
+from autoshard.simulate import simulate
 from autoshard.passes import PassContext, default_passes, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
@@ -126,32 +133,93 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None):
-    """Capture ``model``'s step and run the passes; no process group is touched.
+                 aliases=None, progress=None):
+    """Capture ``model``'s step, run the passes and predict the result; no process group is
+    touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
 
-    Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the forward and backward graphs.
+    With policy "auto", a plan whose predicted peak exceeds the budget is re-planned with
+    smaller units; if even one unit per parameter does not fit, AutoshardError says the
+    smallest budget that would.
     """
+    say = progress or (lambda msg: None)
     specs = [
         ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad)
         for fqn, p in model.named_parameters()
     ]
+    say(f"capturing the training step ({len(specs)} parameters)")
     cap = capture(
         model, forward, specs, dict(model.named_buffers()), args, kwargs,
         device=device, with_grad=torch.is_grad_enabled(),
     )
-    ctx = PassContext(
-        captured=cap,
-        world_size=world_size,
-        group_name=group_name,
-        model=model,
-        fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
-        reshard_after_forward=config.reshard_after_forward,
-    )
-    run_passes(cap.gm, ctx, default_passes(config), verify_each=config.verify)
+    say(f"captured {len(cap.gm.graph.nodes)} nodes")
+    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
+    budget = config.memory_budget or profile.memory
+    state = model_state_bytes(specs, world_size, OPTIMIZER_STATES[config.optimizer])
+    inputs = sum(x.numel() * x.element_size() for x in tree_flatten((args, kwargs))[0]
+                 if isinstance(x, torch.Tensor))
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    replan = config.policy == "auto" and config.units is None
+    pristine = clone_graph(cap.gm) if replan else None
+    unit_options = {}
+    for attempt in range(4):
+        gm = clone_graph(pristine) if attempt else cap.gm
+        ctx = PassContext(
+            captured=cap, world_size=world_size, group_name=group_name, model=model,
+            fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
+            reshard_after_forward=config.reshard_after_forward, profile=profile,
+            memory_budget=budget, static_bytes=state["params"] + state["optimizer"]
+            + state["grads"] + buffers + inputs,
+        )
+        say("planning units and inserting collectives")
+        gm = run_passes(gm, ctx, default_passes(config, **unit_options),
+                        verify_each=config.verify)
+        split = ctx.split
+        n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in split.fwd_roles)
+        say("predicting time and memory")
+        pred = simulate(split.fwd, split.bwd, profile, world_size,
+                        state["params"] + state["optimizer"] + buffers + inputs, n_user)
+        if not replan or pred.peak_bytes <= budget:
+            break
+        if ctx.auto_cap == 0 or attempt == 3:
+            break
+        largest = max(unit_bytes(u.fqns, {p.fqn: p for p in specs}, world_size)
+                      for u in ctx.units)
+        over = pred.peak_bytes - budget
+        unit_options = {"max_unit_bytes": max(min(ctx.auto_cap, largest) - over, 0)}
+    cap.gm = gm
     plan = make_plan(
-        world_size, ctx.units, {p.fqn: p for p in specs}, [ctx.split.fwd, ctx.split.bwd]
+        world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
+        prediction=pred, profile=profile, budget=budget,
+        policy="pinned" if config.units is not None else config.policy,
+        model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
     )
+    if replan and pred.peak_bytes > budget:
+        smallest = _smallest_peak(model, forward, args, kwargs, world_size, device, config)
+        raise AutoshardError(
+            f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
+            f"{world_size} ranks: the smallest plan autoshard can make (one unit per "
+            f"parameter) needs {_fmt_bytes(smallest)}. Raise Config.memory_budget to at "
+            "least that, shard over more ranks, or use a smaller batch."
+        )
     return cap, ctx, plan
+
+
+def _smallest_peak(model, forward, args, kwargs, world_size, device, config) -> int:
+    finest = dataclasses.replace(config, policy="per-parameter", memory_budget=None)
+    _, _, p = compile_step(model, forward, args, kwargs, world_size=world_size,
+                           group_name="plan", device=device, config=finest)
+    return p.predicted["peak_bytes"]
+
+
+def model_state_bytes(specs, world_size: int, optimizer_states: int) -> dict:
+    """Per-rank bytes of parameter shards, gradient shards and optimizer state (padded)."""
+    params = grads = 0
+    for p in specs:
+        lay = ShardLayout(p.shape, world_size)
+        b = (lay.local_numel if lay.sharded else 1) * p.dtype.itemsize
+        params += b
+        grads += b if p.requires_grad else 0
+    return {"params": params, "grads": grads, "optimizer": grads * optimizer_states}
 
 
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:

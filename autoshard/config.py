@@ -3,33 +3,69 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import re
+from typing import Optional, Sequence, Union
+
+POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
+    """``80GiB``, ``1.5e9``, ``512MB`` or an int -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size; write e.g. 80GiB, 512MB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclasses.dataclass
 class Config:
     """How autoshard shards and schedules a model.
 
-    units: explicit wrapping units, each a list of parameter FQNs; parameters not named go to
-        a root unit. ``None`` lets the ``policy`` decide.
-    policy: how units are chosen when ``units`` is None. ``"module"``: each repeated block of a
-        ``ModuleList``/``Sequential`` is a unit, the rest is the root unit.
+    policy: how units are chosen when ``units`` is None —
+        "auto": minimise predicted step time within ``memory_budget`` (the default);
+        "module": each repeated block of a ModuleList/Sequential (or each module whose class
+            name is in ``module_classes`` / whose FQN matches ``module_pattern``) is a unit;
+        "size": parameters in first-use order, grouped until a unit holds ``min_unit_numel``;
+        "per-parameter": one unit per parameter; "whole-model": one unit.
+    units: explicit (pinned) units, each a list of parameter FQNs; the rest form a root unit.
+    memory_budget: bytes per rank the plan may use ("80GiB" accepted); default: the device's.
+    device_profile: cost-model profile name ("h100", "a100", "cpu") or a DeviceProfile;
+        default: "h100" on CUDA, "cpu" otherwise.
+    optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     reshard_after_forward: free gathered parameters after their forward use and gather them
         again in backward (ZeRO-3). ``False`` keeps them gathered from forward to backward.
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
+    policy: str = "auto"
     units: Optional[Sequence[Sequence[str]]] = None
-    policy: str = "module"
+    memory_budget: Union[int, str, None] = None
+    device_profile: object = None
+    optimizer: str = "adamw"
+    module_classes: Optional[Sequence[str]] = None
+    module_pattern: Optional[str] = None
+    min_unit_numel: int = 10**8
     reshard_after_forward: bool = True
     verify: bool = False
 
     def __post_init__(self):
-        if self.policy not in ("module",):
+        if self.policy not in POLICIES:
             raise ValueError(
-                f"Config.policy={self.policy!r} is not known; use 'module' or pass explicit "
-                "units=[[fqn, ...], ...]"
+                f"Config.policy={self.policy!r} is not known; use one of {', '.join(POLICIES)}"
+                " or pass explicit units=[[fqn, ...], ...]"
             )
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"Config.optimizer={self.optimizer!r} is not known; use one of "
+                             f"{', '.join(OPTIMIZER_STATES)}")
+        self.memory_budget = parse_bytes(self.memory_budget)
         if self.units is not None:
             if isinstance(self.units, (str, bytes)) or not all(
                 isinstance(u, (list, tuple)) and all(isinstance(f, str) for f in u)
@@ -40,3 +76,6 @@ class Config:
                     "[['layers.0.weight', 'layers.0.bias'], ['layers.1.weight']]"
                 )
             self.units = [list(u) for u in self.units]
+        if self.module_classes is not None:
+            self.module_classes = [c if isinstance(c, str) else c.__name__
+                                   for c in self.module_classes]

@@ -214,3 +214,19 @@ def storage_roots(nodes: Iterable[fx.Node]) -> list:
         and _aliased_arg(n) is None
         and isinstance(n.meta.get("val"), torch.Tensor)
     ]
+
+
+def clone_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose nodes carry copies of the autoshard tags (vals are shared)."""
+    graph = fx.Graph()
+    env = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            new = graph.output(fx.node.map_arg(n.args[0], lambda a: env[a]))
+        else:
+            new = graph.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        if meta.KEY in n.meta:
+            new.meta[meta.KEY] = dict(n.meta[meta.KEY])
+        env[n] = new
+    return fx.GraphModule(gm, graph)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Optional
 
 from tabulate import tabulate
@@ -48,21 +49,32 @@ class ScheduleEntry:
 
 @dataclasses.dataclass
 class Plan:
+    """What autoshard will run and what it predicts, as plain data (JSON round trip)."""
+
     world_size: int
     units: list  # list[UnitInfo]
     schedule: list  # list[ScheduleEntry]
+    policy: str = ""
+    device: dict = dataclasses.field(default_factory=dict)  # the DeviceProfile used
+    memory_budget: int = 0
+    predicted: dict = dataclasses.field(default_factory=dict)  # see summary_table()
+    memory_timeline: list = dataclasses.field(default_factory=list)  # [seconds, bytes, graph, node]
+    events: list = dataclasses.field(default_factory=list)  # [lane, name, start, dur, unit]
+    symbolic: dict = dataclasses.field(default_factory=dict)  # {"memory": expr, "time": expr}
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
-        return cls(
-            world_size=d["world_size"],
-            units=[UnitInfo(**u) for u in d["units"]],
-            schedule=[ScheduleEntry(**e) for e in d["schedule"]],
-        )
+        d["units"] = [UnitInfo(**u) for u in d["units"]]
+        d["schedule"] = [ScheduleEntry(**e) for e in d["schedule"]]
+        return cls(**d)
+
+    def pinned_units(self) -> list:
+        """The units as lists of FQNs, for ``Config(units=...)``: pins this plan's grouping."""
+        return [list(u.fqns) for u in self.units]
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes)) for u in self.units]
@@ -80,13 +92,99 @@ class Plan:
             rows, headers=["#", "pass", "unit", "op", "bytes", "placed after", "module"]
         )
 
+    def summary_table(self) -> str:
+        p = self.predicted
+        if not p:
+            return "(no prediction)"
+        rows = [
+            ("device profile", self.device.get("name", "?")),
+            ("world size", self.world_size),
+            ("policy", self.policy),
+            ("units", len(self.units)),
+            ("predicted step time", f"{p['step_s'] * 1e3:.3f} ms"),
+            ("  compute", f"{p['compute_s'] * 1e3:.3f} ms"),
+            ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),
+            ("communication per step (buffers)", _fmt_bytes(p["comm_bytes"])),
+            ("sent per rank per step", _fmt_bytes(p["sent_bytes"])),
+            ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
+            ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
+            ("  memory budget", _fmt_bytes(self.memory_budget)),
+        ]
+        for k, v in self.symbolic.items():
+            rows.append((f"{k} (symbolic)", v))
+        return tabulate(rows, tablefmt="plain")
+
     def comm_bytes(self) -> int:
         return sum(e.bytes for e in self.schedule if e.op in ("all_gather", "reduce_scatter"))
+
+    def to_chrome_trace(self, path) -> None:
+        """Write a Chrome/Perfetto trace: compute and communication lanes and a memory
+        counter track, from the predicted timeline."""
+        us = 1e6
+        ev = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank (predicted)"}},
+              {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "compute"}},
+              {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1,
+               "args": {"name": "communication"}}]
+        for lane, name, start, dur, unit in self.events:
+            ev.append({"ph": "X", "pid": 0, "tid": 0 if lane == "compute" else 1, "name": name,
+                       "ts": start * us, "dur": max(dur * us, 0.001), "args": {"unit": unit}})
+        last = None
+        for t, b, graph, node in self.memory_timeline:
+            if b != last:
+                ev.append({"ph": "C", "pid": 0, "name": "memory", "ts": t * us,
+                           "args": {"MiB": b / 2**20}})
+                last = b
+        with open(path, "w") as f:
+            json.dump({"traceEvents": ev, "displayTimeUnit": "ms"}, f)
+
+    def memory_plot(self, path) -> None:
+        """Draw the predicted per-rank memory over the step (needs matplotlib)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise ImportError("memory_plot needs matplotlib: pip install 'autoshard[plot]'") from e
+        xs = list(range(len(self.memory_timeline)))
+        ys = [b / 2**20 for _, b, _, _ in self.memory_timeline]
+        fig, ax = plt.subplots(figsize=(10, 4))
+        ax.plot(xs, ys, lw=1)
+        n_fwd = sum(1 for _, _, g, _ in self.memory_timeline if g == "fwd")
+        ax.axvline(n_fwd, color="gray", ls="--", lw=0.8)
+        ax.text(n_fwd, max(ys, default=0), " backward", va="top", fontsize=8)
+        if self.memory_budget:
+            ax.axhline(self.memory_budget / 2**20, color="red", lw=0.8)
+        ax.set_xlabel("graph node (forward, then backward)")
+        ax.set_ylabel("MiB per rank")
+        ax.set_title(f"predicted memory, world size {self.world_size}, {len(self.units)} units")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    def max_batch_size(self, memory_budget=None, seq_len=None) -> int:
+        """The largest batch whose predicted peak fits ``memory_budget`` (default: the plan's),
+        from the symbolic memory expression."""
+        import sympy
+
+        from autoshard.config import parse_bytes
+
+        if "memory" not in self.symbolic:
+            raise ValueError("this plan has no symbolic memory; make it with "
+                             "autoshard.plan(..., make_inputs=fn) to fit one")
+        budget = parse_bytes(memory_budget) or self.memory_budget
+        batch, seq = sympy.symbols("batch seq", positive=True)
+        expr = sympy.sympify(self.symbolic["memory"], locals={"batch": batch, "seq": seq})
+        expr = expr.subs(seq, seq_len if seq_len is not None else self.symbolic["seq_at"])
+        sol = sympy.solve(sympy.Eq(expr, budget), batch)
+        if not sol:
+            raise ValueError("the predicted memory does not grow with the batch size")
+        return max(int(math.floor(float(sol[0]))), 0)
 
     def __str__(self) -> str:
         return (
             f"autoshard plan: world size {self.world_size}, {len(self.units)} units\n\n"
-            f"{self.units_table()}\n\n{self.schedule_table()}"
+            f"{self.summary_table()}\n\n{self.units_table()}\n\n{self.schedule_table()}"
         )
 
 
@@ -129,13 +227,26 @@ def read_schedule(graphs) -> list:
     return entries
 
 
-def make_plan(world_size: int, units, specs: dict, graphs) -> Plan:
+def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
+              budget: int = 0, policy: str = "", model_state_bytes: int = 0) -> Plan:
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(_numel(specs[f].shape) * specs[f].dtype.itemsize for f in u.fqns)
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes))
-    return Plan(world_size, infos, read_schedule(graphs))
+    plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget)
+    if profile is not None:
+        plan.device = profile.to_dict()
+    if prediction is not None:
+        p = prediction
+        plan.predicted = {
+            "step_s": p.total, "compute_s": p.compute, "exposed_comm_s": p.exposed_comm,
+            "peak_bytes": p.peak_bytes, "peak_at": p.peak_at, "comm_bytes": p.comm_bytes,
+            "sent_bytes": p.sent_bytes, "model_state_bytes": model_state_bytes,
+        }
+        plan.memory_timeline = p.timeline
+        plan.events = p.events
+    return plan
 
 
 def _numel(shape) -> int:

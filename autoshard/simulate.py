@@ -64,60 +64,62 @@ class _Storages:
             self.bytes[sid] = 0
 
 
-def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
-             static_bytes: int, n_user_outputs: int) -> Prediction:
-    """``static_bytes``: what each rank holds throughout the step (parameter shards, optimizer
-    state, buffers, inputs); the forward's first ``n_user_outputs`` outputs are the user's."""
-    mem = _Storages(static_bytes)
-    clock = {"compute": 0.0, "comm": 0.0, "exposed": 0.0, "busy": 0.0}
-    pending, timeline, events = {}, [], []
-    totals = {"comm": 0, "sent": 0}
-    peak = [static_bytes, "start"]
-    group = []  # the open compute group, [lane, name, start, dur, unit]
+class _Sim:
+    """One predicted run: a compute clock, a communication clock, and the live storages."""
 
-    def close_group():
-        if group and group[0][3] > 0:
-            events.append(group[0])
-        group.clear()
+    def __init__(self, profile: DeviceProfile, world_size: int, static_bytes: int):
+        self.profile, self.world = profile, world_size
+        self.mem = _Storages(static_bytes)
+        self.tc = self.tq = self.busy = self.exposed = 0.0
+        self.pending, self.timeline, self.events, self.group = {}, [], [], None
+        self.comm = self.sent = 0
+        self.peak, self.peak_at = static_bytes, "start"
 
-    def step_time(n, gname):
+    def close_group(self):
+        if self.group is not None and self.group[3] > 0:
+            self.events.append(self.group)
+        self.group = None
+
+    def step_time(self, n: fx.Node, gname: str):
         kind = meta.tag(n, meta.COMM)
         if kind in meta.COLLECTIVE_ISSUES:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
-            dur = collective_time(size, world_size, profile)
-            start = max(clock["compute"], clock["comm"])
-            clock["comm"] = pending[n] = start + dur
-            totals["comm"] += size
-            totals["sent"] += size * (world_size - 1) // world_size
-            events.append(["comm", f"{kind} unit {meta.tag(n, meta.UNIT)}", start, dur,
-                           meta.tag(n, meta.UNIT)])
+            dur = collective_time(size, self.world, self.profile)
+            start = max(self.tc, self.tq)
+            self.tq = self.pending[n] = start + dur
+            self.comm += size
+            self.sent += size * (self.world - 1) // self.world
+            self.events.append(["comm", f"{kind} unit {meta.tag(n, meta.UNIT)}", start, dur,
+                                meta.tag(n, meta.UNIT)])
         elif kind in (meta.AG_WAIT, meta.RS_WAIT):
-            end = pending.get(n.args[0], 0.0)
-            if end > clock["compute"]:
-                clock["exposed"] += end - clock["compute"]
-                close_group()
-                clock["compute"] = end
+            end = self.pending.get(n.args[0], 0.0)
+            if end > self.tc:
+                self.exposed += end - self.tc
+                self.close_group()
+                self.tc = end
         else:
-            dur = node_time(n, profile)
+            dur = node_time(n, self.profile)
             if dur:
                 name = f"{gname}:{meta.tag(n, meta.MODULE) or '-'}"
-                if not group or group[0][1] != name:
-                    close_group()
-                    group.append(["compute", name, clock["compute"], 0.0, meta.tag(n, meta.UNIT)])
-                group[0][3] += dur
-                clock["compute"] += dur
-                clock["busy"] += dur
+                if self.group is None or self.group[1] != name:
+                    self.close_group()
+                    self.group = ["compute", name, self.tc, 0.0, meta.tag(n, meta.UNIT)]
+                self.group[3] += dur
+                self.tc += dur
+                self.busy += dur
 
-    def run(gm, gname, sids):
-        """Run one graph; ``sids`` maps its placeholders to storages already held (or None
-        for static ones). Returns (output nodes, their storage ids)."""
+    def run(self, gm: fx.GraphModule, gname: str, sids: dict, hold_outputs: bool = True):
+        """Run one graph; ``sids`` maps its placeholders to storages already held (None for
+        static ones). Returns the storage held for each returned value (one reference per
+        returned position), or nothing when ``hold_outputs`` is False."""
+        mem = self.mem
         nodes = list(gm.graph.nodes)
         last = {}
         for i, n in enumerate(nodes):
             for a in n.all_input_nodes:
                 last[a] = i
         out = nodes[-1]
-        returned = set(out.all_input_nodes)
+        returned = set(out.all_input_nodes) if hold_outputs else set()
         for i, n in enumerate(nodes):
             if n.op == "placeholder":
                 if sids.get(n) is not None and not n.users:
@@ -125,7 +127,7 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
                 continue
             if n.op == "output":
                 break
-            step_time(n, gname)
+            self.step_time(n, gname)
             if meta.is_free(n):
                 for t in n.args[0]:
                     mem.free(sids[t])
@@ -134,18 +136,19 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
                 sids[n] = sids.get(src) if src is not None else n
                 if sids[n] is not None:
                     mem.acquire(sids[n], _size(n))
-            timeline.append([clock["compute"], mem.total, gname, n.name])
-            if mem.total > peak[0]:
-                peak[0], peak[1] = mem.total, f"{gname}:{n.name}"
+            self.timeline.append([self.tc, mem.total, gname, n.name])
+            if mem.total > self.peak:
+                self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
             if not n.users and sids.get(n) is not None and n not in returned:
                 mem.release(sids[n])
             for a in n.all_input_nodes:
                 if last.get(a) == i and a not in returned and sids.get(a) is not None:
                     mem.release(sids[a])
-        close_group()
-        values = [a for a in out.args[0]]
-        held = [sids.get(a) if isinstance(a, fx.Node) else None for a in values]
-        for sid in held:  # one reference per returned position
+        self.close_group()
+        if not hold_outputs:
+            return []
+        held = [sids.get(a) if isinstance(a, fx.Node) else None for a in out.args[0]]
+        for sid in held:
             if sid is not None:
                 mem.acquire(sid, 0)
         for n in returned:  # the values themselves die with the graph
@@ -153,29 +156,47 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
                 mem.release(sids[n])
         return held
 
-    fwd_sids = {n: None for n in fwd.graph.nodes if n.op == "placeholder"}
-    held = run(fwd, "fwd", fwd_sids)
+    def prediction(self) -> Prediction:
+        return Prediction(
+            compute=self.busy, exposed_comm=self.exposed, total=self.tc,
+            peak_bytes=self.peak, peak_at=self.peak_at, timeline=self.timeline,
+            events=self.events, comm_bytes=self.comm, sent_bytes=self.sent,
+        )
+
+
+def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
+             static_bytes: int, n_user_outputs: int) -> Prediction:
+    """``static_bytes``: what each rank holds throughout the step (parameter shards, optimizer
+    state, buffers, inputs); the forward's first ``n_user_outputs`` outputs are the user's."""
+    sim = _Sim(profile, world_size, static_bytes)
+    held = sim.run(fwd, "fwd", {n: None for n in fwd.graph.nodes if n.op == "placeholder"})
     user, rest = held[:n_user_outputs], held[n_user_outputs:]
     if bwd is not None:
         phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-        n_saved = len(phs) - sum(meta.is_tangent(p) for p in phs)
-        mutated = rest[: len(rest) - n_saved]
-        saved = rest[len(rest) - n_saved:]
-        for sid in mutated:  # copied into the buffers, then dropped
+        tangents = [p for p in phs if meta.is_tangent(p)]
+        n_saved = len(phs) - len(tangents)
+        for sid in rest[: len(rest) - n_saved]:  # mutated buffers: copied in, then dropped
             if sid is not None:
-                mem.release(sid)
-        bwd_sids = {}
-        for p, sid in zip(phs[:n_saved], saved):
-            bwd_sids[p] = sid
-        for p in phs[n_saved:]:  # tangents: made by the loss's backward
-            bwd_sids[p] = ("tangent", p.name)
-            mem.acquire(bwd_sids[p], _size(p))
-        run(bwd, "bwd", bwd_sids)
+                sim.mem.release(sid)
+        sids = dict(zip(phs[:n_saved], rest[len(rest) - n_saved:]))
+        for p in tangents:  # made by the loss's backward
+            sids[p] = ("tangent", p.name)
+            sim.mem.acquire(sids[p], _size(p))
+        sim.run(bwd, "bwd", sids)
     for sid in user:
         if sid is not None:
-            mem.release(sid)
-    return Prediction(
-        compute=clock["busy"], exposed_comm=clock["exposed"], total=clock["compute"],
-        peak_bytes=peak[0], peak_at=peak[1], timeline=timeline, events=events,
-        comm_bytes=totals["comm"], sent_bytes=totals["sent"],
-    )
+            sim.mem.release(sid)
+    return sim.prediction()
+
+
+def activation_peak(joint: fx.GraphModule) -> int:
+    """Peak bytes of everything but the parameters over the joint graph (before collectives):
+    what a step holds besides the model state and the gathered units."""
+    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 1, 0)
+    sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
+    for n in sids:
+        if meta.is_tangent(n):
+            sids[n] = n
+            sim.mem.acquire(n, _size(n))
+    sim.run(joint, "joint", sids, hold_outputs=False)
+    return sim.peak

@@ -34,7 +34,11 @@ class PassContext:
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
     reshard_after_forward: bool = True
+    profile: Any = None  # autoshard.cost.DeviceProfile, for cost-based decisions
+    memory_budget: int = 0  # bytes per rank
+    static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     units: Optional[list] = None  # list[Unit], set by assign_units
+    auto_cap: Optional[int] = None  # the "auto" policy's largest allowed unit, in bytes
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
 
@@ -77,9 +81,14 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_eac
     return gm
 
 
-def default_passes(config) -> list:
+def default_passes(config, **unit_options) -> list:
+    units = {
+        "units": config.units, "policy": config.policy, "module_classes": config.module_classes,
+        "module_pattern": config.module_pattern, "min_unit_numel": config.min_unit_numel,
+        **unit_options,
+    }
     return [
-        (assign_units_pass, {"units": config.units, "policy": config.policy}),
+        (assign_units_pass, units),
         (insert_collectives_pass, {}),
         (split_pass, {}),
     ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import torch
 import torch.fx as fx
@@ -43,23 +45,70 @@ def repeated_blocks(model: torch.nn.Module) -> list:
     return found
 
 
+def _first_use_order(gm: fx.GraphModule) -> list:
+    """Parameter placeholders in order of first use (unused ones last), ties by FQN order."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    phs = [n for n in gm.graph.nodes if meta.is_param(n)]
+    end = len(pos)
+    return sorted(phs, key=lambda n: (min((pos[u] for u in n.users), default=end), pos[n]))
+
+
+def _module_groups(model, order, options) -> list:
+    classes, pattern = options.get("module_classes"), options.get("module_pattern")
+    if classes or pattern:
+        rx = re.compile(pattern) if pattern else None
+        paths = []
+        for name, mod in model.named_modules():
+            if not name or any(name.startswith(p + ".") for p in paths):
+                continue
+            if (classes and type(mod).__name__ in classes) or (rx and rx.fullmatch(name)):
+                paths.append(name)
+    else:
+        paths = repeated_blocks(model)
+    taken, groups = set(), []
+    for path in paths:
+        fq = [f for f in order if f.startswith(path + ".") and f not in taken]
+        if fq:
+            taken.update(fq)
+            groups.append((path, fq))
+    return groups
+
+
+def _size_groups(order, numel, min_numel) -> list:
+    groups, cur, n = [], [], 0
+    for f in order:
+        cur.append(f)
+        n += numel[f]
+        if n >= min_numel:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        if groups:
+            groups[-1].extend(cur)
+        else:
+            groups.append(cur)
+    return [(f"size{i}", g) for i, g in enumerate(groups)]
+
+
 def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     """Group parameters into units and tag each parameter placeholder with its unit.
 
     Needs: parameter placeholders tagged ``role=param`` with their ``fqn`` (capture).
-    Options: ``units`` — explicit lists of FQNs (any tied alias accepted), or ``policy`` —
-    "module": each repeated block of a ModuleList/Sequential is a unit.
-    Guarantees: every parameter is in exactly one unit; parameters nobody named form the
-    "root" unit; units are numbered in order of first use in the graph, ties by FQN order.
+    Options: ``units`` — explicit lists of FQNs (any tied alias accepted), or ``policy``:
+    "auto" (see ``auto_units``), "module", "size", "per-parameter", "whole-model".
+    Guarantees: every parameter is in exactly one unit; parameters no explicit unit or module
+    names form the "root" unit; units are numbered in order of first use in the graph.
     Never changes the graph's nodes.
     """
-    phs = [n for n in gm.graph.nodes if meta.is_param(n)]
+    phs = _first_use_order(gm)
     order = [meta.tag(n, meta.FQN) for n in phs]
     canonical = {f: f for f in order}
     canonical.update({k: v for k, v in ctx.fqn_aliases.items() if v in canonical})
+    specs = {p.fqn: p for p in ctx.captured.params}
 
     groups = []  # (name, fqns)
     explicit = options.get("units")
+    policy = options.get("policy", "module")
     if explicit is not None:
         seen = {}
         for i, unit in enumerate(explicit):
@@ -79,28 +128,27 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                 seen[c] = i
                 fq.append(c)
             groups.append((f"unit{i}", fq))
-    elif ctx.model is not None:
-        taken = set()
-        for path in repeated_blocks(ctx.model):
-            fq = [f for f in order if f.startswith(path + ".") and f not in taken]
-            if fq:
-                taken.update(fq)
-                groups.append((path, fq))
+    elif policy == "module" and ctx.model is not None:
+        groups = _module_groups(ctx.model, order, options)
+    elif policy == "size":
+        numel = {f: math.prod(specs[f].shape) for f in order}
+        groups = _size_groups(order, numel, options.get("min_unit_numel", 10**8))
+    elif policy == "per-parameter":
+        groups = [(f, [f]) for f in order]
+    elif policy == "whole-model":
+        groups = [("model", list(order))]
+    elif policy == "auto":
+        from autoshard.passes.auto import auto_units
+
+        groups = auto_units(gm, ctx, order, options)
     assigned = {f for _, fq in groups for f in fq}
     rest = [f for f in order if f not in assigned]
     if rest:
         groups.append(("root", rest))
 
-    # number units by first use (graph order), so the schedule reads top to bottom
-    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
-    by_fqn = dict(zip(order, phs))
-    end = len(pos)
-
-    def first_use(fq):
-        return min((min((pos[u] for u in by_fqn[f].users), default=end) for f in fq), default=end)
-
     rank = {f: i for i, f in enumerate(order)}
-    groups.sort(key=lambda g: (first_use(g[1]), min(rank[f] for f in g[1])))
+    groups.sort(key=lambda g: min(rank[f] for f in g[1]))
+    by_fqn = {meta.tag(n, meta.FQN): n for n in phs}
     ctx.units = []
     for i, (name, fq) in enumerate(groups):
         fq = sorted(fq, key=rank.__getitem__)

@@ -66,14 +66,17 @@ def _train(model, name, rank, world, replica=None):
 
 
 def parity_worker(rank, world, names):
+    """Each model with one unit per repeated block (the module policy), and the GPT also with
+    the default "auto" policy."""
     results = {}
-    for name in names:
+    for key in names + ["gpt:auto"]:
+        name, _, policy = key.partition(":")
         model = build(name)
         replica = copy.deepcopy(model) if any(True for _ in model.buffers()) else None
-        sharded = autoshard(model, config=Config(verify=True))
+        sharded = autoshard(model, config=Config(policy=policy or "module", verify=True))
         losses, buf_diff = _train(sharded, name, rank, world, replica)
         full = sharded.full_state_dict()
-        results[name] = {
+        results[key] = {
             "losses": losses,
             "params": full if rank == 0 else None,
             "buf_diff": buf_diff,

@@ -23,23 +23,24 @@ def world_results(request):
     return request.param, run_ranks(request.param, parity_worker, NAMES)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_matches_eager(world_results, name):
+@pytest.mark.parametrize("key", NAMES + ["gpt:auto"])
+def test_matches_eager(world_results, key):
     world, results = world_results
+    name = key.partition(":")[0]
     torch.set_num_threads(1)  # the ranks run single-threaded; keep reductions alike
     ref_losses, ref_state = reference(name, world)
-    got = results[0][name]
+    got = results[0][key]
     dloss = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
     assert dloss <= TOL, f"{name} world {world}: max |Δloss| {dloss:.3g}"
     params = {k for k, _ in _named_params(name)}
     dparam = max((got["params"][k] - ref_state[k]).abs().max().item() for k in params)
     assert dparam <= TOL, f"{name} world {world}: max |Δparam| {dparam:.3g}"
     # buffers mutated in forward (BatchNorm) equal an eager replica on every rank
-    assert max(r[name]["buf_diff"] for r in results) <= TOL
+    assert max(r[key]["buf_diff"] for r in results) <= TOL
     # every rank holds only its shard
     total = sum(ref_state[k].numel() for k in params)
     for r in results:
-        assert r[name]["local_numel"] <= total // world + 64 * len(params)
+        assert r[key]["local_numel"] <= total // world + 64 * len(params)
 
 
 def _named_params(name):
