@@ -1,9 +1,66 @@
-"""Command line: ``python -m autoshard demo``."""
+"""Command line: ``python -m autoshard demo`` and ``python -m autoshard plan``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
+import time
+
+
+def _factory(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"expected MODULE:FACTORY (e.g. examples.gpt_shapes:gpt_175b), got {spec!r}")
+    mod, _, name = spec.partition(":")
+    sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"cannot load {spec}: {e}") from e
+    return fn
+
+
+def _plan(args) -> int:
+    import torch
+
+    import autoshard
+    from autoshard.config import Config
+
+    t0 = time.perf_counter()
+
+    def progress(msg):
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    factory = _factory(args.factory)
+    progress(f"building {args.factory} on the meta device")
+    with torch.device("meta"):
+        model = factory()
+    make = getattr(factory, "example_inputs", None) or (
+        lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
+    config = Config(policy=args.policy, memory_budget=args.memory_budget,
+                    device_profile=args.device_profile)
+    if args.symbolic:
+        plan = autoshard.plan(model, world_size=args.world_size, config=config,
+                              make_inputs=make, batch=args.batch, seq=args.seq,
+                              progress=progress)
+    else:
+        plan = autoshard.plan(model, make(args.batch, args.seq), world_size=args.world_size,
+                              config=config, progress=progress)
+    progress("done")
+    if args.summary_only:
+        print(plan.summary_table() + "\n\n" + plan.units_table())
+    else:
+        print(plan)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+    if args.trace:
+        plan.to_chrome_trace(args.trace)
+    if args.plot:
+        plan.memory_plot(args.plot)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -13,12 +70,29 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=8)
     demo.add_argument("--world-size", type=int, default=2)
     demo.add_argument("--layers", type=int, default=2)
+    pl = sub.add_parser("plan", help="plan a model for any world size on this machine")
+    pl.add_argument("factory", help="MODULE:FACTORY returning an nn.Module")
+    pl.add_argument("--world-size", type=int, default=8)
+    pl.add_argument("--batch", type=int, default=1, help="per-rank batch")
+    pl.add_argument("--seq", type=int, default=2048)
+    pl.add_argument("--device-profile", default="h100")
+    pl.add_argument("--memory-budget", default=None, help="per rank, e.g. 80GiB")
+    pl.add_argument("--policy", default="auto",
+                    choices=["auto", "module", "size", "per-parameter", "whole-model"])
+    pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
+    pl.add_argument("--json", help="write the plan as JSON here")
+    pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")
+    pl.add_argument("--symbolic", action="store_true",
+                    help="fit memory and time in batch and seq (two more traces)")
+    pl.add_argument("--summary-only", action="store_true", help="no schedule table")
+    pl.add_argument("--quiet", action="store_true", help="no progress lines")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from autoshard.demo import main as demo_main
 
         demo_main(steps=args.steps, world=args.world_size, layers=args.layers)
-    return 0
+        return 0
+    return _plan(args)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,15 @@ class ShardedModule(torch.nn.Module):
         """The ordered collectives of the compiled program as a table."""
         return self.plan.schedule_table()
 
+    def record(self, optimizer=None, *inputs):
+        """Context manager recording one step run inside it: the communication events in
+        order and this rank's live bytes (``autoshard.runtime.record``). Pass the optimizer
+        and the step's input tensors so the baseline counts their bytes."""
+        from autoshard.runtime.record import record
+
+        extra = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+        return record(self, optimizer, extra_bytes=extra)
+
     def full_state_dict(self) -> dict:
         """Full (gathered) tensors under the original keys, on every rank."""
         return full_state_dict(self)
@@ -242,22 +251,65 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
     return prog
 
 
-def plan(model: torch.nn.Module, example_inputs, *, world_size: int, config=None,
-         device="cpu") -> Plan:
+def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config=None,
+         device="cpu", make_inputs=None, batch: Optional[int] = None,
+         seq: Optional[int] = None, progress=None) -> Plan:
     """The plan autoshard would run for ``model`` on ``world_size`` ranks, computed in this
     process on fake tensors: no process group, no parameter memory (the model may live on the
-    meta device)."""
+    meta device).
+
+    make_inputs: ``fn(batch, seq) -> inputs``; with it (and ``batch``, ``seq``) the plan also
+    gets memory and time as sympy expressions in batch and seq, fitted from traces at
+    (batch, seq), (2 batch, seq) and (batch, 2 seq) with the units held fixed:
+    ``a + batch * (b * seq + c * seq**2)``, exact for transformer activations (linear in the
+    batch, linear plus attention-quadratic in the sequence). ``plan.max_batch_size(budget)``
+    then answers without running.
+    """
     if isinstance(model, ShardedModule):
         raise ValueError("plan() takes the unsharded model; a ShardedModule has .plan")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    args, kwargs = _split_inputs(example_inputs)
+    if make_inputs is not None:
+        if batch is None or seq is None:
+            raise ValueError("plan(make_inputs=...) needs batch= and seq= to start from")
+        example_inputs = make_inputs(batch, seq)
+    if example_inputs is None:
+        raise ValueError("plan() needs example_inputs, or make_inputs with batch and seq")
     config = config if config is not None else Config()
-    _, _, p = compile_step(
-        model, type(model).forward, args, kwargs, world_size=world_size,
-        group_name="plan", device=torch.device(device), config=config,
-    )
+    device = torch.device(device)
+
+    def one(inputs, cfg):
+        args, kwargs = _split_inputs(inputs)
+        return compile_step(model, type(model).forward, args, kwargs, world_size=world_size,
+                            group_name="plan", device=device, config=cfg,
+                            progress=progress)[2]
+
+    p = one(example_inputs, config)
+    if make_inputs is not None:
+        pinned = dataclasses.replace(config, units=p.pinned_units())
+        if progress:
+            progress("fitting memory and time in batch and seq (two more traces)")
+        p2 = one(make_inputs(2 * batch, seq), pinned)
+        p3 = one(make_inputs(batch, 2 * seq), pinned)
+        p.symbolic = _fit(p, p2, p3, batch, seq)
     return p
+
+
+def _fit(p1: Plan, p2: Plan, p3: Plan, batch: int, seq: int) -> dict:
+    import sympy
+
+    b, s = sympy.symbols("batch seq", positive=True)
+    out = {"batch_at": batch, "seq_at": seq,
+           "method": "fit a + batch*(b*seq + c*seq**2) to traces at (B,S), (2B,S), (B,2S)"}
+    for key, field in (("memory", "peak_bytes"), ("time", "step_s")):
+        m1, m2, m3 = (float(p.predicted[field]) for p in (p1, p2, p3))
+        k1, k2 = (m2 - m1) / batch, (m3 - m1) / batch
+        c = (k2 - k1) / (2 * seq**2)
+        lin = (k1 - c * seq**2) / seq
+        a = m1 - batch * k1
+        out[key] = str(sympy.Float(a, 8) + b * (sympy.Float(lin, 6) * s
+                                                 + sympy.Float(c, 6) * s**2))
+    return out
 
 
 def _split_inputs(example_inputs):

@@ -206,7 +206,7 @@ def capture(
     _capturing.on = True
     try:
         with _compat.preserve_node_meta():
-            gm = _compat.make_fx(joint, tracing_mode="fake", record_stack_traces=True)(*fparams, *fbufs, *finputs)
+            gm = _compat.make_fx(joint, tracing_mode="fake")(*fparams, *fbufs, *finputs)
     except AutoshardError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation

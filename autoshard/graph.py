@@ -142,20 +142,40 @@ def last_use(root: fx.Node, pos: dict) -> tuple:
 # --- splicing traced rewrites -----------------------------------------------------------------
 
 
+_TRACES: dict = {}
+
+
+def _val_key(v):
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.dtype, tuple(v.stride()), str(v.device))
+    return ("C", repr(v))
+
+
 def splice(
     gm: fx.GraphModule,
     fn: Callable,
     args: Sequence,
     before: fx.Node,
     tag: Callable[[fx.Node], dict] | dict,
+    key=None,
 ):
     """Trace ``fn`` with make_fx on the fake values of ``args`` and insert its nodes before
     ``before``. Every new node keeps its ``meta["val"]`` and gets the tags ``tag`` gives it.
     Returns ``(outputs, new_nodes)``: ``fn``'s outputs mapped to the new nodes (same
-    structure), and every node inserted, in order."""
+    structure), and every node inserted, in order.
+
+    ``key``: a hashable naming everything ``fn`` closes over; with it, the trace is reused for
+    any later call with the same key and input metadata (repeated blocks trace once)."""
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
     node_args = [a for a in args if isinstance(a, fx.Node)]
-    sub = make_fx(fn, tracing_mode="fake")(*vals)
+    cache_key = None if key is None else (key, tuple(_val_key(v) for v in vals))
+    sub = _TRACES.get(cache_key) if cache_key is not None else None
+    if sub is None:
+        sub = make_fx(fn, tracing_mode="fake")(*vals)
+        if cache_key is not None:
+            if len(_TRACES) > 4096:
+                _TRACES.clear()
+            _TRACES[cache_key] = sub
     env = {}
     ph = iter(node_args)
     new_nodes = []

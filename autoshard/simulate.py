@@ -114,11 +114,13 @@ class _Sim:
         returned position), or nothing when ``hold_outputs`` is False."""
         mem = self.mem
         nodes = list(gm.graph.nodes)
+        out = nodes[-1]
         last = {}
         for i, n in enumerate(nodes):
+            if n is out and not hold_outputs:
+                break  # what only the output reads dies as soon as it is made
             for a in n.all_input_nodes:
                 last[a] = i
-        out = nodes[-1]
         returned = set(out.all_input_nodes) if hold_outputs else set()
         for i, n in enumerate(nodes):
             if n.op == "placeholder":
@@ -139,7 +141,7 @@ class _Sim:
             self.timeline.append([self.tc, mem.total, gname, n.name])
             if mem.total > self.peak:
                 self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
-            if not n.users and sids.get(n) is not None and n not in returned:
+            if n not in last and sids.get(n) is not None and n not in returned:
                 mem.release(sids[n])
             for a in n.all_input_nodes:
                 if last.get(a) == i and a not in returned and sids.get(a) is not None:

@@ -53,19 +53,39 @@ def group_cost(fqns, specs, world: int, profile) -> float:
 
 
 def _dp(order, specs, world, profile, cap):
+    """Exact DP over contiguous groups; segment costs from per-dtype prefix sums."""
     n = len(order)
-    sizes = [unit_bytes([f], specs, world) for f in order]
+    dtypes = sorted({specs[f].dtype for f in order}, key=str)
+    ag = {d: [0] * (n + 1) for d in dtypes}  # prefix sums of gathered bytes per dtype
+    rs = {d: [0] * (n + 1) for d in dtypes}  # ... and of reduce-scattered bytes
+    size = [0] * (n + 1)
+    for k, f in enumerate(order):
+        spec, b = specs[f], unit_bytes([f], specs, world)
+        for d in dtypes:
+            ag[d][k + 1], rs[d][k + 1] = ag[d][k], rs[d][k]
+        if spec.shape:
+            ag[spec.dtype][k + 1] += b
+        if spec.requires_grad:
+            rs[spec.dtype][k + 1] += b if spec.shape else world * spec.dtype.itemsize
+        size[k + 1] = size[k] + b
+
+    def seg(j, i):
+        c = 0.0
+        for d in dtypes:
+            a, r = ag[d][i] - ag[d][j], rs[d][i] - rs[d][j]
+            if a:
+                c += 2 * collective_time(a, world, profile)
+            if r:
+                c += collective_time(r, world, profile)
+        return c
+
     best = [0.0] + [math.inf] * n
     cut = [0] * (n + 1)
     for i in range(1, n + 1):
-        size = 0
         for j in range(i - 1, -1, -1):
-            size += sizes[j]
-            if size > cap and j < i - 1:
+            if size[i] - size[j] > cap and j < i - 1:
                 break
-            if best[j] == math.inf:
-                continue
-            c = best[j] + group_cost(order[j:i], specs, world, profile)
+            c = best[j] + seg(j, i)
             if c < best[i]:
                 best[i], cut[i] = c, j
     groups, i = [], n

@@ -199,10 +199,13 @@ def _gather(gm, unit, region, fqns, phs, layouts, N, group, keep):
             off += lay.local_numel
         return fulls
 
+    key = ("ag", N, group, tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, _AG, meta.AG_ISSUE, meta.AG_PACK)
-    handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag)
-    waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region))
-    fulls, n3 = splice(gm, unpack, [waited], first, _plain_tags(meta.AG_UNPACK, unit, region))
+    handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag, key=key + ("issue",))
+    waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region),
+                        key=("wait",))
+    fulls, n3 = splice(gm, unpack, [waited], first, _plain_tags(meta.AG_UNPACK, unit, region),
+                       key=key + ("unpack",))
     for f, full in zip(fqns, fulls):
         for u in users:
             u.replace_input_with(phs[f], full)
@@ -238,8 +241,11 @@ def _reduce(gm, unit, grads, lays, N, group):
                 off += 1
         return outs
 
+    key = ("rs", N, group, tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, meta.BWD, _RS, meta.RS_ISSUE, meta.RS_PACK)
-    handle, n1 = splice(gm, issue, grads, before, tag)
-    waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD))
-    locals_, n3 = splice(gm, unpack, [waited], before, _plain_tags(meta.RS_UNPACK, unit, meta.BWD))
+    handle, n1 = splice(gm, issue, grads, before, tag, key=key + ("issue",))
+    waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD),
+                        key=("wait",))
+    locals_, n3 = splice(gm, unpack, [waited], before,
+                         _plain_tags(meta.RS_UNPACK, unit, meta.BWD), key=key + ("unpack",))
     return locals_, n1 + n2 + n3
