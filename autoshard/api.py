@@ -16,7 +16,6 @@ from autoshard import meta
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.cost import get_profile
 from autoshard.graph import clone_graph
-from autoshard.passes.auto import unit_bytes
 from autoshard.passes.collectives import ShardLayout
 from autoshard.plans import Plan, _fmt_bytes, make_plan
 from autoshard.simulate import simulate
@@ -146,9 +145,9 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
 
-    With policy "auto", a plan whose predicted peak exceeds the budget is re-planned with
-    smaller units; if even one unit per parameter does not fit, AutoshardError says the
-    smallest budget that would.
+    With policy "auto", candidate groupings are tried fastest first until one's predicted peak
+    fits the budget (``autoshard.passes.auto``); if even one unit per parameter does not fit,
+    AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
     specs = [
@@ -170,7 +169,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     replan = config.policy == "auto" and config.units is None
     pristine = clone_graph(cap.gm) if replan else None
     unit_options = {}
-    for attempt in range(4):
+    for attempt in range(64):
         gm = clone_graph(pristine) if attempt else cap.gm
         ctx = PassContext(
             captured=cap, world_size=world_size, group_name=group_name, model=model,
@@ -187,14 +186,9 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         say("predicting time and memory")
         pred = simulate(split.fwd, split.bwd, profile, world_size,
                         state["params"] + state["optimizer"] + buffers + inputs, n_user)
-        if not replan or pred.peak_bytes <= budget:
+        if not replan or pred.peak_bytes <= budget or ctx.auto_tries_left == 0:
             break
-        if ctx.auto_cap == 0 or attempt == 3:
-            break
-        largest = max(unit_bytes(u.fqns, {p.fqn: p for p in specs}, world_size)
-                      for u in ctx.units)
-        over = pred.peak_bytes - budget
-        unit_options = {"max_unit_bytes": max(min(ctx.auto_cap, largest) - over, 0)}
+        unit_options = {"candidate": attempt + 1}  # the next fastest candidate
     cap.gm = gm
     plan = make_plan(
         world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
@@ -203,7 +197,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
     )
     if replan and pred.peak_bytes > budget:
-        smallest = _smallest_peak(model, forward, args, kwargs, world_size, device, config)
+        smallest = pred.peak_bytes  # the last candidate tried is one unit per parameter
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
             f"{world_size} ranks: the smallest plan autoshard can make (one unit per "
@@ -211,13 +205,6 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             "least that, shard over more ranks, or use a smaller batch."
         )
     return cap, ctx, plan
-
-
-def _smallest_peak(model, forward, args, kwargs, world_size, device, config) -> int:
-    finest = dataclasses.replace(config, policy="per-parameter", memory_budget=None)
-    _, _, p = compile_step(model, forward, args, kwargs, world_size=world_size,
-                           group_name="plan", device=device, config=finest)
-    return p.predicted["peak_bytes"]
 
 
 def model_state_bytes(specs, world_size: int, optimizer_states: int) -> dict:

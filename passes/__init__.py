@@ -38,7 +38,7 @@ class PassContext:
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     units: Optional[list] = None  # list[Unit], set by assign_units
-    auto_cap: Optional[int] = None  # the "auto" policy's largest allowed unit, in bytes
+    auto_tries_left: int = 0  # "auto": how many more candidates compile_step may try
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
 

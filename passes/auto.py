@@ -1,20 +1,23 @@
 """The "auto" unit policy: choose units that minimise predicted step time within the memory
 budget.
 
-Method: exact dynamic programming over contiguous groups of parameters in order of first use.
-With every collective's wait right after its issue (no prefetch), a plan's step time is the
-compute time (the same for every grouping) plus the sum of its collective times, so
-``best[i] = min_j best[j] + cost(params j..i)`` is exact for contiguous groupings, where
-``cost`` counts, per dtype, a forward and a backward all-gather and (for trainable
-parameters) one reduce-scatter, each ``(N - 1) alpha + (N - 1) / N * bytes * beta``.
-Memory: a group is allowed if ``3 * full bytes`` (gathered parameters, their unpacked copies
-or full gradients, and the send buffer, at the backward's worst point) fits in what the budget
-leaves after the model state and the activation peak. Groupings that are not contiguous in use
-order (a module policy's root unit, for one) are also costed, and the cheapest allowed
-grouping of all wins, so "auto" is never predicted slower than a fixed policy that fits.
-Complexity: O(P * K) cost evaluations for P parameters and at most K parameters per allowed
-group (O(P^2) in the worst case), each O(1) with prefix sums; networkx is not needed here
-because the order is a line.
+Method. With every collective's wait right after its issue (no prefetch), a plan's step time
+is the compute time (the same for every grouping) plus the sum of its collective times; one
+unit costs, per dtype, a forward and a backward all-gather and (for trainable parameters) one
+reduce-scatter, each ``(N - 1) alpha + (N - 1) / N * bytes * beta``. So for a cap on unit size
+an exact dynamic program over contiguous groups of parameters in order of first use,
+``best[i] = min_j best[j] + cost(j..i)``, finds the fastest grouping whose units fit the cap.
+The candidates are these DP groupings for a ladder of caps (half the model, a quarter, ...)
+plus the fixed policies' groupings (module, size, per-parameter, whole-model: some are not
+contiguous in use order, like a module policy's root unit). Candidates whose lower bound on
+peak memory (model state plus the larger of the activation peak and the largest unit) exceeds
+the budget are dropped; the rest are tried fastest first through the full pipeline and its
+memory simulation (``compile_step``), and the first that fits wins. So "auto" is never
+predicted slower than a fixed policy that fits, and what it picks is checked, not estimated.
+Complexity: O(P * K) segment evaluations per cap for P parameters and at most K parameters per
+unit (O(P^2) for the largest cap), each O(dtypes) with prefix sums; for graphs over
+``BIG_GRAPH`` nodes at most ``MAX_TRIES`` full pipelines, then the smallest-memory candidate
+(there the guarantee holds among the candidates tried).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import math
 
 from autoshard.cost import collective_time
 from autoshard.passes.collectives import ShardLayout
+
+MAX_TRIES = 6  # full pipelines tried for graphs over BIG_GRAPH nodes; smaller ones try all
+BIG_GRAPH = 5000
 
 
 def unit_bytes(fqns, specs, world: int) -> int:
@@ -34,58 +40,51 @@ def unit_bytes(fqns, specs, world: int) -> int:
     return total
 
 
-def group_cost(fqns, specs, world: int, profile) -> float:
-    """Predicted exposed seconds of one unit's collectives per step."""
-    by_dtype = {}
-    for f in fqns:
-        by_dtype.setdefault(specs[f].dtype, []).append(f)
-    total = 0.0
-    for fs in by_dtype.values():
-        sharded = [f for f in fs if specs[f].shape]
-        if sharded:
-            total += 2 * collective_time(unit_bytes(sharded, specs, world), world, profile)
-        trainable = [f for f in fs if specs[f].requires_grad]
-        if trainable:
-            total += collective_time(
-                sum(unit_bytes([f], specs, world) if specs[f].shape else
-                    world * specs[f].dtype.itemsize for f in trainable), world, profile)
-    return total
+class _Segments:
+    """Collective cost of any contiguous run of parameters, from per-dtype prefix sums."""
 
+    def __init__(self, order, specs, world, profile):
+        n = len(order)
+        self.world, self.profile = world, profile
+        self.dtypes = sorted({specs[f].dtype for f in order}, key=str)
+        self.ag = {d: [0] * (n + 1) for d in self.dtypes}
+        self.rs = {d: [0] * (n + 1) for d in self.dtypes}
+        self.size = [0] * (n + 1)
+        for k, f in enumerate(order):
+            spec, b = specs[f], unit_bytes([f], specs, world)
+            for d in self.dtypes:
+                self.ag[d][k + 1], self.rs[d][k + 1] = self.ag[d][k], self.rs[d][k]
+            if spec.shape:
+                self.ag[spec.dtype][k + 1] += b
+            if spec.requires_grad:
+                self.rs[spec.dtype][k + 1] += b if spec.shape else world * spec.dtype.itemsize
+            self.size[k + 1] = self.size[k] + b
 
-def _dp(order, specs, world, profile, cap):
-    """Exact DP over contiguous groups; segment costs from per-dtype prefix sums."""
-    n = len(order)
-    dtypes = sorted({specs[f].dtype for f in order}, key=str)
-    ag = {d: [0] * (n + 1) for d in dtypes}  # prefix sums of gathered bytes per dtype
-    rs = {d: [0] * (n + 1) for d in dtypes}  # ... and of reduce-scattered bytes
-    size = [0] * (n + 1)
-    for k, f in enumerate(order):
-        spec, b = specs[f], unit_bytes([f], specs, world)
-        for d in dtypes:
-            ag[d][k + 1], rs[d][k + 1] = ag[d][k], rs[d][k]
-        if spec.shape:
-            ag[spec.dtype][k + 1] += b
-        if spec.requires_grad:
-            rs[spec.dtype][k + 1] += b if spec.shape else world * spec.dtype.itemsize
-        size[k + 1] = size[k] + b
-
-    def seg(j, i):
+    def cost(self, j: int, i: int) -> float:
         c = 0.0
-        for d in dtypes:
-            a, r = ag[d][i] - ag[d][j], rs[d][i] - rs[d][j]
+        for d in self.dtypes:
+            a, r = self.ag[d][i] - self.ag[d][j], self.rs[d][i] - self.rs[d][j]
             if a:
-                c += 2 * collective_time(a, world, profile)
+                c += 2 * collective_time(a, self.world, self.profile)
             if r:
-                c += collective_time(r, world, profile)
+                c += collective_time(r, self.world, self.profile)
         return c
 
+
+def group_cost(fqns, specs, world: int, profile) -> float:
+    """Predicted exposed seconds of one unit's collectives per step."""
+    return _Segments(list(fqns), specs, world, profile).cost(0, len(fqns))
+
+
+def _dp(order, seg: _Segments, cap: int) -> list:
+    n = len(order)
     best = [0.0] + [math.inf] * n
     cut = [0] * (n + 1)
     for i in range(1, n + 1):
         for j in range(i - 1, -1, -1):
-            if size[i] - size[j] > cap and j < i - 1:
+            if seg.size[i] - seg.size[j] > cap and j < i - 1:
                 break
-            c = best[j] + seg(j, i)
+            c = best[j] + seg.cost(j, i)
             if c < best[i]:
                 best[i], cut[i] = c, j
     groups, i = [], n
@@ -95,29 +94,50 @@ def _dp(order, specs, world, profile, cap):
     return groups[::-1]
 
 
-def auto_units(gm, ctx, order, options) -> list:
-    from autoshard.passes.units import _module_groups
+def auto_candidates(gm, ctx, order, options) -> list:
+    """Candidate groupings, fastest first: ``[(seconds, lower bound bytes, groups)]``."""
+    from autoshard.passes.units import _module_groups, _size_groups
     from autoshard.simulate import activation_peak
 
     specs = {p.fqn: p for p in ctx.captured.params}
     world, profile = ctx.world_size, ctx.profile
-    cap = options.get("max_unit_bytes")
-    if cap is None:
-        free = ctx.memory_budget - ctx.static_bytes - activation_peak(gm)
-        cap = max(free // 3, 0)
-    ctx.auto_cap = cap
-    candidates = [[(f"group{k}", g) for k, g in enumerate(_dp(order, specs, world, profile, cap))]]
-    if ctx.model is not None:
-        mod = _module_groups(ctx.model, order, options)
+    seg = _Segments(order, specs, world, profile)
+    total = seg.size[-1]
+    groupings = [[("model", list(order))], [(f, [f]) for f in order]]
+    mod = _module_groups(ctx.model, order, options) if ctx.model is not None else []
+    if mod:
         rest = [f for f in order if f not in {x for _, g in mod for x in g}]
-        candidates.append(mod + ([("root", rest)] if rest else []))
-    candidates.append([("model", list(order))])
+        groupings.append(mod + ([("root", rest)] if rest else []))
+    numel = {f: math.prod(specs[f].shape) for f in order}
+    groupings.append(_size_groups(order, numel, options.get("min_unit_numel", 10**8)))
+    caps = {max(unit_bytes(g, specs, world) for _, g in c) for c in groupings[2:]}
+    caps |= {total >> k for k in range(1, 7)}
+    for cap in sorted(caps, reverse=True):
+        groups = _dp(order, seg, cap)
+        groupings.append([(f"group{k}", g) for k, g in enumerate(groups)])
+    act = activation_peak(gm)
+    out, seen = [], set()
+    for groups in groupings:
+        key = tuple(tuple(g) for _, g in groups)
+        if key in seen:
+            continue
+        seen.add(key)
+        t = sum(group_cost(g, specs, world, profile) for _, g in groups)
+        biggest = max(unit_bytes(g, specs, world) for _, g in groups)
+        out.append((t, ctx.static_bytes + max(act, biggest), groups))
+    out.sort(key=lambda c: (c[0], -len(c[2])))
+    return out
 
-    def allowed(groups):
-        return all(unit_bytes(g, specs, world) <= cap or len(g) == 1 for _, g in groups)
 
-    def cost(groups):
-        return sum(group_cost(g, specs, world, profile) for _, g in groups)
-
-    fits = [c for c in candidates if allowed(c)]
-    return min(fits, key=cost) if fits else candidates[0]
+def auto_units(gm, ctx, order, options) -> list:
+    """The grouping for this attempt: the ``options["candidate"]``-th candidate whose lower
+    bound fits the budget (see the module docstring)."""
+    cands = auto_candidates(gm, ctx, order, options)
+    finest = next(c for c in cands if len(c[2]) == len(order))  # one unit per parameter
+    fitting = [c for c in cands if c[1] <= ctx.memory_budget and c is not finest]
+    if len(gm.graph.nodes) > BIG_GRAPH:
+        fitting = fitting[: MAX_TRIES - 1]
+    fitting.append(finest)  # the least memory any plan needs: always tried last
+    k = options.get("candidate", 0)
+    ctx.auto_tries_left = len(fitting) - k - 1
+    return fitting[k][2]

@@ -137,5 +137,5 @@ def _check_reductions(gm, pos):
                 _fail(f"full gradient {full.name} is reduce-scattered more than once")
             for a in alias_closure(alias_base(full)):
                 for u in a.users:
-                    if pos[u] > pos[rs] and writes_input(u):
+                    if pos[u] > pos[rs] and writes_input(u) and not meta.is_free(u):
                         _fail(f"{u.name} updates gradient {full.name} after its reduce-scatter")

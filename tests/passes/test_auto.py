@@ -1,0 +1,88 @@
+"""The "auto" unit policy against the fixed ones, on the cost model's own predictions."""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import AutoshardError, Config
+from autoshard.models import GPT
+from models import build
+
+FIXED = ["module", "size", "per-parameter", "whole-model"]
+
+
+def _plan(model, inputs, **cfg):
+    return autoshard.plan(model, inputs, world_size=8, config=Config(device_profile="h100",
+                                                                      min_unit_numel=20000, **cfg))
+
+
+def _models():
+    return {
+        "gpt": (GPT(layers=4), (torch.randint(0, 96, (4, 16)),)),
+        "hf_llama": (build("hf_llama"), {"input_ids": torch.randint(0, 96, (4, 16))}),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_auto_is_never_predicted_slower_than_a_fixed_policy_that_fits(name):
+    model, inputs = _models()[name]
+    fixed = {p: _plan(model, inputs, policy=p) for p in FIXED}
+    peaks = sorted(p.predicted["peak_bytes"] for p in fixed.values())
+    # a roomy budget, and budgets between the fixed policies' peaks
+    budgets = [10 * peaks[-1]] + [(a + b) // 2 for a, b in zip(peaks, peaks[1:]) if a != b]
+    for budget in budgets:
+        auto = _plan(model, inputs, memory_budget=budget)
+        assert auto.predicted["peak_bytes"] <= budget
+        for policy, plan in fixed.items():
+            if plan.predicted["peak_bytes"] <= budget:
+                assert auto.predicted["step_s"] <= plan.predicted["step_s"] * (1 + 1e-9), (
+                    f"budget {budget}: auto {auto.predicted['step_s']} > {policy} "
+                    f"{plan.predicted['step_s']}")
+
+
+def test_units_shrink_with_the_budget():
+    model, inputs = _models()["gpt"]
+    roomy = _plan(model, inputs)
+    last_count, last_max = 0, float("inf")
+    top = roomy.predicted["peak_bytes"]
+    for frac in (1.0, 0.85, 0.75):
+        plan = _plan(model, inputs, memory_budget=int(top * frac))
+        biggest = max(u.bytes for u in plan.units)
+        assert len(plan.units) >= last_count and biggest <= last_max
+        last_count, last_max = len(plan.units), biggest
+    assert last_count > len(roomy.units)
+
+
+def test_no_plan_fits_names_the_smallest_budget_that_would():
+    model, inputs = _models()["gpt"]
+    with pytest.raises(AutoshardError, match=r"needs ([\d.]+ \w+)") as e:
+        _plan(model, inputs, memory_budget=100_000)
+    finest = _plan(model, inputs, policy="per-parameter")
+    assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
+    # and that budget is enough
+    _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"])
+
+
+def test_pinned_units_round_trip_through_json():
+    model, inputs = _models()["gpt"]
+    plan = _plan(model, inputs, policy="module")
+    again = autoshard.Plan.from_json(plan.to_json())
+    pinned = _plan(model, inputs, units=again.pinned_units())
+    assert [u.fqns for u in pinned.units] == [u.fqns for u in plan.units]
+    assert pinned.policy == "pinned"
+
+
+def test_module_policy_by_class_name_and_pattern():
+    model, inputs = _models()["gpt"]
+    by_class = _plan(model, inputs, policy="module", module_classes=["Block"])
+    by_pattern = _plan(model, inputs, policy="module", module_pattern=r"blocks\.[0-9]+")
+    names = [u.name for u in by_class.units]
+    assert names == ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert [u.name for u in by_pattern.units] == names
+
+
+def test_size_policy_makes_units_of_at_least_the_minimum():
+    model, inputs = _models()["gpt"]
+    plan = _plan(model, inputs, policy="size")
+    assert all(u.numel >= 20000 for u in plan.units)
+    assert len(plan.units) > 1

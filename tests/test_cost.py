@@ -1,0 +1,72 @@
+import json
+
+import torch
+
+import autoshard
+from autoshard.cost import PROFILES, calibrate, collective_time, node_time
+from autoshard.models import GPT
+
+
+def test_matmul_time_comes_from_its_flops():
+    from graphs import captured
+
+    gm, _ = captured(GPT(), torch.randint(0, 96, (2, 16)))
+    mm = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    a, b = (x.meta["val"] for x in mm.args)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    h100 = PROFILES["h100"]
+    moved = sum(x.numel() * 4 for x in (a, b, mm.meta["val"]))
+    assert node_time(mm, h100) == max(flops / (h100.matmul_flops * h100.efficiency),
+                                      moved / h100.mem_bandwidth)
+
+
+def test_ring_collective_time():
+    p = PROFILES["a100"]
+    assert collective_time(8 * 2**20, 8, p) == 7 * p.alpha + 7 / 8 * 8 * 2**20 * p.beta
+
+
+def test_profiles_cite_their_sources():
+    for p in PROFILES.values():
+        assert p.source and p.matmul_flops > 0 and p.memory > 0
+
+
+def test_calibrate_measures_this_machine():
+    prof = calibrate()
+    assert prof.matmul_flops > 1e8 and prof.mem_bandwidth > 1e8 and prof.efficiency == 1.0
+
+
+def _plan():
+    return autoshard.plan(GPT(), (torch.randint(0, 96, (2, 16)),), world_size=4,
+                          config=autoshard.Config(policy="module"))
+
+
+def test_plan_summary_and_time_breakdown():
+    plan = _plan()
+    p = plan.predicted
+    assert abs(p["step_s"] - (p["compute_s"] + p["exposed_comm_s"])) < 1e-12
+    assert p["comm_bytes"] == plan.comm_bytes()
+    assert p["sent_bytes"] == sum(e.bytes * 3 // 4 for e in plan.schedule
+                                  if e.op in ("all_gather", "reduce_scatter"))
+    text = str(plan)
+    for part in ("predicted step time", "exposed communication", "peak memory per rank"):
+        assert part in text
+
+
+def test_chrome_trace_has_compute_comm_lanes_and_a_memory_counter(tmp_path):
+    plan = _plan()
+    path = tmp_path / "trace.json"
+    plan.to_chrome_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["tid"] for e in events if e["ph"] == "X"}
+    assert lanes == {0, 1}
+    counters = [e for e in events if e["ph"] == "C"]
+    assert counters and max(e["args"]["MiB"] for e in counters) * 2**20 == \
+        plan.predicted["peak_bytes"]
+    comm = [e for e in events if e["ph"] == "X" and e["tid"] == 1]
+    assert len(comm) == sum(e.op in ("all_gather", "reduce_scatter") for e in plan.schedule)
+
+
+def test_memory_plot_writes_an_image(tmp_path):
+    plan = _plan()
+    plan.memory_plot(tmp_path / "mem.png")
+    assert (tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
