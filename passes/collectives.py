@@ -136,12 +136,14 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                 n.meta["val"] = torch.empty(lay.local_shape, dtype=v.dtype, device=v.device)
 
     roots = {}  # storage root -> unit index
+    pos = positions(graph)  # original nodes keep their relative order through the splices
     regions = (meta.FWD,) if keep else (meta.FWD, meta.BWD)
     for unit in ctx.units:
         for region in regions:
             fqns = [f for f in unit.fqns if layouts[f].sharded]
             for group_fqns in _by_dtype(fqns, specs):
-                new = _gather(gm, unit.index, region, group_fqns, phs, layouts, N, group, keep)
+                new = _gather(gm, pos, unit.index, region, group_fqns, phs, layouts, N, group,
+                              keep)
                 roots.update((r, unit.index) for r in storage_roots(new))
 
     out = meta.output_node(gm)
@@ -153,7 +155,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         fqns = [f for f in unit.fqns if f in grad_at]
         for group_fqns in _by_dtype(fqns, specs):
             grads = [outs[grad_at[f]] for f in group_fqns]
-            locals_, new = _reduce(gm, unit.index, grads, [layouts[f] for f in group_fqns], N, group)
+            locals_, new = _reduce(gm, pos, unit.index, grads, [layouts[f] for f in group_fqns],
+                                   N, group)
             for f, loc in zip(group_fqns, locals_):
                 outs[grad_at[f]] = loc
             roots.update((r, unit.index) for r in storage_roots(new))
@@ -173,9 +176,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     return gm
 
 
-def _gather(gm, unit, region, fqns, phs, layouts, N, group, keep):
+def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
     """all-gather ``fqns`` (one dtype) before their first use in ``region``; returns new nodes."""
-    pos = positions(gm.graph)
     users = {
         u
         for f in fqns
@@ -212,9 +214,8 @@ def _gather(gm, unit, region, fqns, phs, layouts, N, group, keep):
     return n1 + n2 + n3
 
 
-def _reduce(gm, unit, grads, lays, N, group):
+def _reduce(gm, pos, unit, grads, lays, N, group):
     """reduce-scatter (average) full gradients ``grads`` right after the last of them."""
-    pos = positions(gm.graph)
     before = max(grads, key=pos.__getitem__).next
 
     def issue(*gs):

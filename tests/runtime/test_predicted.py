@@ -40,3 +40,44 @@ def test_measured_step_matches_the_plan(name):
         assert r["measured"] == r["planned"]
         ratio = r["predicted_peak"] / r["measured_peak"]
         assert 0.9 <= ratio <= 1.1, f"predicted {r['predicted_peak']} measured {r['measured_peak']}"
+
+
+def _measure_at(rank, world, payload):
+    from autoshard import Config, autoshard
+    from autoshard.models import GPT, gpt_loss
+
+    units, batch = payload
+    torch.manual_seed(0)
+    model = autoshard(GPT(seq=32), config=Config(units=units))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 96, (batch, 17), generator=torch.Generator().manual_seed(rank))
+    x, y = x[:, :-1], x[:, 1:]
+    for _ in range(2):
+        gpt_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with model.record(opt, x, y) as rec:
+        gpt_loss(model(x), y).backward()
+    return rec.peak_bytes
+
+
+def test_symbolic_memory_predicts_a_larger_batch_and_the_largest_that_fits():
+    import sympy
+
+    import autoshard
+    from autoshard.models import GPT
+
+    def make(b, s):
+        return (torch.randint(0, 96, (b, s)),)
+
+    plan = autoshard.plan(GPT(seq=32), world_size=2, make_inputs=make, batch=2, seq=16,
+                          config=autoshard.Config(policy="module"))
+    batch, seq = sympy.symbols("batch seq", positive=True)
+    memory = sympy.sympify(plan.symbolic["memory"], locals={"batch": batch, "seq": seq})
+    predicted_8 = float(memory.subs({batch: 8, seq: 16}))
+    measured_8 = run_ranks(2, _measure_at, (plan.pinned_units(), 8))[0]
+    assert 0.9 <= predicted_8 / measured_8 <= 1.1, (predicted_8, measured_8)
+    budget = int(float(memory.subs({batch: 6, seq: 16}))) + 1
+    assert plan.max_batch_size(budget) == 6
+    measured_6 = run_ranks(2, _measure_at, (plan.pinned_units(), 6))[0]
+    assert measured_6 <= budget * 1.1
