@@ -19,13 +19,15 @@ from autoshard.models import GPT, gpt_loss
 def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from autoshard import autoshard
+    from autoshard import Config, autoshard
 
     torch.manual_seed(0)
     model = GPT(vocab=256, dim=64, heads=4, layers=layers, seq=32)
     reference = copy.deepcopy(model)
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded = autoshard(model)
+    # one unit per transformer block, as FSDP's transformer policy would wrap it; the default
+    # policy, "auto", would pick units from the cost model (one unit, for a model this small)
+    sharded = autoshard(model, config=Config(policy="module"))
     opt = torch.optim.AdamW(sharded.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
@@ -66,7 +68,7 @@ def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> No
     dist.all_gather_object(per_rank, local)
     if rank == 0:
         plan = sharded.plan
-        print("\nunits\n" + plan.units_table())
+        print("\nunits (policy 'module')\n" + plan.units_table())
         print("\nschedule (forward, then backward)\n" + plan.schedule_table())
         rows = [(r, f"{b / 2**10:.1f} KiB", f"{full_bytes / 2**10:.1f} KiB", f"{b / full_bytes:.3f}")
                 for r, b in enumerate(per_rank)]

@@ -183,7 +183,8 @@ class Plan:
 
     def __str__(self) -> str:
         return (
-            f"autoshard plan: world size {self.world_size}, {len(self.units)} units\n\n"
+            f"autoshard plan: world size {self.world_size}, {len(self.units)} "
+            f"unit{'s' if len(self.units) != 1 else ''}\n\n"
             f"{self.summary_table()}\n\n{self.units_table()}\n\n{self.schedule_table()}"
         )
 
