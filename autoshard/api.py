@@ -16,6 +16,7 @@ from autoshard import meta
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.cost import get_profile
 from autoshard.graph import clone_graph
+from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.collectives import ShardLayout
 from autoshard.plans import Plan, _fmt_bytes, make_plan
 from autoshard.simulate import simulate
@@ -168,7 +169,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     replan = config.policy == "auto" and config.units is None
     pristine = clone_graph(cap.gm) if replan else None
-    unit_options = {}
+    unit_options, best, min_peak = {}, None, None
     for attempt in range(64):
         gm = clone_graph(pristine) if attempt else cap.gm
         ctx = PassContext(
@@ -181,14 +182,20 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         say("planning units and inserting collectives")
         gm = run_passes(gm, ctx, default_passes(config, **unit_options),
                         verify_each=config.verify)
-        split = ctx.split
-        n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in split.fwd_roles)
+        n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in ctx.split.fwd_roles)
         say("predicting time and memory")
-        pred = simulate(split.fwd, split.bwd, profile, world_size,
+        pred = simulate(ctx.split.fwd, ctx.split.bwd, profile, world_size,
                         state["params"] + state["optimizer"] + buffers + inputs, n_user)
-        if not replan or pred.peak_bytes <= budget or ctx.auto_tries_left == 0:
+        fits = pred.peak_bytes <= budget
+        min_peak = pred.peak_bytes if min_peak is None else min(min_peak, pred.peak_bytes)
+        if best is None or (fits and (best[3].peak_bytes > budget or pred.total < best[3].total)):
+            best = (gm, ctx, ctx.split, pred)
+        # small graphs: try every candidate and keep the fastest that fits; big ones stop at
+        # the first that fits (candidates come fastest first by the no-overlap estimate)
+        if not replan or ctx.auto_tries_left == 0 or (fits and len(gm.graph.nodes) > BIG_GRAPH):
             break
-        unit_options = {"candidate": attempt + 1}  # the next fastest candidate
+        unit_options = {"candidate": attempt + 1}
+    gm, ctx, split, pred = best
     cap.gm = gm
     plan = make_plan(
         world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
@@ -197,7 +204,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
     )
     if replan and pred.peak_bytes > budget:
-        smallest = pred.peak_bytes  # the last candidate tried is one unit per parameter
+        smallest = min_peak  # one unit per parameter is always among the candidates tried
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
             f"{world_size} ranks: the smallest plan autoshard can make (one unit per "

@@ -42,6 +42,9 @@ class Config:
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     reshard_after_forward: free gathered parameters after their forward use and gather them
         again in backward (ZeRO-3). ``False`` keeps them gathered from forward to backward.
+    prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
+        the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
+        in flight (default: no byte bound), and defer reduce-scatter waits.
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
@@ -54,6 +57,9 @@ class Config:
     module_pattern: Optional[str] = None
     min_unit_numel: int = 10**8
     reshard_after_forward: bool = True
+    prefetch: bool = True
+    prefetch_bytes: Union[int, str, None] = None
+    prefetch_depth: int = 2
     verify: bool = False
 
     def __post_init__(self):
@@ -66,6 +72,7 @@ class Config:
             raise ValueError(f"Config.optimizer={self.optimizer!r} is not known; use one of "
                              f"{', '.join(OPTIMIZER_STATES)}")
         self.memory_budget = parse_bytes(self.memory_budget)
+        self.prefetch_bytes = parse_bytes(self.prefetch_bytes)
         if self.units is not None:
             if isinstance(self.units, (str, bytes)) or not all(
                 isinstance(u, (list, tuple)) and all(isinstance(f, str) for f in u)

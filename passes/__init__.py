@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autoshard.passes.units import Unit, assign_units_pass  # noqa: F401
 from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
+from autoshard.passes.prefetch import prefetch_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
 
@@ -39,6 +40,7 @@ class PassContext:
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     units: Optional[list] = None  # list[Unit], set by assign_units
     auto_tries_left: int = 0  # "auto": how many more candidates compile_step may try
+    prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
 
@@ -87,8 +89,8 @@ def default_passes(config, **unit_options) -> list:
         "module_pattern": config.module_pattern, "min_unit_numel": config.min_unit_numel,
         **unit_options,
     }
-    return [
-        (assign_units_pass, units),
-        (insert_collectives_pass, {}),
-        (split_pass, {}),
-    ]
+    passes = [(assign_units_pass, units), (insert_collectives_pass, {})]
+    if config.prefetch:
+        passes.append((prefetch_pass, {"max_inflight_bytes": config.prefetch_bytes,
+                                       "max_depth": config.prefetch_depth}))
+    return passes + [(split_pass, {})]

@@ -35,7 +35,8 @@ def verify(gm: fx.GraphModule, ctx) -> None:
          until its wait;
       3. no gathered parameter (or view of one) is read across forward -> backward unless
          the plan keeps it (``reshard_after_forward=False``);
-      4. each gradient is reduce-scattered exactly once, after its last accumulation.
+      4. each gradient is reduce-scattered exactly once, after its last accumulation;
+      5. with a prefetch bound, the gathered bytes in flight never exceed it.
     """
     graph = gm.graph
     pos = positions(graph)
@@ -55,6 +56,21 @@ def verify(gm: fx.GraphModule, ctx) -> None:
     _check_frees(gm, pos)
     _check_crossing(gm, ctx)
     _check_reductions(gm, pos)
+    if ctx.prefetch_cap is not None:
+        _check_inflight(gm, ctx.prefetch_cap)
+
+
+def _check_inflight(gm, cap: int):
+    from autoshard.passes.prefetch import gathered_spans
+
+    pos = positions(gm.graph)
+    for region in (meta.FWD, meta.BWD):
+        spans = [(pos[i], size, rel) for i, size, rel in gathered_spans(gm, region)]
+        for p, size, _ in spans:
+            live = sum(s for q, s, r in spans if q <= p < r or q == p)
+            if live > cap:
+                _fail(f"{live} gathered bytes in flight at position {p} of the {region} "
+                      f"exceed the prefetch bound of {cap}")
 
 
 def _check_gathers(gm):

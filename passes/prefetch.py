@@ -1,0 +1,129 @@
+"""prefetch: issue all-gathers early and wait for reduce-scatters late, within a byte bound."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard import meta
+from autoshard.cost import collective_time, node_time
+
+
+def _issue_block(issue: fx.Node) -> list:
+    """The pack nodes feeding ``issue`` (contiguous before it), then the issue."""
+    block = [issue]
+    n = issue.prev
+    while meta.tag(n, meta.COMM) in (meta.AG_PACK, meta.RS_PACK) and meta.tag(
+        n, meta.UNIT
+    ) == meta.tag(issue, meta.UNIT):
+        block.insert(0, n)
+        n = n.prev
+    return block
+
+
+def _wait_block(wait: fx.Node) -> list:
+    """``wait`` and the frees and unpacks of its unit that follow it."""
+    block, n = [wait], wait.next
+    unit = meta.tag(wait, meta.UNIT)
+    while meta.tag(n, meta.COMM) in (meta.FREE, meta.RS_UNPACK) and meta.tag(n, meta.UNIT) == unit:
+        block.append(n)
+        n = n.next
+    return block
+
+
+def _wait_of(issue: fx.Node) -> fx.Node:
+    return next(u for u in issue.users if meta.is_wait(u))
+
+
+def gathered_spans(gm: fx.GraphModule, region: str) -> list:
+    """Per all-gather of ``region``, in order: (issue node, bytes, position where the last of
+    its gathered storages is freed)."""
+    from autoshard.graph import alias_base
+
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    release = {}
+    for n in nodes:
+        if meta.is_free(n):
+            for t in n.args[0]:
+                root = alias_base(t)
+                if meta.tag(root, meta.COMM) in (meta.AG_ISSUE, meta.AG_UNPACK):
+                    key = (meta.tag(root, meta.UNIT), meta.tag(root, meta.REGION))
+                    release[key] = max(release.get(key, 0), pos[n])
+    return [(n, meta.val_bytes(n), release.get((meta.tag(n, meta.UNIT), region), pos[n]))
+            for n in nodes if meta.tag(n, meta.COMM) == meta.AG_ISSUE
+            and meta.tag(n, meta.REGION) == region]
+
+
+def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+    """Move each all-gather (with its packing) earlier, and each reduce-scatter's wait later.
+
+    Needs: the tags insert_collectives writes; ``ctx.profile`` for compute times.
+    Options: ``max_inflight_bytes`` — bound on the gathered bytes of units whose all-gather is
+    issued and whose gathered parameters are not yet all freed (default: no bound beyond
+    ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2).
+    Guarantees: the same nodes in an order every rank computes alike; every wait still
+    precedes every use; within a region, the all-gather of unit k is issued right after the
+    wait of unit k-d, with d >= 1 the smallest depth whose compute in between covers the
+    gather's predicted time, capped by ``max_depth`` and the byte bound (d = 0, no move, when
+    the bound does not allow one unit ahead); the wait of each reduce-scatter moves to just
+    before the next reduce-scatter's packing (one in flight, as FSDP2 does).
+    Does nothing with fewer than two units in a region. Reorder-only::
+
+        before:  AG0 W0 [fwd 0] AG1 W1 [fwd 1] AG2 W2 [fwd 2]
+        after:   AG0 W0 AG1 [fwd 0] W1 AG2 [fwd 1] W2 [fwd 2]
+
+        before:  [bwd 2] RS2 W2 [bwd 1] RS1 W1 [bwd 0] RS0 W0
+        after:   [bwd 2] RS2 [bwd 1] W2 RS1 [bwd 0] W1 RS0 W0
+    """
+    cap = options.get("max_inflight_bytes")
+    max_depth = options.get("max_depth", 2)
+    profile = ctx.profile
+    for region in (meta.FWD, meta.BWD):
+        nodes = list(gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        times = [0.0]
+        for n in nodes:
+            t = node_time(n, profile) if profile is not None and not meta.is_comm(n) else 0.0
+            times.append(times[-1] + t)
+        spans = gathered_spans(gm, region)
+        issues = [s[0] for s in spans]
+        sizes = [s[1] for s in spans]
+        releases = [s[2] for s in spans]
+        waits = [_wait_of(i) for i in issues]
+        at = [pos[i] for i in issues]  # where each gather is issued, as placed so far
+
+        def inflight(point: float, k: int) -> int:
+            return sizes[k] + sum(sizes[j] for j in range(k) if at[j] <= point < releases[j])
+
+        tail = {}  # anchor -> last node placed after it, so issue order stays unit order
+        for k in range(1, len(issues)):
+            need = collective_time(sizes[k], ctx.world_size, profile) if profile else 0.0
+            depth = 0
+            for d in range(1, min(max_depth, k) + 1):
+                point = pos[waits[k - d]] + 0.5
+                if cap is not None and inflight(point, k) > cap:
+                    break
+                depth = d
+                if times[pos[waits[k]]] - times[pos[waits[k - d]] + 1] >= need:
+                    break
+            if depth:
+                anchor = waits[k - depth]
+                at[k] = pos[anchor] + 0.5
+                block = _issue_block(issues[k])
+                where = tail.get(anchor, anchor)
+                for n in reversed(block):
+                    where.append(n)
+                tail[anchor] = block[-1]
+    # reduce-scatter waits: defer each to just before the next reduce-scatter's packing
+    rs = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.RS_ISSUE]
+    for k in range(len(rs) - 1):
+        block = _wait_block(_wait_of(rs[k]))
+        first_pack = _issue_block(rs[k + 1])[0]
+        for n in block:
+            first_pack.prepend(n)
+    ctx.prefetch_cap = cap
+    gm.recompile()
+    return gm
+
+
+prefetch_pass.reorder_only = True
