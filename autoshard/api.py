@@ -33,6 +33,8 @@ class _State:
     config: Config
     orig_forward: Any
     aliases: dict
+    param_refs: list = dataclasses.field(default_factory=list)  # (module, name), capture order
+    buffer_refs: list = dataclasses.field(default_factory=list)
     programs: dict = dataclasses.field(default_factory=dict)
     last: Optional[Program] = None
 
@@ -52,15 +54,14 @@ class ShardedModule(torch.nn.Module):
         if prog is None:
             prog = self._compile_for(args, kwargs, key, sharded=True)
         st.last = prog
-        params = [p for _, p in self.named_parameters()]
-        buffers = [b for _, b in self.named_buffers()]
+        params = [mod._parameters[name] for mod, name in st.param_refs]
+        buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         user, new_bufs = prog.run(params, buffers, tensors)
         if new_bufs:
-            named = dict(self.named_buffers())
             with torch.no_grad():
-                for fqn, new in zip(prog.mutated, new_bufs):
-                    named[fqn].copy_(new)
+                for i, new in zip(prog.mutated_slots, new_bufs):
+                    buffers[i].copy_(new)
         return prog.unflatten(user)
 
     # --- compile -------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class ShardedModule(torch.nn.Module):
             else:
                 parts.append(("const", type(x).__name__, repr(x)))
         _, spec = tree_flatten((args, kwargs))
-        grads = tuple(p.requires_grad for p in self.parameters())
+        grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
         return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads)
 
     def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
@@ -314,6 +315,15 @@ def _split_inputs(example_inputs):
     return (example_inputs,), {}
 
 
+def _refs(model, attr: str, named) -> list:
+    """(owning module, attribute) for each named tensor, so a call reads them cheaply."""
+    out = []
+    for fqn, _ in named:
+        mod_path, _, name = fqn.rpartition(".")
+        out.append((model.get_submodule(mod_path), name))
+    return out
+
+
 def _sharded_class(cls: type) -> type:
     if issubclass(cls, ShardedModule):
         return cls
@@ -368,6 +378,8 @@ def autoshard(
     shard_module(model, mesh, device)
     model.__class__ = _sharded_class(type(model))
     model._autoshard = st
+    st.param_refs = _refs(model, "_parameters", model.named_parameters())
+    st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
     if program is not None:
         leaves, _ = tree_flatten((args, kwargs))
         st.programs[model._signature(leaves, args, kwargs)] = program

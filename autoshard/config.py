@@ -42,6 +42,10 @@ class Config:
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     reshard_after_forward: free gathered parameters after their forward use and gather them
         again in backward (ZeRO-3). ``False`` keeps them gathered from forward to backward.
+    bucket: merge adjacent units smaller than ``bucket_bytes`` (default: the size below which
+        a collective is latency-bound under the cost model) into one collective. Default: on
+        for the "per-parameter" policy only ("auto" already sizes units for time within the
+        memory budget; other policies are the user's choice of units).
     prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
         the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
         in flight (default: no byte bound), and defer reduce-scatter waits.
@@ -57,6 +61,8 @@ class Config:
     module_pattern: Optional[str] = None
     min_unit_numel: int = 10**8
     reshard_after_forward: bool = True
+    bucket: Optional[bool] = None
+    bucket_bytes: Union[int, str, None] = None
     prefetch: bool = True
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
@@ -73,6 +79,9 @@ class Config:
                              f"{', '.join(OPTIMIZER_STATES)}")
         self.memory_budget = parse_bytes(self.memory_budget)
         self.prefetch_bytes = parse_bytes(self.prefetch_bytes)
+        self.bucket_bytes = parse_bytes(self.bucket_bytes)
+        if self.bucket is None:
+            self.bucket = self.units is None and self.policy == "per-parameter"
         if self.units is not None:
             if isinstance(self.units, (str, bytes)) or not all(
                 isinstance(u, (list, tuple)) and all(isinstance(f, str) for f in u)

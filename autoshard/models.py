@@ -57,3 +57,27 @@ class GPT(nn.Module):
 
 def gpt_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64):
+    """Hugging Face GPT-2, Llama or BERT (masked LM) at a tiny random configuration, built
+    from its config (no weights fetched); dropout off, no KV cache."""
+    import transformers as T
+
+    if name == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(
+            n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+            eos_token_id=0))
+    if name == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+            max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0))
+    if name == "bert":
+        return T.BertForMaskedLM(T.BertConfig(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+            intermediate_size=2 * hidden, vocab_size=vocab, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, max_position_embeddings=64, pad_token_id=0))
+    raise KeyError(f"no tiny Hugging Face model {name!r}; use gpt2, llama or bert")

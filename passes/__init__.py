@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autoshard.passes.units import Unit, assign_units_pass  # noqa: F401
 from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
+from autoshard.passes.bucket import bucket_units_pass  # noqa: F401
 from autoshard.passes.prefetch import prefetch_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
@@ -89,7 +90,10 @@ def default_passes(config, **unit_options) -> list:
         "module_pattern": config.module_pattern, "min_unit_numel": config.min_unit_numel,
         **unit_options,
     }
-    passes = [(assign_units_pass, units), (insert_collectives_pass, {})]
+    passes = [(assign_units_pass, units)]
+    if config.bucket:
+        passes.append((bucket_units_pass, {"min_bytes": config.bucket_bytes}))
+    passes.append((insert_collectives_pass, {}))
     if config.prefetch:
         passes.append((prefetch_pass, {"max_inflight_bytes": config.prefetch_bytes,
                                        "max_depth": config.prefetch_depth}))

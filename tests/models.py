@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoshard.models import GPT, gpt_loss
+from autoshard.models import GPT, gpt_loss, tiny_hf
 
 VOCAB = 96
 
@@ -55,23 +55,7 @@ class Odd(nn.Module):
 
 
 def _hf(name):
-    import transformers as T
-
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
-            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
-            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0))
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-            use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0))
-    if name == "bert":
-        return T.BertForMaskedLM(T.BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            vocab_size=VOCAB, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            max_position_embeddings=32, pad_token_id=0))
-    raise KeyError(name)
+    return tiny_hf(name, VOCAB)
 
 
 def _lm_loss(out, y):

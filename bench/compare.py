@@ -1,0 +1,287 @@
+"""autoshard against FSDP2 and DDP on the same model, data and optimizer, in one run.
+
+    python -m bench.compare --model gpt-small --world-size 2 --steps 20 --reps 5
+
+Spawns the ranks itself (gloo on CPU, NCCL with one GPU per rank). Each repetition runs
+``steps`` steps of every system, in a rotating order so that no system always goes first;
+a step is forward, backward, AdamW step and zero_grad, started after a barrier.
+
+Reported per system, on rank 0:
+- step time: the median over every timed step of every repetition (the first step of each
+  system's first repetition is warm-up and not timed);
+- peak memory per rank: the bytes the model state holds when a step starts (parameters,
+  gradients, buffers, optimizer state, the inputs; each storage once) plus the largest rise
+  of the allocator's live bytes during one step, read from torch.profiler's allocation events
+  (CPU) or torch.cuda's peak counter (GPU): the same method for all three systems. DDP's
+  gradient buckets, allocated when DDP wraps the model, are outside that accounting;
+- bytes sent per rank per step and collectives per step, counted where each system calls its
+  collectives: autoshard's c10d functional ops (a dispatch mode), FSDP2's
+  all_gather_single / reduce_scatter_single, DDP's bucket all-reduces (a comm hook). A ring
+  all-gather or reduce-scatter of a buffer of S bytes sends S (N-1)/N per rank, an all-reduce
+  2 S (N-1)/N;
+- the ZeRO-3 bound 3 P (N-1)/N for P parameter bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard.models import GPT, gpt_loss, tiny_hf
+
+VOCAB = 256
+MODELS = {
+    "gpt-small": lambda: GPT(vocab=VOCAB, dim=64, heads=4, layers=2, seq=64),
+    "gpt-deep": lambda: GPT(vocab=VOCAB, dim=64, heads=4, layers=8, seq=64),
+    "hf-llama": lambda: tiny_hf("llama", VOCAB, layers=4, hidden=128),
+    "hf-gpt2": lambda: tiny_hf("gpt2", VOCAB, layers=4, hidden=128),
+}
+
+
+def _blocks(model):
+    for name in ("blocks", "model.layers", "transformer.h"):
+        mod = model
+        try:
+            for part in name.split("."):
+                mod = getattr(mod, part)
+            return list(mod)
+        except AttributeError:
+            continue
+    raise ValueError("no block list found")
+
+
+def _loss(out, y):
+    logits = out.logits if hasattr(out, "logits") else out
+    return gpt_loss(logits, y)
+
+
+def _call(model, x):
+    return model(x) if isinstance(model, GPT) or getattr(model, "module", None).__class__ is GPT \
+        else model(input_ids=x)
+
+
+class _Count:
+    """Bytes each rank sends and collectives it calls, counted at the calls."""
+
+    def __init__(self, world):
+        self.world, self.bytes, self.calls, self.on = world, 0, 0, False
+
+    def add(self, nbytes, allreduce=False):
+        if self.on:
+            self.calls += 1
+            self.bytes += nbytes * (2 if allreduce else 1) * (self.world - 1) // self.world
+
+
+class _FunctionalCount(TorchDispatchMode):
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+            self.count.add(out.numel() * out.element_size())
+        elif func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
+            self.count.add(args[0].numel() * args[0].element_size())
+        return out
+
+
+@contextlib.contextmanager
+def _count_fsdp2(count):
+    ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+
+    def ag_(output, *a, **k):
+        count.add(output.numel() * output.element_size())
+        return ag(output, *a, **k)
+
+    def rs_(output, input, *a, **k):
+        count.add(input.numel() * input.element_size())
+        return rs(output, input, *a, **k)
+
+    dist.all_gather_single, dist.reduce_scatter_single = ag_, rs_
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = ag, rs
+
+
+def _build(system, name, config):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from autoshard import Config, autoshard
+
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    count = _Count(dist.get_world_size())
+    if system == "autoshard":
+        model = autoshard(model, config=Config(**(config or {})))
+        ctx = lambda: _FunctionalCount(count)  # noqa: E731
+    elif system == "fsdp2":
+        for blk in _blocks(model):
+            fully_shard(blk)
+        fully_shard(model)
+        ctx = lambda: _count_fsdp2(count)  # noqa: E731
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model = DDP(model)
+
+        def hook(state, bucket):
+            count.add(bucket.buffer().numel() * bucket.buffer().element_size(), allreduce=True)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        model.register_comm_hook(dist.group.WORLD, hook)
+        ctx = contextlib.nullcontext
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, count, ctx
+
+
+def _step(model, opt, x, y, hf):
+    out = model(input_ids=x) if hf else model(x)
+    _loss(out, y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _peak(model, opt, x, y, hf, ctx):
+    from autoshard.runtime.record import state_bytes
+
+    base = state_bytes(model, opt) + sum(t.numel() * t.element_size() for t in (x, y))
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        with ctx():
+            _step(model, opt, x, y, hf)
+        torch.cuda.synchronize()
+        return base + torch.cuda.max_memory_allocated() - start
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoshard._compat import allocation_events
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with ctx():
+            _step(model, opt, x, y, hf)
+    live = peak = 0
+    for _, d in allocation_events(prof):
+        live += d
+        peak = max(peak, live)
+    return base + peak
+
+
+def _rank(rank, world, args, store, out_path):
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    hf = args.model.startswith("hf")
+    systems = {}
+    for spec in args.systems.split(","):
+        system, _, variant = spec.partition(":")
+        config = dict(VARIANTS[variant]) if variant else {}
+        systems[spec] = _build(system, args.model, config)
+    gen = torch.Generator().manual_seed(rank)
+    data = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=gen).to(device)
+            for _ in range(4)]
+    times = {k: [] for k in systems}
+    order = list(systems)
+    for rep in range(args.reps):
+        for name in order[rep % len(order):] + order[: rep % len(order)]:
+            model, opt, count, ctx = systems[name]
+            for i in range(args.steps):
+                seq = data[i % len(data)]
+                x, y = seq[:, :-1], seq[:, 1:]
+                dist.barrier()
+                t0 = time.perf_counter()
+                count.on = rep == 0 and i == 1
+                with ctx():
+                    _step(model, opt, x, y, hf)
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                count.on = False
+                if rep or i:
+                    times[name].append(dt)
+    rows = {}
+    for name, (model, opt, count, ctx) in systems.items():
+        seq = data[0]
+        peak = _peak(model, opt, seq[:, :-1], seq[:, 1:], hf, ctx)
+        params = sum(p.numel() * p.element_size() for p in MODELS[args.model]().parameters())
+        rows[name] = {"ms": statistics.median(times[name]) * 1e3, "peak": peak,
+                      "bytes": count.bytes, "calls": count.calls, "param_bytes": params}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        torch.save(gathered, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+VARIANTS = {
+    "noprefetch": {"prefetch": False},
+    "bucket": {"policy": "per-parameter", "bucket": True},
+    "nobucket": {"policy": "per-parameter", "bucket": False},
+    "module": {"policy": "module"},
+    "cap1": {"policy": "module", "prefetch_depth": 1},
+    "cap4": {"policy": "module", "prefetch_depth": 4},
+    "whole": {"policy": "whole-model"},
+}
+
+
+def run(args) -> list:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), out),
+                 nprocs=args.world_size, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def main(argv=None):
+    from tabulate import tabulate
+
+    ap = argparse.ArgumentParser(prog="python -m bench.compare")
+    ap.add_argument("--model", default="gpt-small", choices=list(MODELS))
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8, help="per rank")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--systems", default="autoshard,fsdp2,ddp",
+                    help="comma list; autoshard:VARIANT for " + ", ".join(VARIANTS))
+    args = ap.parse_args(argv)
+    per_rank = run(args)
+    rows = per_rank[0]
+    n = args.world_size
+    bound = 3 * next(iter(rows.values()))["param_bytes"] * (n - 1) // n
+    ref = rows.get("fsdp2")
+    table = []
+    for name, r in rows.items():
+        peak = max(pr[name]["peak"] for pr in per_rank)
+        table.append((name, f"{r['ms']:.2f}", f"{r['ms'] / ref['ms']:.2f}" if ref else "-",
+                      f"{peak / 2**20:.2f}",
+                      f"{peak / max(pr['fsdp2']['peak'] for pr in per_rank):.2f}" if ref else "-",
+                      r["bytes"], r["calls"], bound))
+    print(tabulate(table, headers=["system", "step ms (median)", "x FSDP2", "peak MiB/rank",
+                                   "x FSDP2", "bytes sent/rank/step", "collectives/step",
+                                   "ZeRO-3 bound"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
