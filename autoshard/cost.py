@@ -54,10 +54,11 @@ PROFILES = {
                "NVLink 600 GB/s total (300 GB/s each way); alpha: NCCL's ~10 us per ring step",
     ),
     "cpu": DeviceProfile(
-        "cpu", matmul_flops=190e9, mem_bandwidth=24e9, alpha=60e-6, beta=1 / 2.0e9,
-        memory=24 * GiB, efficiency=0.5,
-        source="measured with autoshard.cost.calibrate() on the project's 2-core CI machine "
-               "(fp32 1024^2 matmul, 64 MiB copy, gloo all-gather between 2 processes)",
+        "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
+        memory=24 * GiB, efficiency=0.9,
+        source="measured with autoshard.cost.calibrate() on the project's 2-core CI machine, "
+               "one thread per rank (fp32 1024^2 matmul ~100 GFLOP/s, 64 MiB copy, gloo "
+               "all-gather between 2 processes: alpha ~250 us, ~1.4 GB/s)",
     ),
 }
 

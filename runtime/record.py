@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _compat
+from autoshard.runtime.ops import free_op
 
 _OPS = {
     torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
@@ -37,22 +39,69 @@ class Recording:
     baseline_bytes: int = 0  # model state live when the step began
     memory: list = dataclasses.field(default_factory=list)  # live bytes after each alloc/free
     peak_bytes: int = 0
+    # per collective: [op, bytes, issued, wait started, wait ended] (perf_counter seconds)
+    collectives: list = dataclasses.field(default_factory=list)
+
+    def overlap(self) -> dict:
+        """Seconds collectives were in flight, of which compute waited (exposed) and the rest
+        ran while this rank computed (hidden)."""
+        flight = sum(c[4] - c[2] for c in self.collectives if c[4] is not None)
+        exposed = sum(c[4] - c[3] for c in self.collectives if c[4] is not None)
+        return {"in_flight_s": flight, "exposed_s": exposed, "hidden_s": flight - exposed}
+
+    def to_chrome_trace(self, path) -> None:
+        """The measured timeline: each collective from issue to completion on one lane, the
+        waits on another, compute (everything else) on a third."""
+        import json
+
+        if not self.collectives:
+            return
+        t0 = min(c[2] for c in self.collectives)
+        us = lambda t: (t - t0) * 1e6  # noqa: E731
+        ev = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": n}}
+              for i, n in enumerate(("compute", "collective in flight", "waiting"))]
+        waits = sorted((c[3], c[4]) for c in self.collectives if c[4] is not None)
+        start = t0
+        for ws, we in waits:
+            if ws > start:
+                ev.append({"ph": "X", "pid": 0, "tid": 0, "name": "compute", "ts": us(start),
+                           "dur": us(ws) - us(start)})
+            start = max(start, we)
+        for op, nbytes, issued, ws, we in self.collectives:
+            if we is None:
+                continue
+            ev.append({"ph": "X", "pid": 0, "tid": 1, "name": op, "ts": us(issued),
+                       "dur": us(we) - us(issued), "args": {"bytes": nbytes}})
+            ev.append({"ph": "X", "pid": 0, "tid": 2, "name": f"wait {op}", "ts": us(ws),
+                       "dur": us(we) - us(ws)})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": ev}, f)
 
 
 class _CommLog(TorchDispatchMode):
-    def __init__(self, events: list):
+    def __init__(self, rec: Recording):
         super().__init__()
-        self.events = events
+        self.events, self.collectives, self.pending = rec.events, rec.collectives, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _OPS.get(func)
-        if func is torch.ops.autoshard.free.default:
+        if func is free_op:
             self.events.append(("free", _nbytes(args[0])))
+        t = time.perf_counter()
         out = func(*args, **kwargs)
-        if kind is not None:
-            self.events.append((kind, _nbytes(out)
-                                if kind != "reduce_scatter" else _nbytes(args[0])))
+        if kind is None:
+            return out
+        nbytes = _nbytes(out) if kind != "reduce_scatter" else _nbytes(args[0])
+        self.events.append((kind, nbytes))
+        if kind == "wait":
+            c = self.pending.pop(id(args[0]), None)
+            if c is not None:
+                c[3], c[4] = t, time.perf_counter()
+        else:
+            c = [kind, nbytes, t, None, None]
+            self.collectives.append(c)
+            self.pending[id(out)] = c
         return out
 
 
@@ -92,7 +141,7 @@ def record(model: torch.nn.Module, optimizer=None, extra_bytes: int = 0):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        with _CommLog(rec.events):
+        with _CommLog(rec):
             yield rec
         torch.cuda.synchronize()
         rec.peak_bytes = rec.baseline_bytes + torch.cuda.max_memory_allocated() - start
@@ -100,7 +149,7 @@ def record(model: torch.nn.Module, optimizer=None, extra_bytes: int = 0):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with _CommLog(rec.events):
+        with _CommLog(rec):
             yield rec
     live = rec.baseline_bytes
     for _, delta in _compat.allocation_events(prof):
