@@ -32,6 +32,9 @@ class DeviceProfile:
     beta: float  # seconds per byte on the link between ranks
     memory: int  # bytes of memory per device
     efficiency: float = 0.6  # achieved fraction of peak matmul rate
+    # extra bytes a collective holds while in flight, as a fraction of its full buffer (gloo
+    # copies the buffer into a scratch tensor of its own; NCCL works in place)
+    collective_scratch: float = 0.0
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -55,10 +58,11 @@ PROFILES = {
     ),
     "cpu": DeviceProfile(
         "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
-        memory=24 * GiB, efficiency=0.9,
+        memory=24 * GiB, efficiency=0.9, collective_scratch=1.0,
         source="measured with autoshard.cost.calibrate() on the project's 2-core CI machine, "
                "one thread per rank (fp32 1024^2 matmul ~100 GFLOP/s, 64 MiB copy, gloo "
-               "all-gather between 2 processes: alpha ~250 us, ~1.4 GB/s)",
+               "all-gather between 2 processes: alpha ~250 us, ~1.4 GB/s); gloo's scratch copy "
+               "of each collective's buffer read off torch.profiler's allocation events",
     ),
 }
 

@@ -72,6 +72,7 @@ class _Sim:
         self.mem = _Storages(static_bytes)
         self.tc = self.tq = self.busy = self.exposed = 0.0
         self.pending, self.timeline, self.events, self.group = {}, [], [], None
+        self.scratch = []  # (completion time, storage id) of collectives' scratch copies
         self.comm = self.sent = 0
         self.peak, self.peak_at = static_bytes, "start"
 
@@ -87,6 +88,10 @@ class _Sim:
             dur = collective_time(size, self.world, self.profile)
             start = max(self.tc, self.tq)
             self.tq = self.pending[n] = start + dur
+            scratch = int(size * self.profile.collective_scratch)
+            if scratch:  # the backend's own copy, held until the collective completes
+                self.mem.acquire(("scratch", n), scratch)
+                self.scratch.append((self.tq, ("scratch", n)))
             self.comm += size
             self.sent += size * (self.world - 1) // self.world
             self.events.append(["comm", f"{kind} unit {meta.tag(n, meta.UNIT)}", start, dur,
@@ -130,6 +135,8 @@ class _Sim:
             if n.op == "output":
                 break
             self.step_time(n, gname)
+            while self.scratch and self.scratch[0][0] <= self.tc:
+                mem.release(self.scratch.pop(0)[1])
             if meta.is_free(n):
                 for t in n.args[0]:
                     mem.free(sids[t])
