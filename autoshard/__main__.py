@@ -11,7 +11,8 @@ import time
 
 def _factory(spec: str):
     if ":" not in spec:
-        raise SystemExit(f"expected MODULE:FACTORY (e.g. examples.gpt_shapes:gpt_175b), got {spec!r}")
+        raise SystemExit(
+            f"expected MODULE:FACTORY (e.g. examples.gpt_shapes:gpt_175b), got {spec!r}")
     mod, _, name = spec.partition(":")
     sys.path.insert(0, os.getcwd())
     try:

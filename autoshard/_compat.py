@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
@@ -37,26 +36,6 @@ def reparametrize(module, params_and_buffers):
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, params_and_buffers, tie_weights=True, strict=False)
-
-
-def unsupported_op_exceptions() -> tuple:
-    """Exception types FakeTensorMode raises for ops it cannot run without real data."""
-    from torch._subclasses import fake_tensor as ft
-
-    names = (
-        "DataDependentOutputException",
-        "DynamicOutputShapeException",
-        "UnsupportedOperatorException",
-        "UnsupportedFakeTensorException",
-    )
-    types = tuple(getattr(ft, n) for n in names if hasattr(ft, n))
-    try:
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-        types += (GuardOnDataDependentSymNode,)
-    except ImportError:  # pragma: no cover
-        pass
-    return types
 
 
 def boxed(gm):

@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -85,7 +85,8 @@ def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
 def _class_name(mod: torch.nn.Module) -> str:
     """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
     mro = type(mod).__mro__
-    return mro[2].__qualname__ if hasattr(mod, "_autoshard") and len(mro) > 2 else mro[0].__qualname__
+    wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
+    return mro[2].__qualname__ if wrapped else mro[0].__qualname__
 
 
 def _module_names(model: torch.nn.Module) -> dict:
@@ -277,7 +278,8 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
         if k < n_param_grads:
             roles.append({meta.ROLE: meta.OUT_GRAD, meta.FQN: grads_for[k]})
         else:
-            roles.append({meta.ROLE: meta.OUT_INPUT_GRAD, meta.INDEX: cap.input_grads[k - n_param_grads]})
+            index = cap.input_grads[k - n_param_grads]
+            roles.append({meta.ROLE: meta.OUT_INPUT_GRAD, meta.INDEX: index})
     kept = []
     for fqn, clone in zip(cap.buffer_fqns, rec["clones"]):
         if _is_mutated(clone):
@@ -347,7 +349,8 @@ def _explain(exc: BaseException, stack: list) -> AutoshardError:
     where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame)"
     dd = {"DataDependentOutputException", "GuardOnDataDependentSymNode"}
     kind = type(exc).__name__
-    if kind in dd or op in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+    reads_value = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+    if kind in dd or op in reads_value:
         what = "reads a tensor's value in Python (data-dependent control flow)"
         fix = (
             "Compute both branches and select with torch.where, use torch.cond, or move the "

@@ -122,10 +122,6 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     return max(flops / (profile.matmul_flops * profile.efficiency), moved / profile.mem_bandwidth)
 
 
-def node_flops(node: fx.Node) -> int:
-    return _flops(node) if node.op == "call_function" else 0
-
-
 # --- calibration ------------------------------------------------------------------------------
 
 

@@ -70,7 +70,8 @@ def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> No
         plan = sharded.plan
         print("\nunits (policy 'module')\n" + plan.units_table())
         print("\nschedule (forward, then backward)\n" + plan.schedule_table())
-        rows = [(r, f"{b / 2**10:.1f} KiB", f"{full_bytes / 2**10:.1f} KiB", f"{b / full_bytes:.3f}")
+        full = f"{full_bytes / 2**10:.1f} KiB"
+        rows = [(r, f"{b / 2**10:.1f} KiB", full, f"{b / full_bytes:.3f}")
                 for r, b in enumerate(per_rank)]
         print("\nparameter bytes per rank\n"
               + tabulate(rows, headers=["rank", "stored", "unsharded model", "ratio"]))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
 import tempfile
@@ -35,7 +34,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.models import GPT, gpt_loss, tiny_hf
@@ -64,11 +62,6 @@ def _blocks(model):
 def _loss(out, y):
     logits = out.logits if hasattr(out, "logits") else out
     return gpt_loss(logits, y)
-
-
-def _call(model, x):
-    return model(x) if isinstance(model, GPT) or getattr(model, "module", None).__class__ is GPT \
-        else model(input_ids=x)
 
 
 class _Count:
@@ -229,7 +222,9 @@ def _rank(rank, world, args, store, out_path):
     if rank == 0:
         torch.save(gathered, out_path)
     dist.barrier()
-    dist.destroy_process_group()
+    # results are saved: skip the C++ teardown of gloo's and the profiler's threads, which
+    # can abort at exit
+    os._exit(0)
 
 
 VARIANTS = {

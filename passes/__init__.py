@@ -2,8 +2,8 @@
 
 A pass is ``def <verb>_<object>_pass(gm, ctx, *, options) -> gm``. The runner applies an
 ordered list, lints the graph after each, and runs the verifier when asked (``Config.verify``,
-``AUTOSHARD_VERIFY=1`` as the tests set it, or ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1`` prints per-pass time and op-count diff;
-``=2`` also dumps the numbered graph after each pass.
+``AUTOSHARD_VERIFY=1`` as the tests set it, or ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1``
+prints per-pass time and op-count diff; ``=2`` also dumps the numbered graph after each pass.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 
@@ -74,9 +74,9 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_eac
         if level:
             dt = (time.perf_counter() - t0) * 1e3
             after = _op_counts(gm)
-            diff = {k: after[k] - before[k] for k in set(after) | set(before) if after[k] != before[k]}
-            print(f"[autoshard] pass {i} {fn.__name__}: {dt:.1f} ms, ops {dict(sorted(diff.items()))}",
-                  file=sys.stderr)
+            diff = {k: after[k] - before[k] for k in sorted(set(after) | set(before))
+                    if after[k] != before[k]}
+            print(f"[autoshard] pass {i} {fn.__name__}: {dt:.1f} ms, ops {diff}", file=sys.stderr)
             if level >= 2:
                 print(f"[autoshard] graph after {fn.__name__}:", file=sys.stderr)
                 for k, n in enumerate(gm.graph.nodes):

@@ -148,9 +148,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
 
     out = meta.output_node(gm)
     outs = list(out.args[0])
-    grad_at = {
-        r[meta.FQN]: i for i, r in enumerate(meta.tags(out)[meta.OUTPUTS]) if r[meta.ROLE] == meta.OUT_GRAD
-    }
+    grad_at = {r[meta.FQN]: i for i, r in enumerate(meta.tags(out)[meta.OUTPUTS])
+               if r[meta.ROLE] == meta.OUT_GRAD}
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if f in grad_at]
         for group_fqns in _by_dtype(fqns, specs):
@@ -190,7 +189,8 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
     lays = [layouts[f] for f in fqns]
 
     def issue(*shards):
-        flat = torch.cat([s.reshape(-1) for s in shards]) if len(shards) > 1 else shards[0].reshape(-1)
+        flat = [s.reshape(-1) for s in shards]
+        flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         return _AG(flat, N, group)
 
     def unpack(buf):

@@ -34,7 +34,8 @@ class Program:
         ]
         slot = {f: i for i, f in enumerate(self.fqns)}
         self.grad_slots = [
-            ("param", slot[r[meta.FQN]]) if r[meta.ROLE] == meta.OUT_GRAD else ("input", r[meta.INDEX])
+            ("param", slot[r[meta.FQN]]) if r[meta.ROLE] == meta.OUT_GRAD
+            else ("input", r[meta.INDEX])
             for r in split.bwd_roles
         ]
         self.diff = list(captured.diff_outputs)
