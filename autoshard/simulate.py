@@ -73,6 +73,7 @@ class _Sim:
         self.tc = self.tq = self.busy = self.exposed = 0.0
         self.pending, self.timeline, self.events, self.group = {}, [], [], None
         self.scratch = []  # (completion time, storage id) of collectives' scratch copies
+        self.held_inputs = {}  # collective issue -> storage of its input, held until the wait
         self.comm = self.sent = 0
         self.peak, self.peak_at = static_bytes, "start"
 
@@ -137,6 +138,11 @@ class _Sim:
             self.step_time(n, gname)
             while self.scratch and self.scratch[0][0] <= self.tc:
                 mem.release(self.scratch.pop(0)[1])
+            if meta.is_collective_issue(n) and sids.get(n.args[0]) is not None:
+                self.held_inputs[n] = sids[n.args[0]]  # the backend holds its input
+                mem.acquire(self.held_inputs[n], 0)
+            elif meta.is_wait(n) and n.args[0] in self.held_inputs:
+                mem.release(self.held_inputs.pop(n.args[0]))
             if meta.is_free(n):
                 for t in n.args[0]:
                     mem.free(sids[t])
