@@ -228,12 +228,13 @@ def _rank(rank, world, args, store, out_path):
 
 
 VARIANTS = {
-    "noprefetch": {"prefetch": False},
+    "prefetch": {"prefetch": True},
+    "prefetch-module": {"policy": "module", "prefetch": True},
     "bucket": {"policy": "per-parameter", "bucket": True},
     "nobucket": {"policy": "per-parameter", "bucket": False},
     "module": {"policy": "module"},
-    "cap1": {"policy": "module", "prefetch_depth": 1},
-    "cap4": {"policy": "module", "prefetch_depth": 4},
+    "cap1": {"policy": "module", "prefetch": True, "prefetch_depth": 1},
+    "cap4": {"policy": "module", "prefetch": True, "prefetch_depth": 4},
     "whole": {"policy": "whole-model"},
 }
 
