@@ -101,11 +101,12 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-def _tensor_bytes(v) -> int:
+def tensor_bytes(v) -> int:
+    """Bytes of a tensor, or of the tensors in a list or tuple."""
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (list, tuple)):
-        return sum(_tensor_bytes(x) for x in v)
+        return sum(tensor_bytes(x) for x in v)
     return 0
 
 
@@ -116,8 +117,8 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     if meta.is_free(node) or _aliased_arg(node) is not None:
         return 0.0
     flops = _flops(node)
-    moved = _tensor_bytes(node.meta.get("val")) + sum(
-        _tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+    moved = tensor_bytes(node.meta.get("val")) + sum(
+        tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
     )
     return max(flops / (profile.matmul_flops * profile.efficiency), moved / profile.mem_bandwidth)
 

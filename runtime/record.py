@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _compat
+from autoshard.cost import tensor_bytes
 from autoshard.runtime.ops import free_op
 
 _OPS = {
@@ -23,14 +24,6 @@ _OPS = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     torch.ops._c10d_functional.wait_tensor.default: "wait",
 }
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return 0
 
 
 @dataclasses.dataclass
@@ -87,12 +80,12 @@ class _CommLog(TorchDispatchMode):
         kwargs = kwargs or {}
         kind = _OPS.get(func)
         if func is free_op:
-            self.events.append(("free", _nbytes(args[0])))
+            self.events.append(("free", tensor_bytes(args[0])))
         t = time.perf_counter()
         out = func(*args, **kwargs)
         if kind is None:
             return out
-        nbytes = _nbytes(out) if kind != "reduce_scatter" else _nbytes(args[0])
+        nbytes = tensor_bytes(out) if kind != "reduce_scatter" else tensor_bytes(args[0])
         self.events.append((kind, nbytes))
         if kind == "wait":
             c = self.pending.pop(id(args[0]), None)
