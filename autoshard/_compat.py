@@ -49,7 +49,7 @@ def boxed(gm):
 
 
 def allocation_events(prof) -> list:
-    """(time ns, bytes) of every allocation (+) and release (-) a torch.profiler session with
+    """(time ns, bytes) of every allocation (+) and release (-) a torch.profiler run with
     ``profile_memory=True`` saw, in time order."""
     from torch._C._profiler import _EventType
 
