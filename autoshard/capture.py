@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import threading
 import traceback
 from typing import Any, Callable
 
@@ -24,13 +23,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autoshard import _compat, meta
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, written_inputs
-
-_capturing = threading.local()
-
-
-def is_capturing() -> bool:
-    return getattr(_capturing, "on", False)
-
 
 @dataclasses.dataclass
 class ParamSpec:
@@ -204,7 +196,6 @@ def capture(
         rec["grad_mask"] = [g is not None for g in grads]
         return touts, [g for g in grads if g is not None], bclones
 
-    _capturing.on = True
     try:
         with _compat.preserve_node_meta():
             gm = _compat.make_fx(joint, tracing_mode="fake")(*fparams, *fbufs, *finputs)
@@ -212,8 +203,6 @@ def capture(
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
         raise _explain(exc, stack) from exc
-    finally:
-        _capturing.on = False
 
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN):

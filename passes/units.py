@@ -21,9 +21,6 @@ class Unit:
     name: str  # module path of the block, or "root"
     fqns: list
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 def repeated_blocks(model: torch.nn.Module) -> list:
     """Module paths of the repeated blocks of every outermost ModuleList/Sequential whose
