@@ -40,7 +40,8 @@ BWD = "bwd"
 
 # communication steps; each is a node tagged with COMM and UNIT
 AG_PACK = "ag_pack"  # local shards -> flat send buffer
-AG_ISSUE = "all_gather"  # async all_gather_into_tensor
+AG_BUFFER = "ag_buffer"  # the gathered buffer's allocation
+AG_ISSUE = "all_gather"  # async all_gather_into_tensor (into the buffer)
 AG_WAIT = "ag_wait"
 AG_UNPACK = "ag_unpack"  # gathered buffer -> full parameters
 RS_PACK = "rs_pack"  # full gradients -> flat send buffer
@@ -50,6 +51,7 @@ RS_UNPACK = "rs_unpack"
 FREE = "free"
 
 COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE)
+GATHERED = (AG_BUFFER, AG_ISSUE, AG_WAIT, AG_UNPACK)  # what holds or views a gathered buffer
 
 
 def tags(node: fx.Node) -> dict:

@@ -83,7 +83,7 @@ class _FunctionalCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+        if func is torch.ops._c10d_functional.all_gather_into_tensor_out.default:
             self.count.add(out.numel() * out.element_size())
         elif func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
             self.count.add(args[0].numel() * args[0].element_size())

@@ -17,7 +17,11 @@ from autoshard.graph import (
     writes_input,
 )
 
-_AG = torch.ops._c10d_functional.all_gather_into_tensor.default
+# the out= form: it reaches the backend's plain all-gather (``_allgather_base``, what FSDP2
+# calls); the allocating form goes through the coalesced all-gather, which in gloo corrupts
+# memory when two of them are in flight at once
+_AG = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+_EMPTY = torch.ops.aten.empty.memory_format
 _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -52,9 +56,12 @@ def _by_dtype(fqns, specs):
     return list(groups.values())
 
 
-def _comm_tags(unit: int, region: str, issue_target, issue_kind: str, other_kind: str):
+def _comm_tags(unit: int, region: str, kinds: dict, other_kind: str):
+    """Tags for a traced issue: ``kinds`` maps an op to its kind, every other node is
+    ``other_kind`` (packing)."""
+
     def tag(n):
-        kind = issue_kind if n.target is issue_target else other_kind
+        kind = kinds.get(n.target, other_kind)
         return {meta.COMM: kind, meta.UNIT: unit, meta.REGION: region}
 
     return tag
@@ -198,7 +205,8 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
     def issue(*shards):
         flat = [s.reshape(-1) for s in shards]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
-        return _AG(flat, N, group)
+        buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
+        return _AG(flat, N, group, out=buf)
 
     def unpack(buf):
         cols, off, fulls = buf.view(N, -1), 0, []
@@ -209,7 +217,7 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
         return fulls
 
     key = ("ag", N, group, tuple(lay.shape for lay in lays))
-    tag = _comm_tags(unit, region, _AG, meta.AG_ISSUE, meta.AG_PACK)
+    tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK)
     handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region),
                         key=("wait",))
@@ -250,7 +258,7 @@ def _reduce(gm, pos, unit, grads, lays, N, group):
         return outs
 
     key = ("rs", N, group, tuple(lay.shape for lay in lays))
-    tag = _comm_tags(unit, meta.BWD, _RS, meta.RS_ISSUE, meta.RS_PACK)
+    tag = _comm_tags(unit, meta.BWD, {_RS: meta.RS_ISSUE}, meta.RS_PACK)
     handle, n1 = splice(gm, issue, grads, before, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD),
                         key=("wait",))

@@ -12,7 +12,7 @@ def _issue_block(issue: fx.Node) -> list:
     """The pack nodes feeding ``issue`` (contiguous before it), then the issue."""
     block = [issue]
     n = issue.prev
-    while meta.tag(n, meta.COMM) in (meta.AG_PACK, meta.RS_PACK) and meta.tag(
+    while meta.tag(n, meta.COMM) in (meta.AG_PACK, meta.AG_BUFFER, meta.RS_PACK) and meta.tag(
         n, meta.UNIT
     ) == meta.tag(issue, meta.UNIT):
         block.insert(0, n)
@@ -46,7 +46,7 @@ def gathered_spans(gm: fx.GraphModule, region: str) -> list:
         if meta.is_free(n):
             for t in n.args[0]:
                 root = alias_base(t)
-                if meta.tag(root, meta.COMM) in (meta.AG_ISSUE, meta.AG_UNPACK):
+                if meta.tag(root, meta.COMM) in meta.GATHERED:
                     key = (meta.tag(root, meta.UNIT), meta.tag(root, meta.REGION))
                     release[key] = max(release.get(key, 0), pos[n])
     return [(n, meta.val_bytes(n), release.get((meta.tag(n, meta.UNIT), region), pos[n]))

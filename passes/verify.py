@@ -111,7 +111,7 @@ def _check_frees(gm, pos):
 
 
 def _gathered(n: fx.Node) -> bool:
-    return meta.tag(alias_base(n), meta.COMM) in (meta.AG_ISSUE, meta.AG_WAIT, meta.AG_UNPACK)
+    return meta.tag(alias_base(n), meta.COMM) in meta.GATHERED
 
 
 def _check_crossing(gm, ctx):

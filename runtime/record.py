@@ -20,7 +20,7 @@ from autoshard.cost import tensor_bytes
 from autoshard.runtime.ops import free_op
 
 _OPS = {
-    torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+    torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
     torch.ops._c10d_functional.wait_tensor.default: "wait",
 }

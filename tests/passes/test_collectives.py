@@ -37,7 +37,7 @@ def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter():
 def test_gather_sits_right_before_the_first_use_and_collectives_are_c10d_functional():
     gm, _ = _gpt()
     ops = {n.target for n in gm.graph.nodes if meta.is_collective_issue(n)}
-    assert ops == {torch.ops._c10d_functional.all_gather_into_tensor.default,
+    assert ops == {torch.ops._c10d_functional.all_gather_into_tensor_out.default,
                    torch.ops._c10d_functional.reduce_scatter_tensor.default}
     for n in gm.graph.nodes:
         if meta.tag(n, meta.COMM) == meta.AG_WAIT:
