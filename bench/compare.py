@@ -14,8 +14,8 @@ Reported per system, on rank 0:
   of the allocator's live bytes during one step, read from torch.profiler's allocation events
   (CPU) or torch.cuda's peak counter (GPU): the same method for all three systems. DDP's
   gradient buckets, allocated when DDP wraps the model, are outside that accounting;
-- bytes sent per rank per step and collectives per step, counted where each system calls its
-  collectives: autoshard's c10d functional ops (a dispatch mode), FSDP2's
+- bytes sent per rank per step and collectives per step, counted in an untimed step where
+  each system calls its collectives: autoshard's c10d functional ops (a dispatch mode), FSDP2's
   all_gather_single / reduce_scatter_single, DDP's bucket all-reduces (a comm hook). A ring
   all-gather or reduce-scatter of a buffer of S bytes sends S (N-1)/N per rank, an all-reduce
   2 S (N-1)/N;
@@ -148,7 +148,7 @@ def _step(model, opt, x, y, hf):
     opt.zero_grad()
 
 
-def _peak(model, opt, x, y, hf, ctx):
+def _peak(model, opt, x, y, hf):
     from autoshard.runtime.record import state_bytes
 
     base = state_bytes(model, opt) + sum(t.numel() * t.element_size() for t in (x, y))
@@ -156,8 +156,7 @@ def _peak(model, opt, x, y, hf, ctx):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        with ctx():
-            _step(model, opt, x, y, hf)
+        _step(model, opt, x, y, hf)
         torch.cuda.synchronize()
         return base + torch.cuda.max_memory_allocated() - start
     from torch.profiler import ProfilerActivity, profile
@@ -165,8 +164,7 @@ def _peak(model, opt, x, y, hf, ctx):
     from autoshard._compat import allocation_events
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with ctx():
-            _step(model, opt, x, y, hf)
+        _step(model, opt, x, y, hf)
     live = peak = 0
     for _, d in allocation_events(prof):
         live += d
@@ -201,19 +199,21 @@ def _rank(rank, world, args, store, out_path):
                 x, y = seq[:, :-1], seq[:, 1:]
                 dist.barrier()
                 t0 = time.perf_counter()
-                count.on = rep == 0 and i == 1
-                with ctx():
-                    _step(model, opt, x, y, hf)
+                _step(model, opt, x, y, hf)
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-                count.on = False
                 if rep or i:
                     times[name].append(dt)
     rows = {}
     for name, (model, opt, count, ctx) in systems.items():
         seq = data[0]
-        peak = _peak(model, opt, seq[:, :-1], seq[:, 1:], hf, ctx)
+        # counted and measured in steps of their own, so no counter slows a timed step
+        count.on = True
+        with ctx():
+            _step(model, opt, seq[:, :-1], seq[:, 1:], hf)
+        count.on = False
+        peak = _peak(model, opt, seq[:, :-1], seq[:, 1:], hf)
         params = sum(p.numel() * p.element_size() for p in MODELS[args.model]().parameters())
         rows[name] = {"ms": statistics.median(times[name]) * 1e3, "peak": peak,
                       "bytes": count.bytes, "calls": count.calls, "param_bytes": params}
