@@ -41,16 +41,17 @@ class Config:
         default: "h100" on CUDA, "cpu" otherwise.
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     reshard_after_forward: free gathered parameters after their forward use and gather them
-        again in backward (ZeRO-3). ``False`` keeps them gathered from forward to backward.
+        again in backward (ZeRO-3): ``True`` for every unit; ``False`` keeps every unit
+        gathered from forward to backward; "auto" (default) keeps only the unit gathered last
+        in forward, whose backward gather would come right after its forward use (FSDP2
+        keeps its root the same way).
     bucket: merge adjacent units smaller than ``bucket_bytes`` (default: the size below which
         a collective is latency-bound under the cost model) into one collective. Default: on
         for the "per-parameter" policy only ("auto" already sizes units for time within the
         memory budget; other policies are the user's choice of units).
     prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
         the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
-        in flight (default: no byte bound), and defer reduce-scatter waits. Off by default
-        for now: with several collectives in flight on gloo, a rare heap corruption has been
-        seen in long multi-rank runs and is not yet explained.
+        in flight (default: no byte bound), and defer reduce-scatter waits (default: on).
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
@@ -62,10 +63,10 @@ class Config:
     module_classes: Optional[Sequence[str]] = None
     module_pattern: Optional[str] = None
     min_unit_numel: int = 10**8
-    reshard_after_forward: bool = True
+    reshard_after_forward: Union[bool, str] = "auto"
     bucket: Optional[bool] = None
     bucket_bytes: Union[int, str, None] = None
-    prefetch: bool = False
+    prefetch: bool = True
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
     verify: bool = False
@@ -79,6 +80,9 @@ class Config:
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"Config.optimizer={self.optimizer!r} is not known; use one of "
                              f"{', '.join(OPTIMIZER_STATES)}")
+        if self.reshard_after_forward not in (True, False, "auto"):
+            raise ValueError(f"Config.reshard_after_forward={self.reshard_after_forward!r}: use "
+                             "True, False or \"auto\"")
         self.memory_budget = parse_bytes(self.memory_budget)
         self.prefetch_bytes = parse_bytes(self.prefetch_bytes)
         self.bucket_bytes = parse_bytes(self.bucket_bytes)

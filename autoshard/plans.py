@@ -31,6 +31,7 @@ class UnitInfo:
     fqns: list
     numel: int
     bytes: int
+    kept: bool = False  # gathered from forward to backward, not resharded after forward
 
 
 @dataclasses.dataclass
@@ -77,8 +78,10 @@ class Plan:
         return [list(u.fqns) for u in self.units]
 
     def units_table(self) -> str:
-        rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes)) for u in self.units]
-        return tabulate(rows, headers=["unit", "name", "params", "numel", "bytes"])
+        rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
+                 "kept" if u.kept else "resharded") for u in self.units]
+        return tabulate(rows, headers=["unit", "name", "params", "numel", "bytes",
+                                       "after forward"])
 
     def schedule_table(self, ops: Optional[set] = None) -> str:
         names = {u.index: u.name for u in self.units}
@@ -234,7 +237,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(_numel(specs[f].shape) * specs[f].dtype.itemsize for f in u.fqns)
-        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes))
+        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget)
     if profile is not None:
         plan.device = profile.to_dict()

@@ -35,7 +35,7 @@ class PassContext:
     group_name: str
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
-    reshard_after_forward: bool = True
+    reshard_after_forward: Any = "auto"  # True, False or "auto" (Config's)
     profile: Any = None  # autoshard.cost.DeviceProfile, for cost-based decisions
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs

@@ -33,7 +33,8 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                 merged.append(run[0])
             else:
                 name = f"{run[0].name}+{len(run) - 1}"
-                merged.append(Unit(0, name, [f for u in run for f in u.fqns]))
+                merged.append(Unit(0, name, [f for u in run for f in u.fqns],
+                                   keep=any(u.keep for u in run)))
         run.clear()
 
     for u in ctx.units:
@@ -49,7 +50,7 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     by_fqn = {meta.tag(n, meta.FQN): n for n in gm.graph.nodes if meta.is_param(n)}
     ctx.units = []
     for i, u in enumerate(merged):
-        ctx.units.append(Unit(i, u.name, list(u.fqns)))
+        ctx.units.append(Unit(i, u.name, list(u.fqns), keep=u.keep))
         for f in u.fqns:
             meta.tags(by_fqn[f])[meta.UNIT] = i
     return gm

@@ -71,9 +71,10 @@ def _plain_tags(kind, unit, region):
     return {meta.COMM: kind, meta.UNIT: unit, meta.REGION: region}
 
 
-def _recompute_param_derived(gm: fx.GraphModule) -> None:
+def _recompute_param_derived(gm: fx.GraphModule, kept: set) -> None:
     """Copy forward nodes computed from parameters alone (``t(w)``, casts, views) into the
-    backward that reads them, so no gathered parameter or view of one is saved across."""
+    backward that reads them, so no gathered parameter or view of one is saved across; those
+    computed from ``kept`` parameters (gathered across anyway) alone stay."""
     graph = gm.graph
     derived = {}
     for n in graph.nodes:
@@ -83,7 +84,8 @@ def _recompute_param_derived(gm: fx.GraphModule) -> None:
         if not ins or writes_input(n):
             continue
         if all(meta.is_param(a) or meta.is_buffer(a) or a in derived for a in ins) and any(
-            meta.is_param(a) or a in derived for a in ins
+            (meta.is_param(a) and meta.tag(a, meta.FQN) not in kept) or a in derived
+            for a in ins
         ):
             derived[n] = True
     if not derived:
@@ -120,7 +122,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Needs: ``ctx.units`` and parameter placeholders tagged with ``unit`` (assign_units),
     regions and output roles (capture).
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
-    and one before its first backward use (unless ``ctx.reshard_after_forward`` is False),
+    and one before its first backward use (unless ``Unit.keep``: then the forward's serves),
     one reduce_scatter+wait after the last of its gradients is complete; an
     ``autoshard::free`` after the last read of every gathered buffer, full parameter and full
     gradient that is not itself a collective's input (send buffers, and gradients a
@@ -134,9 +136,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     specs = {p.fqn: p for p in ctx.captured.params}
     layouts = {f: ShardLayout(p.shape, N) for f, p in specs.items()}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
-    keep = not ctx.reshard_after_forward
-    if not keep:
-        _recompute_param_derived(gm)
+    _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
 
     for f, n in phs.items():
         v, lay = n.meta["val"], layouts[f]
@@ -146,13 +146,12 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
 
     roots = {}  # storage root -> unit index
     pos = positions(graph)  # original nodes keep their relative order through the splices
-    regions = (meta.FWD,) if keep else (meta.FWD, meta.BWD)
     for unit in ctx.units:
-        for region in regions:
+        for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
             fqns = [f for f in unit.fqns if layouts[f].sharded]
             for group_fqns in _by_dtype(fqns, specs):
                 new = _gather(gm, pos, unit.index, region, group_fqns, phs, layouts, N, group,
-                              keep)
+                              unit.keep)
                 roots.update((r, unit.index) for r in storage_roots(new))
 
     out = meta.output_node(gm)

@@ -20,6 +20,7 @@ class Unit:
     index: int
     name: str  # module path of the block, or "root"
     fqns: list
+    keep: bool = False  # gathered from forward to backward (not resharded after forward)
 
 
 def repeated_blocks(model: torch.nn.Module) -> list:
@@ -94,7 +95,9 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     Options: ``units`` — explicit lists of FQNs (any tied alias accepted), or ``policy``:
     "auto" (see ``auto_units``), "module", "size", "per-parameter", "whole-model".
     Guarantees: every parameter is in exactly one unit; parameters no explicit unit or module
-    names form the "root" unit; units are numbered in order of first use in the graph.
+    names form the "root" unit; units are numbered in order of first use in the graph;
+    ``Unit.keep`` follows ``ctx.reshard_after_forward`` (True: none kept, False: all, "auto":
+    the unit read last in forward, which the backward would gather again first).
     Never changes the graph's nodes.
     """
     phs = _first_use_order(gm)
@@ -152,4 +155,23 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         ctx.units.append(Unit(i, name, fq))
         for f in fq:
             meta.tags(by_fqn[f])[meta.UNIT] = i
+    _choose_kept(gm, ctx, by_fqn)
     return gm
+
+
+def _choose_kept(gm, ctx, by_fqn) -> None:
+    mode = ctx.reshard_after_forward
+    if mode is True:
+        return
+    if mode is False:
+        for u in ctx.units:
+            u.keep = True
+        return
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    end = {}  # unit -> position of its last forward read
+    for u in ctx.units:
+        reads = [pos[r] for f in u.fqns for r in by_fqn[f].users if meta.is_forward(r)]
+        if reads:
+            end[u.index] = max(reads)
+    if end:  # the backward starts by gathering it again
+        ctx.units[max(end, key=end.__getitem__)].keep = True

@@ -34,7 +34,7 @@ def verify(gm: fx.GraphModule, ctx) -> None:
       2. no node reads a freed storage after its free, and a collective's input stays alive
          until its wait and is never freed explicitly;
       3. no gathered parameter (or view of one) is read across forward -> backward unless
-         the plan keeps it (``reshard_after_forward=False``);
+         its unit is kept (``Unit.keep``, from ``reshard_after_forward``);
       4. each gradient is reduce-scattered exactly once, after its last accumulation;
       5. with a prefetch bound, the gathered bytes in flight never exceed it.
     """
@@ -110,18 +110,15 @@ def _check_frees(gm, pos):
                         _fail(f"{end.name} reads {a.name} after it is freed by {f.name}")
 
 
-def _gathered(n: fx.Node) -> bool:
-    return meta.tag(alias_base(n), meta.COMM) in meta.GATHERED
-
-
 def _check_crossing(gm, ctx):
-    if not ctx.reshard_after_forward:
-        return
+    kept = {u.index for u in ctx.units or () if u.keep}
     for n in gm.graph.nodes:
         if not meta.is_backward(n):
             continue
         for a in n.all_input_nodes:
-            if meta.is_forward(a) and _gathered(a):
+            root = alias_base(a)
+            if (meta.is_forward(a) and meta.tag(root, meta.COMM) in meta.GATHERED
+                    and meta.tag(root, meta.UNIT) not in kept):
                 _fail(
                     f"backward node {n.name} reads {a.name}, a gathered parameter (or view) "
                     "from the forward; it must be re-gathered in backward"

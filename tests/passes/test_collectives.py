@@ -1,10 +1,12 @@
 import collections
 
+import pytest
 import torch
 
 from autoshard import meta
 from autoshard.models import GPT
 from autoshard.passes import assign_units_pass, insert_collectives_pass, verify
+from autoshard.passes.verify import VerificationError
 from graphs import captured, run
 from models import Odd
 
@@ -86,3 +88,18 @@ def test_keeping_parameters_gathered_skips_the_backward_gather():
     assert not any(k[2] == meta.AG_ISSUE and k[0] == "bwd" for k in c)
     assert sum(v for k, v in c.items() if k[2] == meta.RS_ISSUE) == len(ctx.units)
     verify(gm, ctx)
+
+
+def test_auto_keeps_only_the_unit_read_last_in_forward():
+    gm, ctx = _gpt(reshard_after_forward="auto")
+    kept = [u for u in ctx.units if u.keep]
+    # the GPT's head is tied to the embedding: the root unit is read last in forward
+    assert [u.name for u in kept] == ["root"]
+    c = _comm(gm)
+    for u in ctx.units:
+        assert c[("bwd", u.index, meta.AG_ISSUE)] == (0 if u.keep else 1)
+    verify(gm, ctx)
+    # a unit that is not kept may not be read across: the verifier names the node
+    kept[0].keep = False
+    with pytest.raises(VerificationError, match="must be re-gathered in backward"):
+        verify(gm, ctx)

@@ -68,14 +68,17 @@ def test_free_releases_storage_at_once():
     assert t.untyped_storage().nbytes() == 0
 
 
-def test_forward_graph_frees_every_gathered_buffer():
+def test_forward_graph_frees_every_gathered_buffer_of_units_not_kept():
     sharded, _ = _pair()
     x, y = _data()
     gpt_loss(sharded(x), y).backward()
-    fwd = sharded._autoshard.last.fwd
-    gathered = [n for n in fwd.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_ISSUE]
-    freed = {a for n in fwd.graph.nodes if meta.is_free(n) for a in n.args[0]}
-    assert gathered and all(g in freed for g in gathered)
+    program = sharded._autoshard.last
+    kept = {u.index for u in program.units if u.keep}
+    assert len(kept) == 1  # reshard_after_forward="auto": the unit read last in forward
+    buffers = [n for n in program.fwd.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_BUFFER]
+    freed = {a for n in program.fwd.graph.nodes if meta.is_free(n) for a in n.args[0]}
+    assert {meta.tag(b, meta.UNIT) for b in buffers if b not in freed} <= kept
+    assert all(b in freed for b in buffers if meta.tag(b, meta.UNIT) not in kept)
 
 
 def test_schedule_table_lists_collectives_in_order():
@@ -87,6 +90,7 @@ def test_schedule_table_lists_collectives_in_order():
     for col in ("unit", "op", "bytes", "placed after"):
         assert col in header
     ops = [e.op for e in sharded.plan.schedule]
-    assert ops.count("all_gather") == 2 * len(sharded.units)
+    kept = sum(u.kept for u in sharded.units)  # gathered once: kept from forward to backward
+    assert ops.count("all_gather") == 2 * len(sharded.units) - kept
     assert ops.count("reduce_scatter") == len(sharded.units)
     assert text.count("all_gather") == ops.count("all_gather")
