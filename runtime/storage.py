@@ -6,6 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autoshard.passes.collectives import ShardLayout
+from autoshard.runtime import optim
 
 
 def parameter_owners(model: torch.nn.Module) -> dict:
@@ -68,6 +69,7 @@ def shard_module(model: torch.nn.Module, mesh, device: torch.device) -> None:
             dt = DTensor.from_local(p.detach().to(device, copy=True), mesh, [Replicate()],
                                     run_check=False)
         new = torch.nn.Parameter(dt, requires_grad=p.requires_grad)
+        optim.mark(new)
         for mod, name in owners[id(p)]:
             mod._parameters[name] = new
     for mod in model.modules():

@@ -1,0 +1,63 @@
+"""The user's optimizer over autoshard's parameters on CPU: one DTensor dispatch per op for a
+whole parameter group instead of one per parameter.
+
+An optimizer built with default flags picks its implementation per step: on CUDA, DTensor
+parameters get the ``foreach`` path (DTensor is among torch's foreach-supported types); on
+CPU every tensor gets the per-parameter loop, and over DTensors that loop pays the DTensor
+dispatch some ten times per parameter (about three times the step of plain tensors). For the
+optimizers whose CPU ``foreach`` path runs the very same per-tensor kernels, so that results
+are bitwise equal, a global step pre-hook selects ``foreach`` for the groups holding
+autoshard's CPU parameters, and the post-hook puts the group back as the user left it
+(``foreach=None``: ``state_dict()`` and ``param_groups`` never show the change). A group the
+user configured (``foreach`` or ``fused`` set, ``differentiable``, a tensor learning rate) is
+left alone, as is every other optimizer class.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+# their foreach update on CPU equals the per-parameter loop bit for bit (NAdam's and RAdam's
+# foreach arithmetic differs, so they keep the loop)
+BITWISE_FOREACH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
+                   torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta)
+
+_MARK = "_autoshard_sharded"
+_switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
+_hooks = []
+
+
+def mark(param: torch.nn.Parameter) -> None:
+    """Note ``param`` as one of autoshard's parameters and make sure the hooks are in place."""
+    setattr(param, _MARK, True)
+    if not _hooks:
+        _hooks.extend((register_optimizer_step_pre_hook(_pre),
+                       register_optimizer_step_post_hook(_post)))
+
+
+def _eligible(group: dict) -> bool:
+    return (group.get("foreach", False) is None and not group.get("fused")
+            and not group.get("differentiable") and not isinstance(group.get("lr"), torch.Tensor)
+            and any(getattr(p, _MARK, False) and p.device.type == "cpu"
+                    for p in group["params"]))
+
+
+def _pre(optimizer, args, kwargs) -> None:
+    if type(optimizer) not in BITWISE_FOREACH:
+        return
+    groups = [i for i, g in enumerate(optimizer.param_groups) if _eligible(g)]
+    for i in groups:
+        optimizer.param_groups[i]["foreach"] = True
+    if groups:
+        _switched[optimizer] = groups
+
+
+def _post(optimizer, args, kwargs) -> None:
+    for i in _switched.pop(optimizer, ()):
+        optimizer.param_groups[i]["foreach"] = None
