@@ -7,7 +7,8 @@ Plain data and small functions, so a plan can be costed for any device on any ma
   attention) applied to the fake tensors' shapes; bytes moved are the node's input and output
   bytes (views move nothing).
 - Collectives: ring all-gather / reduce-scatter of a buffer of ``S`` bytes over ``N`` ranks
-  takes ``(N - 1) * alpha + (N - 1) / N * S * beta``.
+  takes ``(N - 1) * alpha + (N - 1) / N * S * beta``; the fraction ``comm_overlap`` of it
+  can run while the rank computes, the rest holds compute up.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class DeviceProfile:
     # extra bytes a collective holds while in flight, as a fraction of its full buffer (gloo
     # copies the buffer into a scratch tensor of its own; NCCL works in place)
     collective_scratch: float = 0.0
+    # the fraction of a collective's time that can pass while the rank computes: GPUs move
+    # data with engines of their own; gloo's threads copy and reduce on the very cores the
+    # compute runs on
+    comm_overlap: float = 1.0
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -58,10 +63,11 @@ PROFILES = {
     ),
     "cpu": DeviceProfile(
         "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
-        memory=24 * GiB, efficiency=0.9, collective_scratch=1.0,
+        memory=24 * GiB, efficiency=0.9, collective_scratch=1.0, comm_overlap=0.1,
         source="measured with autoshard.cost.calibrate() on the project's 2-core CI machine, "
                "one thread per rank (fp32 1024^2 matmul ~100 GFLOP/s, 64 MiB copy, gloo "
-               "all-gather between 2 processes: alpha ~250 us, ~1.4 GB/s); gloo's scratch copy "
+               "all-gather between 2 processes: alpha ~250 us, ~1.4 GB/s, overlap with "
+               "matmuls ~0.1 for 0.25-1 MiB buffers); gloo's scratch copy "
                "of each collective's buffer read off torch.profiler's allocation events",
     ),
 }
@@ -154,13 +160,15 @@ def calibrate(device: Optional[torch.device] = None, group=None, name: str = "ca
     t = _time(lambda: (y.copy_(x), sync()))
     bandwidth = 2 * x.numel() * 4 / t
     base = PROFILES["h100" if device.type == "cuda" else "cpu"]
-    alpha, beta = base.alpha, base.beta
+    alpha, beta, overlap = base.alpha, base.beta, base.comm_overlap
     if group is not None and torch.distributed.get_world_size(group) > 1:
         alpha, beta = _collective_alpha_beta(device, group, sync)
+        overlap = _comm_overlap(device, group, sync)
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else base.memory)
     return DeviceProfile(name, flops, bandwidth, alpha,
-                         beta, memory, efficiency=1.0,
+                         beta, memory, efficiency=1.0, comm_overlap=overlap,
+                         collective_scratch=base.collective_scratch,
                          source=f"measured by calibrate() on {device.type}")
 
 
@@ -178,3 +186,28 @@ def _collective_alpha_beta(device, group, sync):
     beta = (times[1] - times[0]) / ((n - 1) / n * (sizes[1] - sizes[0]))
     alpha = max((times[0] - (n - 1) / n * sizes[0] * beta) / (n - 1), 0.0)
     return alpha, max(beta, 0.0)
+
+
+def _comm_overlap(device, group, sync) -> float:
+    """How much of a 1 MiB all-gather passes while this rank runs matmuls, from 0 to 1."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    inp = torch.empty(2**20 // 4 // n, device=device)
+    out = torch.empty(inp.numel() * n, device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def compute():
+        for _ in range(20):
+            a @ a
+
+    def both():
+        work = dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        compute()
+        work.wait()
+        sync()
+
+    comp = _time(lambda: (compute(), sync()))
+    comm = _time(lambda: (dist.all_gather_into_tensor(out, inp, group=group), sync()))
+    hidden = comp + comm - _time(both)
+    return min(max(hidden / min(comp, comm), 0.0), 1.0)

@@ -89,6 +89,11 @@ class _Sim:
             dur = collective_time(size, self.world, self.profile)
             start = max(self.tc, self.tq)
             self.tq = self.pending[n] = start + dur
+            held = dur * (1 - self.profile.comm_overlap)  # what compute cannot run beside
+            if held:
+                self.close_group()
+                self.tc += held
+                self.exposed += held
             scratch = int(size * self.profile.collective_scratch)
             if scratch:  # the backend's own copy, held until the collective completes
                 self.mem.acquire(("scratch", n), scratch)
