@@ -52,6 +52,9 @@ class Config:
     prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
         the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
         in flight (default: no byte bound), and defer reduce-scatter waits (default: on).
+    recompute: save fewer activation bytes from forward to backward: a minimum cut over the
+        forward graph picks what to save, and cheap ops (pointwise, views, normalisations)
+        between it and the backward run again there (default: on).
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
@@ -67,6 +70,7 @@ class Config:
     bucket: Optional[bool] = None
     bucket_bytes: Union[int, str, None] = None
     prefetch: bool = True
+    recompute: bool = True
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
     verify: bool = False

@@ -21,6 +21,7 @@ from autoshard.passes.units import Unit, assign_units_pass  # noqa: F401
 from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
 from autoshard.passes.bucket import bucket_units_pass  # noqa: F401
 from autoshard.passes.prefetch import prefetch_pass  # noqa: F401
+from autoshard.passes.remat import recompute_activations_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
 
@@ -90,7 +91,9 @@ def default_passes(config, **unit_options) -> list:
         "module_pattern": config.module_pattern, "min_unit_numel": config.min_unit_numel,
         **unit_options,
     }
-    passes = [(assign_units_pass, units)]
+    # recomputation first: it decides the activation memory the unit choice works with
+    passes = [(recompute_activations_pass, {})] if config.recompute else []
+    passes.append((assign_units_pass, units))
     if config.bucket:
         passes.append((bucket_units_pass, {"min_bytes": config.bucket_bytes}))
     passes.append((insert_collectives_pass, {}))

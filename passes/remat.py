@@ -1,0 +1,134 @@
+"""recompute_activations: save fewer bytes from forward to backward by recomputing cheap ops.
+
+Eager autograd (and so DDP and FSDP2) keeps every tensor a backward formula asks for:
+``gelu(h)`` and ``h``, a LayerNorm's output and its input. Holding the whole step as one
+graph, autoshard chooses what crosses instead: the set of saved tensors with the fewest bytes
+from which the backward can recompute the rest with cheap ops (pointwise, views, small
+reductions, normalisations). That is a minimum cut, as in the min-cut partitioners of
+compiler autograd (AOTAutograd's), computed here with networkx over the forward graph:
+
+    source ─∞─▶ every input, and every op that must run in forward (matmuls, attention,
+                anything random, written in place, or a user output)
+    v_in ──bytes(v)──▶ v_out       for each forward value v: cutting it = saving v
+    u_out ─∞─▶ v_in                for each edge u → v of the forward
+    v_out ─∞─▶ sink                for each forward value a backward node reads
+
+The cut's edges name the values to save; every forward value on the sink side that the
+backward needs is copied into the backward, right before its first reader there.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from autoshard import meta
+from autoshard.graph import _aliased_arg, alias_closure, written_inputs
+
+_aten = torch.ops.aten
+# cheap enough to run twice: memory-bound, and no larger than what they read
+_CHEAP = {
+    _aten._to_copy.default, _aten.mean.dim, _aten.sum.dim_IntList, _aten.var_mean.correction,
+    _aten.native_layer_norm.default, _aten.amax.default, _aten.rsqrt.default,
+}
+
+
+def _recomputable(n: fx.Node, written: set) -> bool:
+    t = n.target
+    if n.op != "call_function" or n in written or written_inputs(n):
+        return False
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
+        return False
+    return t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
+
+
+def _bytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+    """Replace saved forward values by recomputation in backward where that saves bytes.
+
+    Needs: region tags (capture); runs first, on the joint graph (before any collective).
+    Guarantees: the backward reads only forward values the cut saves, graph inputs, and
+    copies (tagged ``recomputed``, region bwd) of cheap forward ops placed before their
+    first backward reader; the forward computes what it did. Never recomputes an op that is
+    random, writes into a tensor, or is written into. Does nothing when no cheaper cut exists
+    (the saved bytes never grow) or with no backward.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    fwd = [n for n in nodes if meta.is_forward(n) and n.op != "output"]
+    fwd_set = set(fwd)
+    needed = {a for n in nodes if meta.is_backward(n) for a in n.all_input_nodes
+              if a in fwd_set}
+    if not needed:
+        return gm
+    written = set()
+    for n in nodes:
+        for w in written_inputs(n):
+            written.update(alias_closure(w))
+    user_out = set(meta.output_node(gm).all_input_nodes)
+
+    g = nx.DiGraph()
+    for n in fwd:
+        inp = n.op == "placeholder"
+        if not inp and (not _recomputable(n, written) or n in user_out):
+            g.add_edge("source", (n, "in"))  # no capacity: infinite
+        if inp:
+            g.add_edge("source", (n, "in"))
+        # inputs cost nothing to keep (the backward reads them anyway); a view costs little
+        # more than its base so that the base is what gets saved; a tuple is never saved
+        # whole, only the tensors taken out of it
+        if not isinstance(n.meta.get("val"), (tuple, list)):
+            g.add_edge((n, "in"), (n, "out"), capacity=0 if inp else _bytes(n) + 1)
+        else:
+            g.add_edge((n, "in"), (n, "out"))
+        for a in n.all_input_nodes:
+            if a in fwd_set:
+                g.add_edge((a, "out"), (n, "in"))
+        if n in needed:
+            g.add_edge((n, "out"), "sink")
+    before = sum(_bytes(n) for n in needed if n.op != "placeholder")
+    cut, (reach, _) = nx.minimum_cut(g, "source", "sink")
+    if cut >= before:
+        return gm
+    saved = {n for n in fwd if (n, "in") in reach and (n, "out") not in reach}
+
+    # forward values the backward needs but the cut does not save, with what they read
+    todo, recompute = [n for n in needed if n not in saved and n.op != "placeholder"], set()
+    while todo:
+        n = todo.pop()
+        if n in recompute:
+            continue
+        recompute.add(n)
+        todo.extend(a for a in n.all_input_nodes
+                    if a in fwd_set and a not in saved and a.op != "placeholder")
+    order = {n: i for i, n in enumerate(nodes)}
+    ordered = sorted(recompute, key=order.__getitem__)
+    place = {}
+    for n in reversed(ordered):
+        cands = [u for u in n.users if meta.is_backward(u)]
+        cands += [place[u] for u in n.users if u in place]
+        place[n] = min(cands, key=order.__getitem__)
+    copies = {}
+    for n in ordered:
+        with graph.inserting_before(place[n]):
+            c = graph.node_copy(n, lambda a: copies.get(a, a))
+        c.meta = dict(n.meta)
+        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
+        copies[n] = c
+    made = set(copies.values())
+    for n, c in copies.items():
+        for u in list(n.users):
+            if meta.is_backward(u) and u not in made:
+                u.replace_input_with(n, c)
+    graph.lint()
+    gm.recompile()
+    return gm
