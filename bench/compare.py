@@ -19,7 +19,10 @@ Reported per system, on rank 0:
   all_gather_single / reduce_scatter_single, DDP's bucket all-reduces (a comm hook). A ring
   all-gather or reduce-scatter of a buffer of S bytes sends S (N-1)/N per rank, an all-reduce
   2 S (N-1)/N;
-- the ZeRO-3 bound 3 P (N-1)/N for P parameter bytes.
+- the ZeRO-3 bound 3 P (N-1)/N for P parameter bytes;
+- for autoshard, one more step recorded (``model.record``): the time its collectives were in
+  flight, and how much of it this rank computed through (hidden) rather than waited (the
+  rest); ``--trace PATH`` writes that timeline as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def _rank(rank, world, args, store, out_path):
     hf = args.model.startswith("hf")
     systems = {}
     for spec in args.systems.split(","):
-        system, _, variant = spec.partition(":")
+        system, variant = system_of(spec), spec.partition(":")[2]
         config = dict(VARIANTS[variant]) if variant else {}
         systems[spec] = _build(system, args.model, config)
     gen = torch.Generator().manual_seed(rank)
@@ -213,10 +216,18 @@ def _rank(rank, world, args, store, out_path):
         with ctx():
             _step(model, opt, seq[:, :-1], seq[:, 1:], hf)
         count.on = False
+        overlap = {}
+        if system_of(name) == "autoshard":  # the recorded timeline of one step
+            with model.record(opt, seq) as rec:
+                _step(model, opt, seq[:, :-1], seq[:, 1:], hf)
+            overlap = rec.overlap()
+            if args.trace and rank == 0 and name == args.systems.split(",")[0]:
+                rec.to_chrome_trace(args.trace)
         peak = _peak(model, opt, seq[:, :-1], seq[:, 1:], hf)
         params = sum(p.numel() * p.element_size() for p in MODELS[args.model]().parameters())
         rows[name] = {"ms": statistics.median(times[name]) * 1e3, "peak": peak,
-                      "bytes": count.bytes, "calls": count.calls, "param_bytes": params}
+                      "bytes": count.bytes, "calls": count.calls, "param_bytes": params,
+                      "overlap": overlap}
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -227,14 +238,23 @@ def _rank(rank, world, args, store, out_path):
     os._exit(0)
 
 
+def system_of(spec: str) -> str:
+    return spec.partition(":")[0]
+
+
+# one change each against the default Config (policy auto, prefetch, recompute, the unit read
+# last in forward kept gathered)
 VARIANTS = {
-    "prefetch": {"prefetch": True},
-    "prefetch-module": {"policy": "module", "prefetch": True},
+    "module": {"policy": "module"},
+    "module-noprefetch": {"policy": "module", "prefetch": False},
+    "depth1": {"policy": "module", "prefetch_depth": 1},
+    "depth4": {"policy": "module", "prefetch_depth": 4},
+    "cap256k": {"policy": "module", "prefetch_bytes": "256KiB"},
+    "cap1m": {"policy": "module", "prefetch_bytes": "1MiB"},
     "bucket": {"policy": "per-parameter", "bucket": True},
     "nobucket": {"policy": "per-parameter", "bucket": False},
-    "module": {"policy": "module"},
-    "cap1": {"policy": "module", "prefetch": True, "prefetch_depth": 1},
-    "cap4": {"policy": "module", "prefetch": True, "prefetch_depth": 4},
+    "reshard": {"reshard_after_forward": True},
+    "norecompute": {"recompute": False},
     "whole": {"policy": "whole-model"},
 }
 
@@ -260,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--systems", default="autoshard,fsdp2,ddp",
                     help="comma list; autoshard:VARIANT for " + ", ".join(VARIANTS))
+    ap.add_argument("--trace", default=None,
+                    help="write the first system's recorded step (autoshard) as a Chrome trace")
     args = ap.parse_args(argv)
     per_rank = run(args)
     rows = per_rank[0]
@@ -269,13 +291,15 @@ def main(argv=None):
     table = []
     for name, r in rows.items():
         peak = max(pr[name]["peak"] for pr in per_rank)
+        ov = r["overlap"]
         table.append((name, f"{r['ms']:.2f}", f"{r['ms'] / ref['ms']:.2f}" if ref else "-",
                       f"{peak / 2**20:.2f}",
                       f"{peak / max(pr['fsdp2']['peak'] for pr in per_rank):.2f}" if ref else "-",
-                      r["bytes"], r["calls"], bound))
+                      r["bytes"], r["calls"], bound,
+                      f"{ov['in_flight_s'] * 1e3:.2f} / {ov['hidden_s'] * 1e3:.2f}" if ov else "-"))
     print(tabulate(table, headers=["system", "step ms (median)", "x FSDP2", "peak MiB/rank",
                                    "x FSDP2", "bytes sent/rank/step", "collectives/step",
-                                   "ZeRO-3 bound"]))
+                                   "ZeRO-3 bound", "comm ms in flight / hidden"]))
     return rows
 
 

@@ -32,9 +32,9 @@ def _machine() -> str:
             f" torch {torch.__version__}")
 
 
-def _compare(model, systems, steps, reps):
+def _compare(model, systems, steps, reps, trace=None):
     args = compare.argparse.Namespace(model=model, world_size=2, steps=steps, reps=reps,
-                                      batch=8, seq=64, systems=systems)
+                                      batch=8, seq=64, systems=systems, trace=trace)
     per_rank = compare.run(args)
     rows = per_rank[0]
     peaks = {k: max(pr[k]["peak"] for pr in per_rank) for k in rows}
@@ -83,17 +83,36 @@ def main(argv=None) -> None:
                             "bytes/rank/step", "collectives", "ZeRO-3 bound"],
             tablefmt="github"), ""]
     lines += ["## Ablations (gpt-deep, 8 layers)", "",
-              "`autoshard` is the default (policy auto, no prefetch); the variants change one "
-              "thing (see VARIANTS in bench/compare.py; `cap1`/`cap4` are module units with "
-              "prefetch depth 1 and 4).", ""]
-    systems = ("autoshard,autoshard:prefetch,autoshard:module,autoshard:prefetch-module,"
-               "autoshard:cap1,autoshard:cap4,autoshard:bucket,autoshard:nobucket,"
-               "autoshard:whole,fsdp2")
-    rows, peaks = _compare("gpt-deep", systems, args.steps, args.reps)
-    table = [(name, f"{r['ms']:.1f}", f"{r['ms'] / rows['fsdp2']['ms']:.2f}",
-              f"{peaks[name] / 2**20:.2f}", r["calls"]) for name, r in rows.items()]
-    lines += [tabulate(table, headers=["variant", "step ms", "x FSDP2", "peak MiB",
-                                       "collectives"], tablefmt="github"), ""]
+              "`autoshard` is the default Config (policy auto, prefetch on, recompute on, the "
+              "unit read last in forward kept gathered); each variant changes one thing (see "
+              "VARIANTS in bench/compare.py): `module` = one unit per block (prefetch on, "
+              "depth 2), `module-noprefetch` = the same without prefetch, `depth1`/`depth4` "
+              "= module units with prefetch depth 1 / 4, `cap256k`/`cap1m` = module units "
+              "with at most 256 KiB / 1 MiB of gathered bytes in flight, `bucket`/`nobucket` "
+              "= one unit per parameter with/without bucketing, `reshard` = every unit "
+              "resharded after forward (the pure ZeRO-3 schedule), `norecompute` = every "
+              "activation saved as eager does, `whole` = one unit. Communication in flight "
+              "/ hidden: from one recorded step (`model.record`): the time some collective "
+              "was in flight, and the part of it the rank computed through instead of "
+              "waiting. The timeline of the `module` variant's step is in "
+              "`bench/trace_gpt_deep_module.json` (chrome://tracing or Perfetto).", ""]
+    systems = ("autoshard:module,autoshard,autoshard:module-noprefetch,autoshard:depth1,"
+               "autoshard:depth4,autoshard:cap256k,autoshard:cap1m,autoshard:bucket,"
+               "autoshard:nobucket,autoshard:reshard,autoshard:norecompute,autoshard:whole,"
+               "fsdp2")
+    trace = os.path.join(os.path.dirname(__file__), "trace_gpt_deep_module.json")
+    rows, peaks = _compare("gpt-deep", systems, args.steps, args.reps, trace=trace)
+    table = []
+    for name, r in rows.items():
+        ov = r["overlap"]
+        table.append((name, f"{r['ms']:.1f}", f"{r['ms'] / rows['fsdp2']['ms']:.2f}",
+                      f"{peaks[name] / 2**20:.2f}", f"{peaks[name] / peaks['fsdp2']:.2f}",
+                      r["calls"], r["bytes"],
+                      f"{ov['in_flight_s'] * 1e3:.1f} / {ov['hidden_s'] * 1e3:.1f}" if ov
+                      else "-"))
+    lines += [tabulate(table, headers=["variant", "step ms", "x FSDP2", "peak MiB", "x FSDP2",
+                                       "collectives", "bytes/rank/step",
+                                       "comm ms in flight / hidden"], tablefmt="github"), ""]
     lines += ["## Compile cost", "",
               "Capture + passes + prediction of a GPT (dim 64) for world size 2, module "
               "policy, in a fresh process.", ""]

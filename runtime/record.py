@@ -32,13 +32,19 @@ class Recording:
     baseline_bytes: int = 0  # model state live when the step began
     memory: list = dataclasses.field(default_factory=list)  # live bytes after each alloc/free
     peak_bytes: int = 0
-    # per collective: [op, bytes, issued, wait started, wait ended] (perf_counter seconds)
+    # per collective: [op, bytes, issue returned, wait called, wait returned] (perf_counter s)
     collectives: list = dataclasses.field(default_factory=list)
 
     def overlap(self) -> dict:
-        """Seconds collectives were in flight, of which compute waited (exposed) and the rest
-        ran while this rank computed (hidden)."""
-        flight = sum(c[4] - c[2] for c in self.collectives if c[4] is not None)
+        """Seconds some collective was in flight (from its issue returning to its wait
+        returning; overlapping collectives count once), of which this rank waited (exposed)
+        and the rest it computed through (hidden)."""
+        spans = sorted((c[2], c[4]) for c in self.collectives if c[4] is not None)
+        flight, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                flight += b - max(a, end)
+                end = b
         exposed = sum(c[4] - c[3] for c in self.collectives if c[4] is not None)
         return {"in_flight_s": flight, "exposed_s": exposed, "hidden_s": flight - exposed}
 
@@ -85,6 +91,8 @@ class _CommLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         if kind is None:
             return out
+        if kind != "wait":
+            t = time.perf_counter()  # in flight once issued: issuing is this rank's own work
         nbytes = tensor_bytes(out) if kind != "reduce_scatter" else tensor_bytes(args[0])
         self.events.append((kind, nbytes))
         if kind == "wait":
