@@ -6,7 +6,9 @@ allocation events) on top of the model state held when the step starts.
 
 Prefetch is off here: with gathers in flight across compute, gloo's scratch copy of each
 buffer lives until its worker thread finishes, so the measured peak moves by several percent
-from run to run with thread timing; without it the allocation sequence is deterministic."""
+from run to run with thread timing. Even without prefetch the worker thread drops its copy a
+moment after the wait returns, which now and then lands after the next large allocation; that
+only ever adds, so the measured peak is the least of three identical steps."""
 
 import pytest
 import torch
@@ -27,14 +29,17 @@ def _measure(rank, world, name):
         loss_fn(call(model, x), y).backward()
         opt.step()
         opt.zero_grad()
-    with model.record(opt, x, y) as rec:
-        loss_fn(call(model, x), y).backward()
+    recs = []
+    for _ in range(3):
+        with model.record(opt, x, y) as rec:
+            loss_fn(call(model, x), y).backward()
+        recs.append(rec)
     plan = model.plan
     return {
         "planned": [(e.op, e.bytes) for e in plan.schedule],
-        "measured": rec.events,
+        "measured": recs[0].events,
         "predicted_peak": plan.predicted["peak_bytes"],
-        "measured_peak": rec.peak_bytes,
+        "measured_peak": min(r.peak_bytes for r in recs),
     }
 
 
@@ -60,9 +65,12 @@ def _measure_at(rank, world, payload):
         gpt_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    with model.record(opt, x, y) as rec:
-        gpt_loss(model(x), y).backward()
-    return rec.peak_bytes
+    peaks = []
+    for _ in range(3):
+        with model.record(opt, x, y) as rec:
+            gpt_loss(model(x), y).backward()
+        peaks.append(rec.peak_bytes)
+    return min(peaks)
 
 
 def test_symbolic_memory_predicts_a_larger_batch_and_the_largest_that_fits():
