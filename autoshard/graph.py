@@ -250,3 +250,33 @@ def clone_graph(gm: fx.GraphModule) -> fx.GraphModule:
             new.meta[meta.KEY] = dict(n.meta[meta.KEY])
         env[n] = new
     return fx.GraphModule(gm, graph)
+
+
+def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:
+    """Copy forward ``nodes`` (in graph order, closed under what the copies read among them)
+    into the backward, each right before its first backward reader or copy that reads it;
+    backward readers then read the copies (tagged ``recomputed``, region bwd). Nodes no
+    backward node reaches are not copied. Returns {original: copy}."""
+    graph = gm.graph
+    order = positions(graph)
+    place = {}
+    for n in reversed(nodes):
+        cands = [u for u in n.users if meta.is_backward(u)]
+        cands += [place[u] for u in n.users if u in place]
+        if cands:
+            place[n] = min(cands, key=order.__getitem__)
+    copies = {}
+    for n in nodes:
+        if n not in place:
+            continue
+        with graph.inserting_before(place[n]):
+            c = graph.node_copy(n, lambda a: copies.get(a, a))
+        c.meta = dict(n.meta)
+        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
+        copies[n] = c
+    made = set(copies.values())
+    for n, c in copies.items():
+        for u in list(n.users):
+            if meta.is_backward(u) and u not in made:
+                u.replace_input_with(n, c)
+    return copies

@@ -10,6 +10,7 @@ import torch.fx as fx
 from autoshard import meta
 from autoshard.graph import (
     alias_base,
+    copy_into_backward,
     insert_free,
     positions,
     splice,
@@ -90,26 +91,7 @@ def _recompute_param_derived(gm: fx.GraphModule, kept: set) -> None:
             derived[n] = True
     if not derived:
         return
-    order = positions(graph)
-    place = {}
-    for n in reversed(list(derived)):
-        cands = [u for u in n.users if meta.is_backward(u)]
-        cands += [place[u] for u in n.users if u in place]
-        if cands:
-            place[n] = min(cands, key=order.__getitem__)
-    copies = {}
-    for n in derived:
-        if n not in place:
-            continue
-        with graph.inserting_before(place[n]):
-            c = graph.node_copy(n, lambda a: copies.get(a, a))
-        c.meta = dict(n.meta)
-        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
-        copies[n] = c
-    for n, c in copies.items():
-        for u in list(n.users):
-            if meta.is_backward(u) and u is not c and u not in copies.values():
-                u.replace_input_with(n, c)
+    copy_into_backward(gm, list(derived))
     for n in reversed(list(derived)):
         if not n.users:
             graph.erase_node(n)

@@ -26,13 +26,19 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.graph import _aliased_arg, alias_closure, written_inputs
+from autoshard.cost import tensor_bytes
+from autoshard.graph import (
+    _aliased_arg,
+    alias_closure,
+    copy_into_backward,
+    written_inputs,
+)
 
 _aten = torch.ops.aten
 # cheap enough to run twice: memory-bound, and no larger than what they read
 _CHEAP = {
     _aten._to_copy.default, _aten.mean.dim, _aten.sum.dim_IntList, _aten.var_mean.correction,
-    _aten.native_layer_norm.default, _aten.amax.default, _aten.rsqrt.default,
+    _aten.native_layer_norm.default, _aten.amax.default,
 }
 
 
@@ -45,11 +51,6 @@ def _recomputable(n: fx.Node, written: set) -> bool:
     if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
         return False
     return t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
-
-
-def _bytes(n: fx.Node) -> int:
-    v = n.meta.get("val")
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
 
 def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
@@ -79,15 +80,14 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     g = nx.DiGraph()
     for n in fwd:
         inp = n.op == "placeholder"
-        if not inp and (not _recomputable(n, written) or n in user_out):
+        if inp or not _recomputable(n, written) or n in user_out:
             g.add_edge("source", (n, "in"))  # no capacity: infinite
-        if inp:
-            g.add_edge("source", (n, "in"))
         # inputs cost nothing to keep (the backward reads them anyway); a view costs little
         # more than its base so that the base is what gets saved; a tuple is never saved
         # whole, only the tensors taken out of it
-        if not isinstance(n.meta.get("val"), (tuple, list)):
-            g.add_edge((n, "in"), (n, "out"), capacity=0 if inp else _bytes(n) + 1)
+        val = n.meta.get("val")
+        if not isinstance(val, (tuple, list)):
+            g.add_edge((n, "in"), (n, "out"), capacity=0 if inp else tensor_bytes(val) + 1)
         else:
             g.add_edge((n, "in"), (n, "out"))
         for a in n.all_input_nodes:
@@ -95,7 +95,7 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
                 g.add_edge((a, "out"), (n, "in"))
         if n in needed:
             g.add_edge((n, "out"), "sink")
-    before = sum(_bytes(n) for n in needed if n.op != "placeholder")
+    before = sum(tensor_bytes(n.meta.get("val")) for n in needed if n.op != "placeholder")
     cut, (reach, _) = nx.minimum_cut(g, "source", "sink")
     if cut >= before:
         return gm
@@ -112,23 +112,10 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
                     if a in fwd_set and a not in saved and a.op != "placeholder")
     order = {n: i for i, n in enumerate(nodes)}
     ordered = sorted(recompute, key=order.__getitem__)
-    place = {}
-    for n in reversed(ordered):
-        cands = [u for u in n.users if meta.is_backward(u)]
-        cands += [place[u] for u in n.users if u in place]
-        place[n] = min(cands, key=order.__getitem__)
-    copies = {}
-    for n in ordered:
-        with graph.inserting_before(place[n]):
-            c = graph.node_copy(n, lambda a: copies.get(a, a))
-        c.meta = dict(n.meta)
-        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
-        copies[n] = c
-    made = set(copies.values())
-    for n, c in copies.items():
-        for u in list(n.users):
-            if meta.is_backward(u) and u not in made:
-                u.replace_input_with(n, c)
+    copy_into_backward(gm, ordered)
+    for n in reversed(ordered):  # what only the backward read now runs there alone
+        if not n.users:
+            graph.erase_node(n)
     graph.lint()
     gm.recompile()
     return gm
