@@ -60,3 +60,8 @@ def allocation_events(prof) -> list:
             out.append((e.start_time_ns, e.extra_fields.alloc_size))
         stack.extend(e.children)
     return sorted(out)
+
+
+def capture_decompositions() -> dict:
+    """Ops capture rewrites while tracing (make_fx ``decomposition_table``)."""
+    return {}

@@ -148,7 +148,9 @@ def capture(
     in_consts = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors_in = [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=False)
+    # real tensors the forward reads that are neither parameters nor buffers (a module-level
+    # constant, a plain tensor attribute) are traced as graph constants, as eager reads them
+    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         fparams = [
             torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
@@ -198,7 +200,9 @@ def capture(
 
     try:
         with _compat.preserve_node_meta():
-            gm = _compat.make_fx(joint, tracing_mode="fake")(*fparams, *fbufs, *finputs)
+            gm = _compat.make_fx(joint, tracing_mode="fake",
+                                 decomposition_table=_compat.capture_decompositions())(
+                *fparams, *fbufs, *finputs)
     except AutoshardError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation

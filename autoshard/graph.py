@@ -89,6 +89,20 @@ def written_inputs(n: fx.Node) -> list:
     return out
 
 
+def mutated_storages(nodes: Iterable[fx.Node]) -> set:
+    """The storages (as ``alias_base`` nodes) that some node among ``nodes`` writes into,
+    through any view. Communication nodes are left out: an all-gather's write into its
+    buffer is how that buffer gets its value, and a free ends a storage (the verifier checks
+    that nothing reads it after)."""
+    return {alias_base(w) for n in nodes if not meta.is_comm(n) for w in written_inputs(n)}
+
+
+def reads_mutated(n: fx.Node, mutated: set) -> bool:
+    """Whether ``n`` reads, or is, a storage in ``mutated``: its value may then differ at
+    another point of the step, so ``n`` must not be computed again elsewhere."""
+    return any(alias_base(a) in mutated for a in (n, *n.all_input_nodes))
+
+
 def writes_input(n: fx.Node) -> bool:
     """Whether ``n`` writes into one of its inputs."""
     return bool(written_inputs(n))
@@ -255,7 +269,8 @@ def clone_graph(gm: fx.GraphModule) -> fx.GraphModule:
 def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:
     """Copy forward ``nodes`` (in graph order, closed under what the copies read among them)
     into the backward, each right before its first backward reader or copy that reads it;
-    backward readers then read the copies (tagged ``recomputed``, region bwd). Nodes no
+    backward readers then read the copies (tagged ``recomputed`` with the original's name,
+    region bwd). Nodes no
     backward node reaches are not copied. Returns {original: copy}."""
     graph = gm.graph
     order = positions(graph)
@@ -272,7 +287,8 @@ def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:
         with graph.inserting_before(place[n]):
             c = graph.node_copy(n, lambda a: copies.get(a, a))
         c.meta = dict(n.meta)
-        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD, meta.RECOMPUTED: True}
+        c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD,
+                            meta.RECOMPUTED: n.name}
         copies[n] = c
     made = set(copies.values())
     for n, c in copies.items():

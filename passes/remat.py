@@ -29,8 +29,9 @@ from autoshard import meta
 from autoshard.cost import tensor_bytes
 from autoshard.graph import (
     _aliased_arg,
-    alias_closure,
     copy_into_backward,
+    mutated_storages,
+    reads_mutated,
     written_inputs,
 )
 
@@ -42,9 +43,11 @@ _CHEAP = {
 }
 
 
-def _recomputable(n: fx.Node, written: set) -> bool:
+def _recomputable(n: fx.Node, mutated: set) -> bool:
+    """Cheap, deterministic, writes nothing, and reads only storages no node ever writes:
+    then its inputs hold the same values in backward as in forward, and so does its copy."""
     t = n.target
-    if n.op != "call_function" or n in written or written_inputs(n):
+    if n.op != "call_function" or written_inputs(n) or reads_mutated(n, mutated):
         return False
     if t is operator.getitem:
         return True
@@ -60,7 +63,8 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     Guarantees: the backward reads only forward values the cut saves, graph inputs, and
     copies (tagged ``recomputed``, region bwd) of cheap forward ops placed before their
     first backward reader; the forward computes what it did. Never recomputes an op that is
-    random, writes into a tensor, or is written into. Does nothing when no cheaper cut exists
+    random, writes into a tensor, or reads or is a storage that any node writes into (through
+    any view): what it reads is then the same at recompute time, and so is its value. Does nothing when no cheaper cut exists
     (the saved bytes never grow) or with no backward.
     """
     graph = gm.graph
@@ -71,16 +75,13 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
               if a in fwd_set}
     if not needed:
         return gm
-    written = set()
-    for n in nodes:
-        for w in written_inputs(n):
-            written.update(alias_closure(w))
+    mutated = mutated_storages(nodes)
     user_out = set(meta.output_node(gm).all_input_nodes)
 
     g = nx.DiGraph()
     for n in fwd:
         inp = n.op == "placeholder"
-        if inp or not _recomputable(n, written) or n in user_out:
+        if inp or not _recomputable(n, mutated) or n in user_out:
             g.add_edge("source", (n, "in"))  # no capacity: infinite
         # inputs cost nothing to keep (the backward reads them anyway); a view costs little
         # more than its base so that the base is what gets saved; a tuple is never saved

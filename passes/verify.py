@@ -28,7 +28,9 @@ def verify(gm: fx.GraphModule, ctx) -> None:
     """Check every invariant that applies at this stage of the pipeline.
 
     Always: each node has a region; forward nodes never read backward nodes; no node writes
-    into a graph input (buffers are updated through outputs).
+    into a graph input (buffers are updated through outputs); a recomputed node reads no
+    storage that any node writes into, so it computes in backward what the forward did —
+    checked on the joint graph and, once split, on the forward and backward graphs that run.
     Once collectives are inserted:
       1. every read of a sharded parameter goes through an all-gather and its wait;
       2. no node reads a freed storage after its free, and a collective's input stays alive
@@ -50,6 +52,9 @@ def verify(gm: fx.GraphModule, ctx) -> None:
         for w in written_inputs(n):
             if alias_base(w).op == "placeholder":
                 _fail(f"{n.name} writes into graph input {alias_base(w).name} in place")
+    _check_recomputed(list(graph.nodes), lambda n: n)
+    if ctx.split is not None:
+        _check_split_recomputed(ctx.split)
     if not ctx.collectives_inserted:
         return
     _check_gathers(gm)
@@ -156,3 +161,31 @@ def _check_reductions(gm, pos):
                 for u in a.users:
                     if pos[u] > pos[rs] and writes_input(u) and not meta.is_free(u):
                         _fail(f"{u.name} updates gradient {full.name} after its reduce-scatter")
+
+
+def _check_recomputed(nodes: list, storage) -> None:
+    """No recomputed node is, or reads, a storage some node writes (``storage`` maps an
+    ``alias_base`` node to the storage it stands for)."""
+    mutated = {storage(alias_base(w)) for n in nodes if not meta.is_comm(n)
+               for w in written_inputs(n)}
+    for r in nodes:
+        if not meta.tag(r, meta.RECOMPUTED):
+            continue
+        for a in (r, *r.all_input_nodes):
+            if storage(alias_base(a)) in mutated:
+                _fail(f"recomputed node {r.name} (a copy of {meta.tag(r, meta.RECOMPUTED)}) "
+                      f"reads {a.name}, whose storage is written in place during the step: "
+                      "its value at recompute time may differ from the forward's")
+
+
+def _check_split_recomputed(split) -> None:
+    """The same on the graphs that run: a saved backward input stands for the storage of
+    the forward value it carries, so writes in either graph count."""
+    if split.bwd is None:
+        return
+    fwd_out = list(meta.output_node(split.fwd).args[0])
+    saved_vals = fwd_out[len(fwd_out) - len(split.saved):]
+    phs = [n for n in split.bwd.graph.nodes if n.op == "placeholder"][: len(split.saved)]
+    carries = {p: alias_base(v) for p, v in zip(phs, saved_vals)}
+    nodes = list(split.fwd.graph.nodes) + list(split.bwd.graph.nodes)
+    _check_recomputed(nodes, lambda b: carries.get(b, b))
