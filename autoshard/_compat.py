@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
@@ -30,6 +32,69 @@ def link_backward_to_forward(roots) -> None:
     except ImportError:  # pragma: no cover - older/newer torch: no mapping, capture still works
         return
     setup_stacktrace_preservation_hooks([r for r in roots if r is not None])
+
+
+@contextlib.contextmanager
+def transparent_checkpoint(enter, leave):
+    """Run ``torch.utils.checkpoint`` regions (reentrant or not) as plain calls while this is
+    active, calling ``enter()`` before and ``leave()`` after each region's forward.
+
+    Capture traces a checkpointed region once; whether its values are recomputed in backward
+    is then the recompute pass's decision (which the verifier checks), with the region as a
+    hint. ``checkpoint()`` looks both implementations up in its module at call time, so this
+    also covers partials of it (Hugging Face's gradient checkpointing)."""
+    import torch.utils.checkpoint as ckpt
+
+    class _Region:
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            enter()
+            try:
+                return function(*args)
+            finally:
+                leave()
+
+    def _region_generator(fn, preserve_rng_state=True, context_fn=None, determinism_check=None,
+                          debug=False, early_stop=True, *args, **kwargs):
+        enter()
+        try:
+            yield
+        finally:
+            leave()
+
+    saved = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = (
+        _Region, _region_generator)
+    try:
+        yield
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = saved
+
+
+def backward_keeps_graph() -> bool:
+    """Inside an autograd.Function's backward: whether this backward call retains the graph
+    (``retain_graph=True``), so saved tensors must survive it."""
+    import torch
+
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def autocast_state(device_type: str) -> tuple:
+    """What ``torch.autocast`` does now to ops on ``device_type`` (and on the CPU): capture
+    records its casts, so a program is valid only under the state it was traced in."""
+    import torch
+
+    types = dict.fromkeys((device_type, "cpu"))
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)
+                  if torch.is_autocast_enabled(t) else None) for t in types)
+
+
+def is_fake(x) -> bool:
+    """Whether ``x`` (a tensor or a list of them) is a fake tensor being traced."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    x = x[0] if isinstance(x, (list, tuple)) and x else x
+    return isinstance(x, FakeTensor)
 
 
 def reparametrize(module, params_and_buffers):

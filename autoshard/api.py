@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import ParamSpec, capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.cost import get_profile
 from autoshard.graph import clone_graph
@@ -90,7 +90,8 @@ class ShardedModule(torch.nn.Module):
                 parts.append(("const", type(x).__name__, repr(x)))
         _, spec = tree_flatten((args, kwargs))
         grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
-        return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads)
+        return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads,
+                _compat.autocast_state(st.device.type))
 
     def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
         st = self._autoshard
@@ -241,7 +242,8 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
             "ranks compiled different communication schedules (would deadlock); every rank "
             "must call the model with inputs of the same shapes, dtypes and structure"
         )
-    prog = Program(cap, ctx.split, ctx.units, plan, world, st.mesh.get_local_rank())
+    prog = Program(cap, ctx.split, ctx.units, plan, world, st.mesh.get_local_rank(),
+                   st.device.type)
     st.last = prog
     return prog
 

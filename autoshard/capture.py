@@ -49,6 +49,9 @@ class Captured:
     input_grads: list  # indices (among tensor input leaves) whose gradient is returned
     mutated_buffers: list  # FQNs of buffers the forward updates in place
     has_backward: bool
+    # per gradient output, (OUT_GRAD, fqn) or (OUT_INPUT_GRAD, index): the tangents it depends
+    # on; when none of them is given (no loss reads those outputs) eager's gradient is None
+    grad_tangents: dict = dataclasses.field(default_factory=dict)
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -123,6 +126,28 @@ def _track_modules(model: torch.nn.Module, stack: list):
         h2.remove()
 
 
+def _track_checkpoints():
+    """Trace ``torch.utils.checkpoint`` regions as plain calls and mark their nodes with the
+    region (``node.meta["ac_graph_id"]``, the field torch's own checkpointing uses)."""
+    regions: list = []
+    count = [0]
+
+    def enter():
+        count[0] += 1
+        regions.append(count[0])
+        _compat.current_meta()["ac_graph_id"] = regions[-1]
+
+    def leave():
+        regions.pop()
+        cur = _compat.current_meta()
+        if regions:
+            cur["ac_graph_id"] = regions[-1]
+        else:
+            cur.pop("ac_graph_id", None)
+
+    return _compat.transparent_checkpoint(enter, leave)
+
+
 def _is_mutated(node: fx.Node) -> bool:
     """Whether any op writes into ``node``'s storage (directly or through a view)."""
     aliases = alias_closure(node)
@@ -177,7 +202,8 @@ def capture(
         a, kw = tree_unflatten(full, in_spec)
         state = dict(zip(pnames, p))
         state.update(zip(bnames, bclones))
-        with _compat.reparametrize(model, state), _track_modules(model, stack):
+        with _compat.reparametrize(model, state), _track_modules(model, stack), \
+                _track_checkpoints():
             out = forward(model, *a, **kw)
         _compat.current_meta().pop("nn_module_stack", None)
         out_leaves, rec["out_spec"] = tree_flatten(out)
@@ -194,7 +220,10 @@ def capture(
             for o in outs:
                 tangents.append(torch.empty(o.shape, dtype=o.dtype, device=o.device))
                 rec["tangents"].append(list(_compat.current_trace_graph().nodes)[-1])
-            grads = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
+            # eager runs backward() outside the autocast region: trace it so, whatever the
+            # forward's autocast state (the forward's casts are in the graph already)
+            with torch.autocast(device.type, enabled=False):
+                grads = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
         rec["grad_mask"] = [g is not None for g in grads]
         return touts, [g for g in grads if g is not None], bclones
 
@@ -284,6 +313,14 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
             graph.erase_node(clone)
     out.args = (list(touts) + list(grads) + kept,)
     meta.tags(out)[meta.OUTPUTS] = roles
+    deps: dict = {}
+    for n in graph.nodes:
+        deps[n] = ({meta.tag(n, meta.INDEX)} if meta.is_tangent(n)
+                   else set().union(*(deps[a] for a in n.all_input_nodes)))
+    for v, r in zip(out.args[0], roles):
+        if r[meta.ROLE] in (meta.OUT_GRAD, meta.OUT_INPUT_GRAD):
+            key = r.get(meta.FQN, r.get(meta.INDEX))
+            cap.grad_tangents[(r[meta.ROLE], key)] = frozenset(deps[v])
 
     # regions, module paths, and backward -> forward links
     region = meta.FWD
@@ -297,6 +334,8 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
         seq = n.meta.get("seq_nr")
         if region == meta.FWD:
             t[meta.MODULE] = next(reversed(stack)) if stack else ""
+            if n.meta.get("ac_graph_id") is not None:
+                t[meta.CHECKPOINT] = n.meta["ac_graph_id"]
             if seq is not None:
                 by_seq[seq] = n
         else:

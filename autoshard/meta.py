@@ -23,6 +23,7 @@ FWD_NODE = "fwd_node"  # for backward nodes: name of the forward node they diffe
 UNIT = "unit"  # unit index of a communication node or a parameter placeholder
 COMM = "comm"  # communication step: see COMM_* values
 OUTPUTS = "outputs"  # on the output node: the role of each returned value
+CHECKPOINT = "checkpoint"  # forward node inside a torch.utils.checkpoint region: its id
 RECOMPUTED = "recomputed"  # on a forward node copied into backward: the original's name
 
 ROLE_PARAM = "param"

@@ -44,8 +44,9 @@ _CHEAP = {
 
 
 def _recomputable(n: fx.Node, mutated: set) -> bool:
-    """Cheap, deterministic, writes nothing, and reads only storages no node ever writes:
-    then its inputs hold the same values in backward as in forward, and so does its copy."""
+    """Cheap (or inside a checkpoint region), deterministic, writes nothing, and reads only
+    storages no node ever writes: then its inputs hold the same values in backward as in
+    forward, and so does its copy."""
     t = n.target
     if n.op != "call_function" or written_inputs(n) or reads_mutated(n, mutated):
         return False
@@ -53,7 +54,17 @@ def _recomputable(n: fx.Node, mutated: set) -> bool:
         return True
     if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
         return False
-    return t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
+    # inside a torch.utils.checkpoint region the user asked for recomputation: any op
+    return (t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
+            or meta.tag(n, meta.CHECKPOINT) is not None)
+
+
+def _enters_region(n: fx.Node) -> bool:
+    """Whether a checkpoint region other than ``n``'s own reads ``n``: as in eager activation
+    checkpointing, a region recomputes from its saved inputs, never across other regions
+    (which would recompute the whole chain before it, once for each region)."""
+    own = meta.tag(n, meta.CHECKPOINT)
+    return any(meta.tag(u, meta.CHECKPOINT) not in (None, own) for u in n.users)
 
 
 def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
@@ -81,7 +92,7 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     g = nx.DiGraph()
     for n in fwd:
         inp = n.op == "placeholder"
-        if inp or not _recomputable(n, mutated) or n in user_out:
+        if inp or not _recomputable(n, mutated) or n in user_out or _enters_region(n):
             g.add_edge("source", (n, "in"))  # no capacity: infinite
         # inputs cost nothing to keep (the backward reads them anyway); a view costs little
         # more than its base so that the base is what gets saved; a tuple is never saved

@@ -7,13 +7,15 @@ from torch.utils._pytree import tree_unflatten
 
 from autoshard import _compat, meta
 from autoshard.capture import TENSOR
+from autoshard.graph import alias_base, clone_graph
 from autoshard.passes.collectives import ShardLayout
 
 
 class Program:
     """One compiled training step for one input signature."""
 
-    def __init__(self, captured, split, units, plan, world_size: int, rank: int):
+    def __init__(self, captured, split, units, plan, world_size: int, rank: int,
+                 device_type: str = "cpu"):
         self.captured = captured
         self.split = split
         self.units = units
@@ -21,6 +23,7 @@ class Program:
         self.fwd = split.fwd
         # the backward takes its inputs boxed: saved activations die at their last use
         self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
+        self._bwd_retained = None
         roles = split.fwd_roles
         self.n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in roles)
         self.mutated = [r[meta.FQN] for r in roles if r[meta.ROLE] == meta.OUT_BUFFER]
@@ -38,7 +41,12 @@ class Program:
             else ("input", r[meta.INDEX])
             for r in split.bwd_roles
         ]
+        self.grad_tangents = [
+            captured.grad_tangents[(r[meta.ROLE], r.get(meta.FQN, r.get(meta.INDEX)))]
+            for r in split.bwd_roles
+        ]
         self.diff = list(captured.diff_outputs)
+        self.device_type = device_type
 
     # the padded shard the graph reads, from the DTensor's local rows
     def pad(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -56,11 +64,33 @@ class Program:
             outs = _Step.apply(self, params, len(buffers), self.anchor(), *locals_, *buffers,
                                *inputs)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), self.no_autocast():
                 padded = [self.pad(i, t) for i, t in enumerate(locals_)]
                 outs = self.fwd(*padded, *buffers, *inputs)
         user = list(outs[: self.n_user])
         return user, list(outs[self.n_user : self.n_user + len(self.mutated)])
+
+    def backward_graph(self):
+        """The backward to run now. Under ``backward(retain_graph=True)`` the saved tensors
+        must outlive this call, so it runs a copy that frees none of them (a kept unit's
+        gathered parameters, which the backward otherwise frees after their last use)."""
+        if not _compat.backward_keeps_graph():
+            return self.bwd
+        if self._bwd_retained is None:
+            gm = clone_graph(self.bwd)
+            for f in [n for n in gm.graph.nodes if meta.is_free(n)]:
+                kept = [t for t in f.args[0] if alias_base(t).op != "placeholder"]
+                if kept:
+                    f.args = (kept,)
+                else:
+                    gm.graph.erase_node(f)
+            self._bwd_retained = _compat.boxed(gm)
+        return self._bwd_retained
+
+    def no_autocast(self):
+        """The graphs hold autocast's casts already (capture traced them): run them as
+        written, also when called inside ``torch.autocast``."""
+        return torch.autocast(self.device_type, enabled=False)
 
     @staticmethod
     def anchor() -> torch.Tensor:
@@ -88,9 +118,12 @@ class _Step(torch.autograd.Function):
     def forward(ctx, program: Program, params: list, n_buffers: int, anchor, *flat):
         n_p = len(program.fqns)
         padded = [program.pad(i, t) for i, t in enumerate(flat[:n_p])]
-        res = program.fwd(*padded, *flat[n_p:])
+        with program.no_autocast():
+            res = program.fwd(*padded, *flat[n_p:])
         n_out = program.n_user + len(program.mutated)
         ctx.save_for_backward(*res[n_out:])
+        ctx.set_materialize_grads(False)  # an output no loss reads gets None, as in eager
+        ctx.diff_like = [(res[i].shape, res[i].dtype, res[i].device) for i in program.diff]
         ctx.program, ctx.params = program, params
         ctx.n_inputs = len(flat) - n_p - n_buffers
         ctx.n_flat = len(flat)
@@ -102,12 +135,18 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         program = ctx.program
-        tangents = [grads[i].contiguous() for i in program.diff]
+        given = {k for k, i in enumerate(program.diff) if grads[i] is not None}
+        tangents = [grads[i].contiguous() if grads[i] is not None
+                    else torch.zeros(shape, dtype=dtype, device=device)
+                    for i, (shape, dtype, device) in zip(program.diff, ctx.diff_like)]
         args = [*ctx.saved_tensors, *tangents]
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
-        res = program.bwd(args)
+        with program.no_autocast():
+            res = program.backward_graph()(args)
         input_grads = [None] * ctx.n_inputs
-        for (kind, i), g in zip(program.grad_slots, res):
+        for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
+            if not deps & given:
+                continue  # it reads only outputs that got no gradient: None, as in eager
             if kind == "param":
                 rows = program.local_rows[i]
                 _accumulate(ctx.params[i], g if rows is None or rows == g.shape[0] else g[:rows])

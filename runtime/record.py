@@ -85,6 +85,8 @@ class _CommLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         kind = _OPS.get(func)
+        if (kind is not None or func is free_op) and _compat.is_fake(args[0]):
+            return func(*args, **kwargs)  # compiling: tracing a collective, not running it
         if func is free_op:
             self.events.append(("free", tensor_bytes(args[0])))
         t = time.perf_counter()
