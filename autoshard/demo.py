@@ -64,8 +64,9 @@ def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> No
             print(f"{step:4d}  {mine:12.6f}  {ref:12.6f}  {abs(mine - ref):9.2e}  {ms:6.1f}{note}")
 
     local = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, local)
+    per_rank = torch.zeros(world, dtype=torch.long)
+    dist.all_gather_into_tensor(per_rank, torch.tensor([local]))
+    per_rank = per_rank.tolist()
     if rank == 0:
         plan = sharded.plan
         print("\nunits (policy 'module')\n" + plan.units_table())

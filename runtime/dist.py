@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 
@@ -62,10 +63,18 @@ def group_name(mesh: DeviceMesh) -> str:
     return mesh.get_group().group_name
 
 
-def same_on_all_ranks(mesh: DeviceMesh, value) -> bool:
-    """Whether ``value`` (a picklable object) is the same on every rank of ``mesh``."""
+def same_on_all_ranks(mesh: DeviceMesh, value: str) -> bool:
+    """Whether ``value`` (a string) is the same on every rank of ``mesh``: one all-gather of
+    its 32-byte SHA-256 digest (a tensor collective: no pickling, no NumPy)."""
     if mesh.size() == 1:
         return True
-    gathered = [None] * mesh.size()
-    dist.all_gather_object(gathered, value, group=mesh.get_group())
-    return all(g == gathered[0] for g in gathered)
+    return len(set(all_gather_digests(mesh, value))) == 1
+
+
+def all_gather_digests(mesh: DeviceMesh, value: str) -> list:
+    """Every rank's SHA-256 digest of ``value``, in rank order."""
+    digest = hashlib.sha256(value.encode()).digest()
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=mesh_device(mesh))
+    out = torch.empty(mesh.size() * len(digest), dtype=torch.uint8, device=mine.device)
+    dist.all_gather_into_tensor(out, mine, group=mesh.get_group())
+    return [bytes(chunk.tolist()) for chunk in out.cpu().split(len(digest))]
