@@ -19,5 +19,7 @@ from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.config import Config  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
+from autoshard.check import CheckReport, check  # noqa: E402
 
-__all__ = ["autoshard", "plan", "ShardedModule", "Config", "Plan", "AutoshardError"]
+__all__ = ["autoshard", "plan", "check", "CheckReport", "ShardedModule", "Config", "Plan",
+           "AutoshardError"]

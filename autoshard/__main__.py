@@ -1,4 +1,5 @@
-"""Command line: ``python -m autoshard demo`` and ``python -m autoshard plan``."""
+"""Command line: ``python -m autoshard demo``, ``python -m autoshard plan`` and
+``python -m autoshard check``."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def _plan(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    from autoshard.check import run_factory
+
+    _factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
+    if args.world_size < 1:
+        raise SystemExit(f"--world-size must be at least 1, got {args.world_size}")
+    text, ok = run_factory(args.factory, batch=args.batch, seq=args.seq,
+                           world_size=args.world_size, policy=args.policy, atol=args.atol,
+                           rtol=args.rtol)
+    print(text)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoshard")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,12 +101,28 @@ def main(argv=None) -> int:
                     help="fit memory and time in batch and seq (two more traces)")
     pl.add_argument("--summary-only", action="store_true", help="no schedule table")
     pl.add_argument("--quiet", action="store_true", help="no progress lines")
+    ck = sub.add_parser("check", help="one training step eagerly and compiled, compared: "
+                        "per-parameter gradients and the first graph node that differs")
+    ck.add_argument("factory", help="MODULE:FACTORY returning a (real, not meta) nn.Module; "
+                    "FACTORY.example_inputs(batch, seq) if present makes the inputs, else "
+                    "integer tokens (batch, seq)")
+    ck.add_argument("--batch", type=int, default=2, help="per-rank batch")
+    ck.add_argument("--seq", type=int, default=16)
+    ck.add_argument("--world-size", type=int, default=1,
+                    help="gloo ranks on this machine (spawned processes)")
+    ck.add_argument("--policy", default=None,
+                    choices=["auto", "module", "size", "per-parameter", "whole-model"],
+                    help="unit policy (default: Config's)")
+    ck.add_argument("--atol", type=float, default=None, help="default: by dtype")
+    ck.add_argument("--rtol", type=float, default=None, help="default: by dtype")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from autoshard.demo import main as demo_main
 
         demo_main(steps=args.steps, world=args.world_size, layers=args.layers)
         return 0
+    if args.command == "check":
+        return _check(args)
     return _plan(args)
 
 

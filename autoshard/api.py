@@ -169,7 +169,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
                  if isinstance(x, torch.Tensor))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     replan = config.policy == "auto" and config.units is None
-    pristine = clone_graph(cap.gm) if replan else None
+    pristine = clone_graph(cap.gm)  # as traced; attempts clone it, so it stays untouched
+    cap.pristine = pristine
     unit_options, best, min_peak = {}, None, None
     for attempt in range(64):
         gm = clone_graph(pristine) if attempt else cap.gm

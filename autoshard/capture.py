@@ -52,6 +52,7 @@ class Captured:
     # per gradient output, (OUT_GRAD, fqn) or (OUT_INPUT_GRAD, index): the tangents it depends
     # on; when none of them is given (no loss reads those outputs) eager's gradient is None
     grad_tangents: dict = dataclasses.field(default_factory=dict)
+    pristine: Any = None  # the joint graph as traced, before any pass (autoshard.check)
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
