@@ -60,8 +60,15 @@ def gpt_loss(logits, targets):
 
 
 def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64):
-    """Hugging Face GPT-2, Llama or BERT (masked LM) at a tiny random configuration, built
-    from its config (no weights fetched); dropout off, no KV cache."""
+    """Hugging Face GPT-2, Llama, BERT (masked LM) or a mixture-of-experts causal LM (Mixtral,
+    Qwen3-MoE, DeepSeek-V3) at a tiny random configuration, built from its config (no weights
+    fetched); dropout off, no KV cache.
+
+    The MoE models have 4 experts, top-2 routing, 4 attention heads, and keep transformers'
+    default experts implementation (``grouped_mm``). DeepSeek-V3's first layer is dense, the
+    others MoE (one shared expert, 2 groups of 2 experts, top-1 group); its router's score
+    correction bias (a buffer, zero after init) is given small random values so the test
+    models exercise it."""
     import transformers as T
 
     if name == "gpt2":
@@ -80,4 +87,31 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64):
             hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
             intermediate_size=2 * hidden, vocab_size=vocab, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, max_position_embeddings=64, pad_token_id=0))
-    raise KeyError(f"no tiny Hugging Face model {name!r}; use gpt2, llama or bert")
+    moe = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+               num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
+               use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+               pad_token_id=0)
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(
+            **moe, intermediate_size=hidden, num_key_value_heads=2, num_local_experts=4,
+            router_jitter_noise=0.0))
+    if name == "qwen3_moe":
+        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **moe, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+            num_key_value_heads=2, num_experts=4, norm_topk_prob=True, decoder_sparse_step=1))
+    if name == "deepseek_v3":
+        model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **moe, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
+            num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, n_group=2,
+            topk_group=1, first_k_dense_replace=1 if layers > 1 else 0, q_lora_rank=32,
+            kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            num_mtp_layers=0))
+        with torch.no_grad():
+            for mod in model.modules():
+                bias = getattr(mod, "e_score_correction_bias", None)
+                if bias is not None:
+                    bias.copy_(0.05 * torch.randn(bias.shape, dtype=bias.dtype,
+                                                  device=bias.device))
+        return model
+    raise KeyError(f"no tiny Hugging Face model {name!r}; use gpt2, llama, bert, mixtral, "
+                   "qwen3_moe or deepseek_v3")

@@ -1,9 +1,12 @@
-"""Graph ops autoshard adds to torch: ``autoshard::free``.
+"""Graph ops autoshard adds to torch: ``autoshard::free`` and ``autoshard::grouped_mm``.
 
 ``free`` releases the storage of its tensors at once (``untyped_storage().resize_(0)``), the
 way FSDP frees unsharded parameters, so memory savings never wait on reference counts. It is
 a registered op (not a Python callable) so graphs holding it stay serialisable and passes see
 it as side-effecting.
+
+``grouped_mm`` is ``aten._grouped_mm`` with a fake kernel for every floating dtype (see its
+section below). Loading a graph that holds these ops needs this module imported first.
 """
 
 from __future__ import annotations
@@ -28,3 +31,109 @@ _lib.impl("free", _free_fake, "Meta")
 torch.library.register_fake("autoshard::free", _free_fake, lib=_lib)
 
 free_op = torch.ops.autoshard.free.default
+
+
+# --- autoshard::grouped_mm -----------------------------------------------------------------
+#
+# ``aten._grouped_mm`` (the grouped GEMM of mixture-of-experts layers) runs in fp32, fp16 and
+# bf16 in eager, but its fake (meta) kernel accepts bf16 only, so a model that calls it cannot
+# be traced over fake tensors in fp32. Capture maps it to this op (see
+# ``autoshard._compat.capture_decompositions``): the same schema and the same real kernel, with
+# a fake kernel that infers the output for any floating dtype. Only the traced graph holds it,
+# below autograd (autograd's formula for ``_grouped_mm`` calls ``_grouped_mm`` again, and that
+# call is mapped too), so it needs no autograd formula of its own.
+
+_lib.define(
+    "grouped_mm(Tensor self, Tensor mat2, Tensor? offs=None, Tensor? bias=None, "
+    "ScalarType? out_dtype=None) -> Tensor"
+)
+
+
+def _grouped_mm_impl(self, mat2, offs=None, bias=None, out_dtype=None):
+    return torch.ops.aten._grouped_mm.default(self, mat2, offs, bias, out_dtype)
+
+
+def _check_grouped_strides(name: str, t: torch.Tensor) -> None:
+    """The layout the eager kernels require: one of the last two dimensions contiguous and
+    the other's stride a multiple of 16 bytes."""
+    align = 16 // t.element_size()
+    s0, s1 = t.stride()[-2:]
+    n0, n1 = t.shape[-2:]
+    if s0 == 1 and s1 >= max(1, n0):
+        ok = s1 % align == 0
+    elif s1 == 1 and s0 >= max(1, n1):
+        ok = s0 % align == 0
+    else:
+        ok = False
+    torch._check(ok, lambda: f"grouped_mm: {name} needs one of its last two dimensions "
+                 f"contiguous and the other's stride a multiple of 16 bytes; got strides "
+                 f"{tuple(t.stride())} for sizes {tuple(t.shape)}")
+
+
+def _grouped_mm_fake(self, mat2, offs=None, bias=None, out_dtype=None):
+    a, b = self, mat2
+    torch._check(a.dtype == b.dtype and a.is_floating_point(),
+                 lambda: f"grouped_mm: operands must share a floating dtype, got {a.dtype} "
+                 f"and {b.dtype}")
+    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3),
+                 lambda: f"grouped_mm: operands must be 2-D or 3-D, got {a.dim()}-D and "
+                 f"{b.dim()}-D")
+    torch._check(bias is None, lambda: "grouped_mm: bias is not supported")
+    torch._check(a.shape[-1] == b.shape[-2] if (a.dim(), b.dim()) != (2, 2)
+                 else a.shape[1] == b.shape[0],
+                 lambda: "grouped_mm: contraction dimensions of the operands differ")
+    _check_grouped_strides("self", a)
+    _check_grouped_strides("mat2", b)
+    if a.dim() == 3 and b.dim() == 3:
+        torch._check(offs is None, lambda: "grouped_mm: 3-D x 3-D takes no offsets")
+        torch._check(a.shape[0] == b.shape[0], lambda: "grouped_mm: batch sizes differ")
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    else:
+        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+                     lambda: "grouped_mm: 2-D operands need 1-D int32 offsets")
+        if a.dim() == 2 and b.dim() == 2:
+            shape = (offs.shape[0], a.shape[0], b.shape[1])
+        elif a.dim() == 2:
+            torch._check(offs.shape[0] == b.shape[0], lambda: "grouped_mm: group counts differ")
+            shape = (a.shape[0], b.shape[2])
+        else:
+            torch._check(offs.shape[0] == a.shape[0], lambda: "grouped_mm: group counts differ")
+            shape = (a.shape[1], b.shape[1])
+    dtype = out_dtype or a.dtype
+    if torch.version.hip:
+        return a.new_empty(shape, dtype=dtype)
+    # the kernels (CPU included) pad each output row to 16 bytes
+    align = 16 // dtype.itemsize
+    row = (shape[-1] + align - 1) // align * align
+    stride = (row, 1) if len(shape) == 2 else (shape[1] * row, row, 1)
+    return a.new_empty_strided(shape, stride, dtype=dtype)
+
+
+_lib.impl("grouped_mm", _grouped_mm_impl, "CompositeExplicitAutograd")
+_lib.impl("grouped_mm", _grouped_mm_fake, "Meta")
+torch.library.register_fake("autoshard::grouped_mm", _grouped_mm_fake, lib=_lib)
+
+grouped_mm_op = torch.ops.autoshard.grouped_mm.default
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a grouped GEMM whose groups cover every row (an upper bound when the offsets
+    leave rows out), so the cost model sees expert matmuls as compute."""
+    out = 1
+    for s in out_shape:
+        out *= s
+    k = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # groups split the contraction
+        return 2 * (out // out_shape[0]) * k
+    return 2 * out * k
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    packet = torch.ops.autoshard.grouped_mm
+    if packet not in flop_registry:
+        register_flop_formula(packet)(_grouped_mm_flops)
+
+
+_register_flops()
