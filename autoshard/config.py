@@ -76,32 +76,99 @@ class Config:
     verify: bool = False
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(
-                f"Config.policy={self.policy!r} is not known; use one of {', '.join(POLICIES)}"
-                " or pass explicit units=[[fqn, ...], ...]"
-            )
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"Config.optimizer={self.optimizer!r} is not known; use one of "
-                             f"{', '.join(OPTIMIZER_STATES)}")
-        if self.reshard_after_forward not in (True, False, "auto"):
-            raise ValueError(f"Config.reshard_after_forward={self.reshard_after_forward!r}: use "
-                             "True, False or \"auto\"")
-        self.memory_budget = parse_bytes(self.memory_budget)
-        self.prefetch_bytes = parse_bytes(self.prefetch_bytes)
-        self.bucket_bytes = parse_bytes(self.bucket_bytes)
+        _one_of("policy", self.policy, POLICIES,
+                " or pass explicit units=[[fqn, ...], ...]")
+        _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
+        _one_of("reshard_after_forward", self.reshard_after_forward, (True, False, "auto"))
+        for name in ("prefetch", "recompute", "verify"):
+            _flag(name, getattr(self, name))
+        if self.bucket is not None:
+            _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
+        self.memory_budget = _size("memory_budget", self.memory_budget)
+        self.prefetch_bytes = _size("prefetch_bytes", self.prefetch_bytes)
+        self.bucket_bytes = _size("bucket_bytes", self.bucket_bytes)
+        _count("prefetch_depth", self.prefetch_depth, "(how many units ahead an all-gather "
+               "may be issued; use prefetch=False for none)")
+        _count("min_unit_numel", self.min_unit_numel, "(elements per unit of the size policy)")
+        if self.device_profile is not None:
+            from autoshard.cost import DeviceProfile, PROFILES
+
+            if not isinstance(self.device_profile, DeviceProfile):
+                _one_of("device_profile", self.device_profile, tuple(PROFILES),
+                        ", a DeviceProfile (autoshard.cost.calibrate()) or None")
         if self.bucket is None:
             self.bucket = self.units is None and self.policy == "per-parameter"
         if self.units is not None:
-            if isinstance(self.units, (str, bytes)) or not all(
-                isinstance(u, (list, tuple)) and all(isinstance(f, str) for f in u)
-                for u in self.units
-            ):
-                raise TypeError(
-                    "Config.units must be a list of lists of parameter FQNs, e.g. "
-                    "[['layers.0.weight', 'layers.0.bias'], ['layers.1.weight']]"
-                )
-            self.units = [list(u) for u in self.units]
+            self.units = _units(self.units)
         if self.module_classes is not None:
+            if isinstance(self.module_classes, (str, type)):
+                self.module_classes = [self.module_classes]
+            if not all(isinstance(c, (str, type)) for c in self.module_classes):
+                raise TypeError("Config.module_classes must be a list of class names or "
+                                f"classes, got {self.module_classes!r}")
             self.module_classes = [c if isinstance(c, str) else c.__name__
                                    for c in self.module_classes]
+        if self.module_pattern is not None:
+            if not isinstance(self.module_pattern, str):
+                raise TypeError("Config.module_pattern must be a regular expression string, "
+                                f"got {self.module_pattern!r}")
+            try:
+                re.compile(self.module_pattern)
+            except re.error as e:
+                raise ValueError(f"Config.module_pattern={self.module_pattern!r} is not a "
+                                 f"valid regular expression: {e}") from None
+
+
+def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:
+    # same type and value: True must not pass for 1, nor 1 for True
+    if not any(type(value) is type(a) and value == a for a in accepted):
+        raise ValueError(f"Config.{name}={value!r} is not accepted; use one of "
+                         f"{', '.join(repr(a) for a in accepted)}{more}")
+
+
+def _flag(name: str, value, more: str = "") -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Config.{name} must be True or False{' ' + more if more else ''}, "
+                        f"got {value!r}")
+
+
+def _count(name: str, value, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Config.{name} must be a positive int {what}, got {value!r}")
+
+
+def _size(name: str, value) -> Optional[int]:
+    """A byte size: positive, or None for the default."""
+    if isinstance(value, bool):
+        raise TypeError(f"Config.{name} must be a size such as 512MiB or 1e9, or None for "
+                        f"the default, got {value!r}")
+    try:
+        out = parse_bytes(value)
+    except ValueError as e:
+        raise ValueError(f"Config.{name}: {e}") from None
+    if out is not None and out <= 0:
+        raise ValueError(f"Config.{name}={value!r} must be positive (a size such as 512MiB), "
+                         "or None for the default")
+    return out
+
+
+def _units(units) -> list:
+    shape_msg = ("Config.units must be a list of lists of parameter FQNs, e.g. "
+                 "[['layers.0.weight', 'layers.0.bias'], ['layers.1.weight']]")
+    if isinstance(units, (str, bytes)) or not isinstance(units, (list, tuple)):
+        raise TypeError(f"{shape_msg}; got {units!r}")
+    out, seen = [], {}
+    for i, u in enumerate(units):
+        if isinstance(u, (str, bytes)) or not isinstance(u, (list, tuple)) or not all(
+                isinstance(f, str) for f in u):
+            raise TypeError(f"{shape_msg}; units[{i}] is {u!r}")
+        if not u:
+            raise ValueError(f"Config.units[{i}] is empty; every unit names at least one "
+                             "parameter (leave parameters out and they form a root unit)")
+        for f in u:
+            if f in seen:
+                raise ValueError(f"Config.units: parameter {f!r} is in units[{seen[f]}] and "
+                                 f"units[{i}]; each parameter belongs to one unit")
+            seen[f] = i
+        out.append(list(u))
+    return out
