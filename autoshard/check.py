@@ -541,7 +541,7 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
         _agree_outputs(outputs, group)
     ok = all(r.ok for r in rows) and all(o.ok for o in outputs)
     if world > 1:
-        flag = torch.tensor([0.0 if ok else 1.0])
+        flag = torch.tensor([0.0 if ok else 1.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         ok = flag.item() == 0.0
     worst = _worst(rows)
@@ -581,13 +581,23 @@ def _worst(rows: list) -> Optional[tuple]:
     return (r.fqn, r.max_delta)
 
 
+def _group_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors (NCCL: this rank's GPU)."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _average(grads: dict, params: dict, group, world: int) -> dict:
     """Eager's gradients averaged over the ranks (what data parallel training applies)."""
     if world == 1:
         return dict(grads)
     import torch.distributed as dist
 
-    present = torch.tensor([0.0 if g is None else 1.0 for g in grads.values()])
+    present = torch.tensor([0.0 if g is None else 1.0 for g in grads.values()],
+                           device=_group_device(group))
     dist.all_reduce(present, group=group)
     out = {}
     for (f, g), n in zip(grads.items(), present.tolist()):
@@ -596,8 +606,9 @@ def _average(grads: dict, params: dict, group, world: int) -> dict:
             continue
         # a rank where the parameter got no gradient contributes zeros, as in DDP
         t = g.clone() if g is not None else torch.zeros_like(params[f])
+        t = t.to(_group_device(group))
         dist.all_reduce(t, group=group)
-        out[f] = t / world
+        out[f] = (t / world).to(params[f].device)
     return out
 
 
@@ -608,7 +619,7 @@ def _agree_outputs(outputs: list, group) -> None:
     if not outputs:
         return
     vals = torch.tensor([[o.max_delta - o.tolerance, o.max_delta] for o in outputs],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=_group_device(group))
     dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
     for o, (excess, delta) in zip(outputs, vals.tolist()):
         o.max_delta = max(o.max_delta, delta)
@@ -619,7 +630,7 @@ def _same_model_on_all_ranks(model, group) -> None:
     import torch.distributed as dist
 
     sums = torch.tensor([float(p.detach().double().sum()) for p in model.parameters()]
-                        or [0.0], dtype=torch.float64)
+                        or [0.0], dtype=torch.float64, device=_group_device(group))
     hi, lo = sums.clone(), sums.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
@@ -799,8 +810,10 @@ def _compare_grad_outputs(prog, bouts, pristine_grads, group, world, rank, atol,
             g = torch.zeros(spec.shape, dtype=spec.dtype)  # every rank reduces every gradient
         g = g.clone()
         if world > 1:
+            home = g.device
+            g = g.to(_group_device(group))
             dist.all_reduce(g, group=group)
-            g = g / world
+            g = (g / world).to(home)
         full[f] = g
     for (kind, i), got in zip(prog.grad_slots, bouts):
         if kind != "param":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from autoshard.models import GPT, gpt_loss, tiny_hf
 
@@ -54,8 +55,44 @@ class Odd(nn.Module):
         return self.out(h)
 
 
+class CheckpointedGPT(GPT):
+    """The GPT with each block under torch.utils.checkpoint: even blocks non-reentrant, odd
+    blocks reentrant."""
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for i, blk in enumerate(self.blocks):
+            x = checkpoint(blk, x, use_reentrant=bool(i % 2))
+        return self.head(self.ln_f(x))
+
+
 def _hf(name):
     return tiny_hf(name, VOCAB)
+
+
+def t5():
+    """Hugging Face T5 (encoder-decoder) at a tiny random configuration."""
+    import transformers as T
+
+    return T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1))
+
+
+def vit():
+    """Hugging Face ViT image classifier at a tiny random configuration."""
+    import transformers as T
+
+    return T.ViTForImageClassification(T.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, qkv_bias=False))
+
+
+def _logits(out, y):
+    return F.cross_entropy(out.logits, y)
 
 
 def _lm_loss(out, y):
@@ -68,20 +105,35 @@ def _tokens(gen, batch):
     return x, torch.roll(x, -1, dims=1)
 
 
-# name -> (build, data(gen, batch) -> (x, y), call(model, x), loss(out, y))
+# name -> (build, data(gen, batch) -> (x, y), inputs(x) -> model args or kwargs, loss(out, y))
 CASES = {
     "mlp": (MLP, lambda g, b: (torch.randn(b, 16, generator=g), torch.randn(b, 4, generator=g)),
-            lambda m, x: m(x), F.mse_loss),
-    "gpt": (GPT, _tokens, lambda m, x: m(x), _lm_loss),
+            lambda x: (x,), F.mse_loss),
+    "gpt": (GPT, _tokens, lambda x: (x,), _lm_loss),
     "cnn": (CNN, lambda g, b: (torch.randn(b, 3, 8, 8, generator=g),
                                torch.randint(0, 5, (b,), generator=g)),
-            lambda m, x: m(x), F.cross_entropy),
+            lambda x: (x,), F.cross_entropy),
     "odd": (Odd, lambda g, b: (torch.randn(b, 6, generator=g), torch.randn(b, 5, generator=g)),
-            lambda m, x: m(x), F.mse_loss),
-    "hf_gpt2": (lambda: _hf("gpt2"), _tokens, lambda m, x: m(input_ids=x), _lm_loss),
-    "hf_llama": (lambda: _hf("llama"), _tokens, lambda m, x: m(input_ids=x), _lm_loss),
-    "hf_bert": (lambda: _hf("bert"), _tokens, lambda m, x: m(input_ids=x), _lm_loss),
+            lambda x: (x,), F.mse_loss),
+    "hf_gpt2": (lambda: _hf("gpt2"), _tokens, lambda x: {"input_ids": x}, _lm_loss),
+    "hf_llama": (lambda: _hf("llama"), _tokens, lambda x: {"input_ids": x}, _lm_loss),
+    "hf_bert": (lambda: _hf("bert"), _tokens, lambda x: {"input_ids": x}, _lm_loss),
+    "hf_mixtral": (lambda: _hf("mixtral"), _tokens, lambda x: {"input_ids": x}, _lm_loss),
+    "hf_qwen3_moe": (lambda: _hf("qwen3_moe"), _tokens, lambda x: {"input_ids": x}, _lm_loss),
+    "hf_deepseek_v3": (lambda: _hf("deepseek_v3"), _tokens, lambda x: {"input_ids": x},
+                       _lm_loss),
+    "gpt_ckpt": (CheckpointedGPT, _tokens, lambda x: (x,), _lm_loss),
+    "hf_t5": (t5, _tokens, lambda x: {"input_ids": x, "decoder_input_ids": x}, _lm_loss),
+    "hf_vit": (vit, lambda g, b: (torch.randn(b, 3, 16, 16, generator=g),
+                                  torch.randint(0, 5, (b,), generator=g)),
+               lambda x: {"pixel_values": x}, _logits),
 }
+
+
+def call(name, model, x):
+    """The model on input ``x`` as the case calls it."""
+    inputs = CASES[name][2](x)
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
 def build(name):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard import Config, autoshard
-from models import CASES, build
+from models import CASES, build, call
 
 STEPS = 10
 BATCH = 8
@@ -24,14 +24,14 @@ def reference(name, world):
     """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
     averaged over ranks (what data-parallel training computes), then AdamW."""
     model = build(name)
-    _, _, call, loss_fn = CASES[name]
+    loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batches(name, step)
         total = 0.0
         for xr, yr in zip(x.chunk(world), y.chunk(world)):
-            loss = loss_fn(call(model, xr), yr)
+            loss = loss_fn(call(name, model, xr), yr)
             (loss / world).backward()
             total += loss.item() / world
         losses.append(total)
@@ -41,7 +41,7 @@ def reference(name, world):
 
 
 def _train(model, name, rank, world, replica=None):
-    _, _, call, loss_fn = CASES[name]
+    loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, buf_diff = [], 0.0
     for step in range(STEPS):
@@ -50,8 +50,8 @@ def _train(model, name, rank, world, replica=None):
         if replica is not None:  # eager on this rank's data, from the same state
             full = model.full_state_dict()
             replica.load_state_dict(full)
-            call(replica, xr)
-        loss = loss_fn(call(model, xr), yr)
+            call(name, replica, xr)
+        loss = loss_fn(call(name, model, xr), yr)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -95,12 +95,12 @@ def fsdp2_worker(rank, world, name):
     for blk in model.blocks:
         fully_shard(blk)
     fully_shard(model)
-    _, _, call, loss_fn = CASES[name]
+    loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batches(name, step)
-        loss = loss_fn(call(model, x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss = loss_fn(call(name, model, x.chunk(world)[rank]), y.chunk(world)[rank])
         loss.backward()
         opt.step()
         opt.zero_grad()

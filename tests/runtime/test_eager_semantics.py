@@ -7,10 +7,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from autoshard import Config, autoshard, plan
 from autoshard.models import GPT, gpt_loss
+from models import CheckpointedGPT
 
 
 def _data(batch=2):
@@ -31,17 +31,6 @@ def _assert_same_grads(sharded, ref, atol=1e-6):
         assert (g is None) == (got[name] is None), name
         if g is not None:
             torch.testing.assert_close(got[name], g, rtol=1e-5, atol=atol, msg=name)
-
-
-class CheckpointedGPT(GPT):
-    """Each block under torch.utils.checkpoint: even blocks non-reentrant, odd reentrant."""
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for i, blk in enumerate(self.blocks):
-            x = checkpoint(blk, x, use_reentrant=bool(i % 2))
-        return self.head(self.ln_f(x))
 
 
 def test_activation_checkpointing_inside_the_model_matches_eager_and_saves_memory():

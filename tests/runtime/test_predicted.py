@@ -14,25 +14,25 @@ import pytest
 import torch
 
 from harness import run_ranks
-from models import CASES, build
+from models import CASES, build, call
 
 
 def _measure(rank, world, name):
     from autoshard import Config, autoshard
 
     model = autoshard(build(name), config=Config(policy="module", prefetch=False))
-    _, data, call, loss_fn = CASES[name]
+    _, data, _, loss_fn = CASES[name]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = data(torch.Generator().manual_seed(0), 8)
     x, y = x.chunk(world)[rank], y.chunk(world)[rank]
     for _ in range(2):  # the optimizer state exists, as in any later step
-        loss_fn(call(model, x), y).backward()
+        loss_fn(call(name, model, x), y).backward()
         opt.step()
         opt.zero_grad()
     recs = []
     for _ in range(3):
         with model.record(opt, x, y) as rec:
-            loss_fn(call(model, x), y).backward()
+            loss_fn(call(name, model, x), y).backward()
         recs.append(rec)
     plan = model.plan
     return {
