@@ -36,6 +36,7 @@ class _State:
     buffer_refs: list = dataclasses.field(default_factory=list)
     programs: dict = dataclasses.field(default_factory=dict)
     last: Optional[Program] = None
+    agreement: Any = None  # runtime.dist.Agreement: ranks agree before each program runs
 
 
 class ShardedModule(torch.nn.Module):
@@ -49,6 +50,9 @@ class ShardedModule(torch.nn.Module):
         st = self._autoshard
         leaves, _ = tree_flatten((args, kwargs))
         key = self._signature(leaves, args, kwargs)
+        st.agreement.step += 1
+        st.agreement(f"step {st.agreement.step}: forward", _describe(args, kwargs, key),
+                     exact=repr(key))
         prog = st.programs.get(key)
         if prog is None:
             prog = self._compile_for(args, kwargs, key, sharded=True)
@@ -234,16 +238,33 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases,
     )
-    fingerprint = repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule])
-    if not _dist.same_on_all_ranks(st.mesh, fingerprint):
-        raise AutoshardError(
-            "ranks compiled different communication schedules (would deadlock); every rank "
-            "must call the model with inputs of the same shapes, dtypes and structure"
-        )
+    # the same signature can still compile differently (a rank-dependent model): compare
+    st.agreement(f"step {st.agreement.step}: compiled program",
+                 f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
+                 exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
     prog = Program(cap, ctx.split, ctx.units, plan, world, st.mesh.get_local_rank(),
-                   st.device.type)
+                   st.device.type, agreement=st.agreement)
     st.last = prog
     return prog
+
+
+def _describe(args, kwargs, key) -> str:
+    """A rank's call as a person reads it: each input's dtype and shape, and the mode."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    parts = []
+    for path, x in tree_flatten_with_path((args, kwargs))[0]:
+        rest = keystr(path[1:])  # path[0] says args or kwargs
+        name = f"args{rest}" if path[0].idx == 0 else rest[2:].replace("']", "", 1)
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{name} {str(x.dtype).replace('torch.', '')}{list(x.shape)}")
+        else:
+            parts.append(f"{name}={x!r}"[:60])
+    training, grad, autocast = key[2], key[3], key[5]
+    casts = [f"{t} {str(d).replace('torch.', '')}" for t, on, d in autocast if on]
+    mode = ("train" if training else "eval") + (", grad" if grad else ", no grad")
+    mode += f", autocast {', '.join(casts)}" if casts else ""
+    return f"{', '.join(parts)} ({mode})"
 
 
 def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config=None,
@@ -354,14 +375,15 @@ def autoshard(
     config = config if config is not None else Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
-    mesh = mesh if mesh is not None else _dist.default_mesh()
+    mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
     if mesh.ndim != 1:
         raise ValueError(
             f"autoshard supports 1-D meshes for now; got a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)}. Pass mesh[dim_name] for the sharding dimension."
         )
     device = _dist.mesh_device(mesh)
-    st = _State(mesh, device, config, type(model).forward, fqn_aliases(model))
+    st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
+                agreement=_dist.Agreement(mesh, config.timeout))
 
     program = None
     if example_inputs is not None:

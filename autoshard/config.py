@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 from typing import Optional, Sequence, Union
 
@@ -56,6 +57,10 @@ class Config:
         forward graph picks what to save, and cheap ops (pointwise, views, normalisations)
         between it and the backward run again there (default: on).
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
+    timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
+        collective before autoshard raises an error naming it: the timeout of the process
+        group autoshard creates when there is none (default 300 s; torch's own default is
+        30 minutes). A group you created keeps the timeout you gave it.
     """
 
     policy: str = "auto"
@@ -74,6 +79,7 @@ class Config:
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
     verify: bool = False
+    timeout: Union[float, int, datetime.timedelta] = 300
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -90,6 +96,12 @@ class Config:
         _count("prefetch_depth", self.prefetch_depth, "(how many units ahead an all-gather "
                "may be issued; use prefetch=False for none)")
         _count("min_unit_numel", self.min_unit_numel, "(elements per unit of the size policy)")
+        if isinstance(self.timeout, datetime.timedelta):
+            self.timeout = self.timeout.total_seconds()
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
+                0 < self.timeout < float("inf")):
+            raise ValueError(f"Config.timeout must be a positive number of seconds or a "
+                             f"datetime.timedelta, got {self.timeout!r}")
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 

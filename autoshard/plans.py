@@ -24,6 +24,11 @@ _SHOWN = {
 }
 
 
+# before each forward and each backward the ranks all-gather a digest of what they run
+# (autoshard.runtime.dist.Agreement): the only collectives outside the compiled graphs
+AGREEMENT_BYTES = 32
+
+
 @dataclasses.dataclass
 class UnitInfo:
     index: int
@@ -109,6 +114,9 @@ class Plan:
             ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),
             ("communication per step (buffers)", _fmt_bytes(p["comm_bytes"])),
             ("sent per rank per step", _fmt_bytes(p["sent_bytes"])),
+            ("  ranks' agreement (outside the graphs)",
+             f"2 all-gathers of {AGREEMENT_BYTES} B per rank" if self.world_size > 1
+             else "none (one rank)"),
             ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
             ("  memory budget", _fmt_bytes(self.memory_budget)),

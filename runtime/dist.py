@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import warnings
@@ -16,7 +17,7 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _said_single = False
 
 
-def default_mesh() -> DeviceMesh:
+def default_mesh(timeout_s: float = 300) -> DeviceMesh:
     """A 1-D mesh over the default process group, initialising one if needed.
 
     With no process group but a torchrun environment, the group is initialised (NCCL when
@@ -39,7 +40,7 @@ def default_mesh() -> DeviceMesh:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if cuda else "gloo"
         if present:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         else:
             if not _said_single:
                 warnings.warn(
@@ -48,7 +49,8 @@ def default_mesh() -> DeviceMesh:
                     stacklevel=3,
                 )
                 _said_single = True
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
     device_type = "cuda" if cuda and "nccl" in str(dist.get_backend()) else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
@@ -63,18 +65,72 @@ def group_name(mesh: DeviceMesh) -> str:
     return mesh.get_group().group_name
 
 
-def same_on_all_ranks(mesh: DeviceMesh, value: str) -> bool:
-    """Whether ``value`` (a string) is the same on every rank of ``mesh``: one all-gather of
-    its 32-byte SHA-256 digest (a tensor collective: no pickling, no NumPy)."""
-    if mesh.size() == 1:
-        return True
-    return len(set(all_gather_digests(mesh, value))) == 1
+_NOTE_BYTES = 2048  # on a mismatch, each rank's description (UTF-8, truncated)
 
 
-def all_gather_digests(mesh: DeviceMesh, value: str) -> list:
-    """Every rank's SHA-256 digest of ``value``, in rank order."""
-    digest = hashlib.sha256(value.encode()).digest()
-    mine = torch.tensor(list(digest), dtype=torch.uint8, device=mesh_device(mesh))
-    out = torch.empty(mesh.size() * len(digest), dtype=torch.uint8, device=mine.device)
-    dist.all_gather_into_tensor(out, mine, group=mesh.get_group())
-    return [bytes(chunk.tolist()) for chunk in out.cpu().split(len(digest))]
+class Agreement:
+    """Every collective autoshard runs outside its compiled graphs goes through here: before
+    a forward (its input signature), before a backward, and after compiling (the schedule).
+    All ranks all-gather a digest of what they are about to do; on a mismatch a second
+    all-gather exchanges what each rank described, and every rank raises ``AutoshardError``
+    naming them. Because every agreement has the same size and kind, a rank that is at
+    another one (a rank that compiles while the others run) meets it here, never in a
+    collective of a program: a mismatch is an error on every rank, not a process abort.
+
+    On CPU meshes the mesh's own (gloo) group carries it; on CUDA a gloo group over the same
+    ranks, so that reading the answer never waits for the GPU stream.
+    """
+
+    def __init__(self, mesh: DeviceMesh, timeout_s: float):
+        self.mesh, self.world, self.timeout_s = mesh, mesh.size(), timeout_s
+        self.rank = mesh.get_local_rank()
+        self.step = 0  # forward calls so far on this rank
+        self._group = None
+
+    @property
+    def group(self):
+        if self._group is None:
+            if self.mesh.device_type == "cpu":
+                self._group = self.mesh.get_group()
+            else:
+                ranks = dist.get_process_group_ranks(self.mesh.get_group())
+                self._group = dist.new_group(ranks, backend="gloo",
+                                             timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._group
+
+    def __call__(self, what: str, detail: str = "", exact: str = "") -> None:
+        """Check that every rank is at ``what`` (which names the step and what it runs).
+        ``detail`` (shapes and the like) is shown for each rank on a mismatch; ``exact`` is
+        compared too but not shown."""
+        if self.world == 1:
+            return
+        mine = f"{what}{': ' + detail if detail else ''}"
+        digest = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()
+        digests = self._gather(torch.tensor(list(digest), dtype=torch.uint8), what)
+        if len(set(digests)) == 1:
+            return
+        note = mine.encode()[:_NOTE_BYTES].ljust(_NOTE_BYTES, b"\0")
+        notes = self._gather(torch.tensor(list(note), dtype=torch.uint8), what)
+        lines = "\n".join(f"  rank {r}: {n.rstrip(bytes(1)).decode(errors='replace')}"
+                          for r, n in enumerate(notes))
+        raise AutoshardError(
+            f"the ranks are not at the same step (rank {self.rank} reports this; nothing of "
+            f"the step ran, and the process group is intact):\n{lines}\nEvery rank must call "
+            "the model, and backward(), equally often and with inputs of the same shapes, "
+            "dtypes and structure, in the same mode (train/eval, grad, autocast): drop or "
+            "pad a partial last batch (DataLoader(drop_last=True)), and run evaluation on "
+            "every rank or on an unsharded copy.")
+
+    def _gather(self, mine: torch.Tensor, what: str) -> list:
+        out = torch.empty(self.world * mine.numel(), dtype=torch.uint8)
+        try:
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+        except RuntimeError as e:  # DistBackendError too: a timeout or a lost peer
+            peers = [r for r in range(self.world) if r != self.rank]
+            raise AutoshardError(
+                f"rank {self.rank}, step {self.step}: no answer from peer ranks {peers} "
+                f"within {self.timeout_s:g} s at the agreement before {what} (autoshard's "
+                "check that all ranks are at the same step, before any collective of it): a "
+                f"rank stopped, hangs, or failed earlier.\n  {str(e).splitlines()[0][:300]}"
+            ) from e
+        return [bytes(c.tolist()) for c in out.split(mine.numel())]

@@ -7,6 +7,7 @@ from torch.utils._pytree import tree_unflatten
 
 from autoshard import _compat, meta
 from autoshard.capture import TENSOR
+from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
 from autoshard.passes.collectives import ShardLayout
 
@@ -15,7 +16,7 @@ class Program:
     """One compiled training step for one input signature."""
 
     def __init__(self, captured, split, units, plan, world_size: int, rank: int,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", agreement=None):
         self.captured = captured
         self.split = split
         self.units = units
@@ -47,6 +48,8 @@ class Program:
         ]
         self.diff = list(captured.diff_outputs)
         self.device_type = device_type
+        self.world_size, self.rank = world_size, rank
+        self.agreement = agreement  # runtime.dist.Agreement, or None (no peers to agree with)
 
     # the padded shard the graph reads, from the DTensor's local rows
     def pad(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -66,7 +69,7 @@ class Program:
         else:
             with torch.no_grad(), self.no_autocast():
                 padded = [self.pad(i, t) for i, t in enumerate(locals_)]
-                outs = self.fwd(*padded, *buffers, *inputs)
+                outs = self.call(self.fwd, *padded, *buffers, *inputs)
         user = list(outs[: self.n_user])
         return user, list(outs[self.n_user : self.n_user + len(self.mutated)])
 
@@ -87,6 +90,33 @@ class Program:
             self._bwd_retained = _compat.boxed(gm)
         return self._bwd_retained
 
+    def call(self, gm, *args):
+        """Run one of the graphs; a collective that fails (a timeout, a lost peer) becomes
+        an error naming its unit, its op, the step and the peers."""
+        try:
+            return gm(*args)
+        except RuntimeError as e:
+            node = _failing_node(gm, e)
+            if node is None or not meta.is_comm(node):
+                raise
+            raise self._comm_error(node, e) from e
+
+    def _comm_error(self, node, exc) -> AutoshardError:
+        unit = meta.tag(node, meta.UNIT)
+        names = {u.index: u.name for u in self.units}
+        kind = {meta.AG_ISSUE: "all-gather", meta.AG_WAIT: "wait for the all-gather",
+                meta.RS_ISSUE: "reduce-scatter", meta.RS_WAIT: "wait for the reduce-scatter"}
+        op = kind.get(meta.tag(node, meta.COMM), meta.tag(node, meta.COMM))
+        region = "forward" if meta.is_forward(node) else "backward"
+        step = self.agreement.step if self.agreement is not None else "?"
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        timeout = f" within {self.agreement.timeout_s:g} s" if self.agreement else ""
+        return AutoshardError(
+            f"rank {self.rank}, step {step}: the {op} of unit {unit} ({names.get(unit, '?')}) "
+            f"in the {region} (graph node {node.name}) got no answer from peer ranks {peers}"
+            f"{timeout}: a rank stopped, hangs, or failed during the step.\n  "
+            f"{str(exc).splitlines()[0][:300]}")
+
     def no_autocast(self):
         """The graphs hold autocast's casts already (capture traced them): run them as
         written, also when called inside ``torch.autocast``."""
@@ -104,6 +134,23 @@ class Program:
         return tree_unflatten(leaves, self.captured.out_spec)
 
 
+def _failing_node(gm, exc):
+    """The node of ``gm`` whose line of generated code raised ``exc``, if any."""
+    import linecache
+    import re
+
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename.startswith("<eval_with_key"):
+            found = linecache.getline(code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    m = re.match(r"\s*(\w+)\s*=", found or "")
+    if m is None:
+        return None
+    return next((n for n in gm.graph.nodes if n.name == m.group(1)), None)
+
+
 def _accumulate(param, grad_local: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -119,12 +166,13 @@ class _Step(torch.autograd.Function):
         n_p = len(program.fqns)
         padded = [program.pad(i, t) for i, t in enumerate(flat[:n_p])]
         with program.no_autocast():
-            res = program.fwd(*padded, *flat[n_p:])
+            res = program.call(program.fwd, *padded, *flat[n_p:])
         n_out = program.n_user + len(program.mutated)
         ctx.save_for_backward(*res[n_out:])
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, as in eager
         ctx.diff_like = [(res[i].shape, res[i].dtype, res[i].device) for i in program.diff]
         ctx.program, ctx.params = program, params
+        ctx.step = program.agreement.step if program.agreement is not None else 0
         ctx.n_inputs = len(flat) - n_p - n_buffers
         ctx.n_flat = len(flat)
         outs = tuple(res[:n_out])
@@ -141,8 +189,10 @@ class _Step(torch.autograd.Function):
                     for i, (shape, dtype, device) in zip(program.diff, ctx.diff_like)]
         args = [*ctx.saved_tensors, *tangents]
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
+        if program.agreement is not None:
+            program.agreement(f"step {ctx.step}: backward")
         with program.no_autocast():
-            res = program.backward_graph()(args)
+            res = program.call(program.backward_graph(), args)
         input_grads = [None] * ctx.n_inputs
         for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
             if not deps & given:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 
@@ -11,13 +12,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, world, fn, payload, tmp):
+def _entry(rank, world, fn, payload, tmp, port):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    if port is None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                                world_size=world)
+    else:  # a torchrun environment: autoshard() creates the process group itself
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     out = fn(rank, world, payload)
     torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
-    dist.barrier()
+    try:
+        dist.barrier()
+    except RuntimeError:  # a fault test left the group broken (a timed-out peer)
+        pass
     # The result is on disk; leave without running the process group's and the profiler's
     # C++ teardown, which can abort ("terminate called without an active exception") when
     # their threads are destroyed in an unlucky order at exit.
@@ -26,9 +35,17 @@ def _entry(rank, world, fn, payload, tmp):
     os._exit(0)
 
 
-def run_ranks(world: int, fn, payload=None) -> list:
-    """``fn(rank, world, payload)`` on ``world`` processes; returns each rank's result."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False) -> list:
+    """``fn(rank, world, payload)`` on ``world`` processes; returns each rank's result.
+    With ``torchrun_env`` the ranks get torchrun's variables instead of a process group."""
+    port = _free_port() if torchrun_env else None
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, fn, payload, tmp), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, fn, payload, tmp, port), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world)]

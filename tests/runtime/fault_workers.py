@@ -1,0 +1,92 @@
+"""What each rank runs in the fault tests: every rank returns what it saw, errors included."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+from autoshard import AutoshardError, Config, autoshard
+
+_lib = torch.library.Library("autoshard_test", "DEF")
+_lib.define("stall(Tensor x, float seconds) -> Tensor")
+_lib.impl("stall", lambda x, seconds: (time.sleep(seconds), x.clone())[1],
+          "CompositeExplicitAutograd")
+torch.library.register_fake("autoshard_test::stall", lambda x, seconds: torch.empty_like(x),
+                            lib=_lib)
+
+
+class Net(nn.Module):
+    def __init__(self, stall_s: float = 0.0):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.stall_s = stall_s
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.stall_s:  # a rank that hangs between two units' all-gathers
+            h = h + torch.ops.autoshard_test.stall(h.detach(), self.stall_s)
+        return self.b(h)
+
+
+def _model(timeout=None, stall_s=0.0):
+    torch.manual_seed(0)
+    cfg = Config(policy="module", module_classes=["Linear"], prefetch=False,
+                 **({"timeout": timeout} if timeout else {}))
+    return autoshard(Net(stall_s), config=cfg)
+
+
+def _step(model, batch):
+    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch))
+    model(x).pow(2).mean().backward()
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except AutoshardError as e:
+        return str(e)
+
+
+def fault_worker(rank, world, case):
+    model = _model()
+    _step(model, 4)  # step 1 compiles and runs on every rank
+    out = {}
+    if case == "partial_batch":  # the last batch is smaller on one rank
+        out["error"] = _outcome(lambda: _step(model, 3 if rank == world - 1 else 4))
+        out["after"] = _outcome(lambda: _step(model, 4))  # nothing broke: go on
+    elif case == "eval_on_rank0":
+        def call():
+            if rank == 0:
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(4, 8))
+            else:
+                _step(model, 4)
+        out["error"] = _outcome(call)
+    elif case == "skipped_backward":  # rank 0 runs forward twice, the others forward+backward
+        def call():
+            if rank == 0:
+                model(torch.randn(4, 8))
+            _step(model, 4)
+        out["error"] = _outcome(call)
+    return out
+
+
+def hang_worker(rank, world, case):
+    """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op)."""
+    timeout = 3.0
+    if case == "inside":
+        model = _model(timeout, stall_s=8.0 if rank == 1 else 0.0)
+        t0 = time.perf_counter()
+        err = _outcome(lambda: _step(model, 4))
+    else:
+        model = _model(timeout)
+        _step(model, 4)
+        if rank == 1:
+            time.sleep(8.0)
+        t0 = time.perf_counter()
+        err = _outcome(lambda: _step(model, 4))
+    return {"error": err, "seconds": time.perf_counter() - t0}

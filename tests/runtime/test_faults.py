@@ -1,0 +1,35 @@
+"""Faults across ranks end in an AutoshardError on every live rank, naming what went wrong;
+no process aborts (gloo, world size 2)."""
+
+import pytest
+
+from fault_workers import fault_worker, hang_worker
+from harness import run_ranks
+
+
+@pytest.mark.parametrize("case", ["partial_batch", "eval_on_rank0", "skipped_backward"])
+def test_ranks_out_of_step_get_an_error_naming_each_rank(case):
+    results = run_ranks(2, fault_worker, case)
+    for rank, r in enumerate(results):
+        msg = r["error"]
+        assert "not at the same step" in msg, (rank, msg)
+        assert "rank 0:" in msg and "rank 1:" in msg, msg
+    if case == "partial_batch":
+        assert "args[0] float32[4, 8]" in results[0]["error"]
+        assert "args[0] float32[3, 8]" in results[0]["error"]
+        assert all(r["after"] == "ok" for r in results)  # the group is intact: training goes on
+    if case == "eval_on_rank0":
+        assert "eval, no grad" in results[0]["error"] and "train, grad" in results[0]["error"]
+
+
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_rank_that_hangs_is_named_after_the_timeout(where):
+    """autoshard creates the process group (torchrun environment) with Config(timeout=3)."""
+    live = run_ranks(2, hang_worker, where, torchrun_env=True)[0]
+    msg = live["error"]
+    assert "step" in msg and "peer ranks [1]" in msg and "3 s" in msg, msg
+    assert live["seconds"] < 30
+    if where == "before":
+        assert "agreement before step 2: forward" in msg, msg
+    else:
+        assert "all-gather of unit 1" in msg and "forward" in msg, msg

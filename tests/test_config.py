@@ -1,0 +1,53 @@
+"""Every Config field refuses nonsense with a message naming the field and what it accepts."""
+
+import datetime
+
+import pytest
+
+from autoshard import Config
+
+BAD = [
+    ({"policy": "blocks"}, ValueError, "Config.policy='blocks' is not accepted; use one of 'auto'"),
+    ({"units": "layers.0.weight"}, TypeError, "Config.units must be a list of lists"),
+    ({"units": [[]]}, ValueError, "Config.units[0] is empty"),
+    ({"units": [["a"], ["b", "a"]]}, ValueError, "'a' is in units[0] and units[1]"),
+    ({"memory_budget": 0}, ValueError, "Config.memory_budget=0 must be positive"),
+    ({"memory_budget": "lots"}, ValueError, "Config.memory_budget: cannot read 'lots'"),
+    ({"device_profile": "tpu"}, ValueError, "Config.device_profile='tpu' is not accepted"),
+    ({"optimizer": "lion"}, ValueError, "Config.optimizer='lion' is not accepted"),
+    ({"module_classes": [3]}, TypeError, "Config.module_classes must be a list of class"),
+    ({"module_pattern": "blocks.("}, ValueError, "Config.module_pattern='blocks.(' is not a "
+                                                 "valid regular expression"),
+    ({"min_unit_numel": 0}, ValueError, "Config.min_unit_numel must be a positive int"),
+    ({"reshard_after_forward": 1}, ValueError, "Config.reshard_after_forward=1 is not accepted"),
+    ({"bucket": "yes"}, TypeError, "Config.bucket must be True or False"),
+    ({"bucket_bytes": -5}, ValueError, "Config.bucket_bytes=-5 must be positive"),
+    ({"prefetch": "no"}, TypeError, "Config.prefetch must be True or False, got 'no'"),
+    ({"recompute": 1}, TypeError, "Config.recompute must be True or False"),
+    ({"prefetch_bytes": 0}, ValueError, "Config.prefetch_bytes=0 must be positive"),
+    ({"prefetch_depth": -3}, ValueError, "Config.prefetch_depth must be a positive int"),
+    ({"verify": None}, TypeError, "Config.verify must be True or False"),
+    ({"timeout": 0}, ValueError, "Config.timeout must be a positive number of seconds"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,message", BAD, ids=[next(iter(k)) + "=" + repr(
+    next(iter(k.values()))) for k, _, _ in BAD])
+def test_bad_field_is_named_with_what_it_accepts(kwargs, exc, message):
+    with pytest.raises(exc) as info:
+        Config(**kwargs)
+    assert message in str(info.value)
+
+
+def test_every_field_is_covered():
+    import dataclasses
+
+    covered = {next(iter(k)) for k, _, _ in BAD}
+    assert covered == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_good_values_are_normalised():
+    c = Config(memory_budget="2GiB", timeout=datetime.timedelta(minutes=2),
+               module_classes=[Config], units=[("a", "b")])
+    assert c.memory_budget == 2 * 2**30 and c.timeout == 120.0
+    assert c.module_classes == ["Config"] and c.units == [["a", "b"]]
