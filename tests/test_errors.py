@@ -118,7 +118,7 @@ def test_incomplete_torchrun_environment_is_named():
 def test_bad_arguments_get_clear_errors():
     with pytest.raises(TypeError, match="takes an nn.Module"):
         autoshard("model")
-    with pytest.raises(ValueError, match="policy='magic' is not known"):
+    with pytest.raises(ValueError, match="policy='magic' is not accepted"):
         Config(policy="magic")
     with pytest.raises(TypeError, match="list of lists of parameter FQNs"):
         Config(units=["a.weight"])
