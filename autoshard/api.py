@@ -22,7 +22,8 @@ from autoshard.simulate import simulate
 from autoshard.passes import PassContext, default_passes, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
-from autoshard.runtime.storage import fqn_aliases, full_state_dict, shard_module
+from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
+                                       stage_shards)
 
 
 @dataclasses.dataclass
@@ -357,21 +358,43 @@ def autoshard(
     mesh=None,
     config: Optional[Config] = None,
     example_inputs=None,
+    param_init_fn=None,
 ) -> ShardedModule:
     """Shard ``model``'s parameters over ``mesh`` and compile its training step.
 
     mesh: a 1-D DeviceMesh; defaults to one over the default process group (initialised from
         a torchrun environment if needed; world size 1 if there is none).
     config: an ``autoshard.Config``.
-    example_inputs: a tuple of positional inputs (or a dict of keyword inputs). With it,
-        capture runs before any parameter is sharded, so a model that cannot be captured is
-        left untouched; without it, the first call captures.
+    example_inputs: a tuple of positional inputs (or a dict of keyword inputs). With it, the
+        step is captured and compiled now; without it, the first call captures.
+    param_init_fn: for a model on the meta device, ``fn(module)`` initialising the module's
+        own parameters and buffers in place; it runs on every module, children first, after
+        the layers' own initialisation (see below), like code run after building the model.
+        Ignored when no tensor is on the meta device.
+
+    A meta-device model is materialised one module at a time: the module's own tensors are
+    allocated full size on the mesh device, initialised, cut to this rank's rows and freed
+    before the next, so memory peaks near this rank's shards plus the largest module. The
+    initialisation replays what building the model on the device does, in its order: every
+    layer's ``reset_parameters()`` (children first, in registration order), a Hugging Face
+    model's ``_init_weights`` (its post_init, rotary ``inv_freq`` included), then
+    ``param_init_fn``; with the same seed the shards are bitwise the rows of the model built
+    on the device. A tensor nothing initialises raises ``ValueError`` naming it.
+
+    All or nothing: if anything fails (a model another wrapper such as FSDP2's
+    ``fully_shard`` already distributes, an initialisation error, a capture error with
+    ``example_inputs``), the model is left exactly as it was: the same parameter and buffer
+    objects with the same values on the same device, the same class.
     Returns the same model object, now a ``ShardedModule``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autoshard() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModule):
         raise ValueError(f"{type(model).__name__} is already sharded by autoshard")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError("param_init_fn must be a callable taking a module, got "
+                        f"{type(param_init_fn).__name__}")
+    check_shardable(model)
     config = config if config is not None else Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
@@ -385,7 +408,6 @@ def autoshard(
     st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
                 agreement=_dist.Agreement(mesh, config.timeout))
 
-    program = None
     if example_inputs is not None:
         args, kwargs = _split_inputs(example_inputs)
         for x in tree_flatten((args, kwargs))[0]:
@@ -394,15 +416,23 @@ def autoshard(
                     f"example input on {x.device} but this rank's mesh device is {device}; "
                     f"move it with .to({str(device)!r})"
                 )
-        model.to(device)
-        program = _compile(model, st, args, kwargs)  # before sharding: failure leaves it whole
 
-    shard_module(model, mesh, device)
-    model.__class__ = _sharded_class(type(model))
-    model._autoshard = st
-    st.param_refs = _refs(model, "_parameters", model.named_parameters())
-    st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
-    if program is not None:
-        leaves, _ = tree_flatten((args, kwargs))
-        st.programs[model._signature(leaves, args, kwargs)] = program
+    # every new tensor is built before anything changes; then swapped in, undone on failure
+    staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn)
+    cls = type(model)
+    undo = staged.commit()
+    try:
+        model.__class__ = _sharded_class(cls)
+        model._autoshard = st
+        st.param_refs = _refs(model, "_parameters", model.named_parameters())
+        st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
+        if example_inputs is not None:
+            program = _compile(model, st, args, kwargs)
+            leaves, _ = tree_flatten((args, kwargs))
+            st.programs[model._signature(leaves, args, kwargs)] = program
+    except BaseException:
+        undo()
+        model.__class__ = cls
+        model.__dict__.pop("_autoshard", None)
+        raise
     return model

@@ -1,0 +1,188 @@
+"""Meta-device initialisation: what each rank runs in tests/runtime/test_init.py, and the
+peak-memory measurement on the 1.3B GPT.
+
+    OMP_NUM_THREADS=1 python tests/runtime/init_workers.py            # GPT 1.3B, 2 ranks
+    OMP_NUM_THREADS=1 python tests/runtime/init_workers.py --small    # the tests' GPT
+
+Each rank builds the model on the meta device, calls autoshard(), and reports its peak
+resident memory (VmHWM) next to what it keeps (its shards and the buffers) plus the largest
+module's own tensors, the bound materialising module by module aims at.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+from autoshard import autoshard
+from autoshard.runtime.storage import init_steps
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):
+    if _p not in sys.path:  # run as a script: tests/ (models, harness) and the repository
+        sys.path.insert(0, _p)
+
+from models import CASES  # noqa: E402
+
+META_CASES = ["mlp", "cnn", "gpt", "hf_llama"]
+
+
+def embedding_init(module: nn.Module) -> None:
+    """What GPT.__init__ does after building its layers (autoshard.models.GPT)."""
+    if isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+
+
+INIT_FNS = {"gpt": embedding_init}
+
+
+def build_on_device(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return CASES[name][0]()
+
+
+def build_on_meta(name: str) -> nn.Module:
+    with torch.device("meta"):
+        return CASES[name][0]()
+
+
+def shard_on_meta(name: str, **kwargs) -> nn.Module:
+    """The model built on the meta device, then autoshard() with the device build's seed."""
+    model = build_on_meta(name)
+    torch.manual_seed(0)
+    return autoshard(model, param_init_fn=INIT_FNS.get(name), **kwargs)
+
+
+def local_state(model: nn.Module) -> dict:
+    """Every parameter's local shard and every buffer (non-persistent ones too)."""
+    out = {}
+    for fqn, p in model.named_parameters():
+        out[fqn] = p.to_local().detach().clone()
+    for fqn, b in model.named_buffers():
+        out[fqn] = b.detach().clone()
+    return out
+
+
+def meta_init_worker(rank, world, names):
+    """Each rank: its local shards of every model in ``names`` built on the meta device."""
+    out = {}
+    for name in names:
+        model = shard_on_meta(name)
+        res = {"state": local_state(model)}
+        if name == "gpt":
+            res["tied"] = model.head.weight is model.wte.weight
+        if name == "hf_llama":  # untied in this configuration; the same as built on the device
+            res["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+        res["after_rng"] = torch.rand(4)  # the generator stands where the device build left it
+        out[name] = res
+    out["memory"] = profiled_peak(wide_gpt)
+    return out
+
+
+def wide_gpt() -> nn.Module:
+    """A GPT whose tensors dwarf the bookkeeping (4 MiB of parameters, 0.5 MiB the largest
+    module), for measuring what materialising it holds at once."""
+    from autoshard.models import GPT
+
+    return GPT(vocab=1024, dim=128, heads=4, layers=4, seq=64)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """The largest module's own parameters and buffers, in bytes."""
+    return max(
+        sum(t.numel() * t.element_size() for t in
+            list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
+        for m in model.modules())
+
+
+def profiled_peak(build) -> dict:
+    """Peak bytes the allocator holds during autoshard() of ``build()`` on the meta device
+    (torch.profiler's allocation events, so the count is exact), with what the rank keeps and
+    the largest module."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autoshard import _compat
+
+    with torch.device("meta"):
+        model = build()
+    largest = module_bytes(model)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    steps = len(init_steps(model, embedding_init))
+    torch.manual_seed(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = autoshard(model, param_init_fn=embedding_init)
+    live = peak = 0
+    for _, delta in _compat.allocation_events(prof):
+        live += delta
+        peak = max(peak, live)
+    kept = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    kept += sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"peak": peak, "kept": kept, "largest_module": largest, "full": full,
+            "steps": steps, "rng_state_bytes": torch.get_rng_state().numel()}
+
+
+# --- peak memory ------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_worker(rank, world, factory):
+    """Build ``factory()`` on the meta device, autoshard it, report memory in bytes."""
+    import importlib
+
+    mod_name, _, fn_name = factory.partition(":")
+    build = getattr(importlib.import_module(mod_name), fn_name)
+    with torch.device("meta"):
+        model = build()
+    largest = module_bytes(model)
+    before_rss = _status_kib("VmRSS") * 1024
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = autoshard(model, param_init_fn=embedding_init)
+    seconds = time.perf_counter() - t0
+    kept = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    kept += sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"peak_rss": _status_kib("VmHWM") * 1024, "rss_before": before_rss,
+            "rss_after": _status_kib("VmRSS") * 1024, "kept": kept, "largest_module": largest,
+            "seconds": seconds}
+
+
+def measure(factory: str, world: int) -> list:
+    from harness import run_ranks
+
+    return run_ranks(world, memory_worker, factory)
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="the tests' GPT instead of 1.3B")
+    ap.add_argument("--world-size", type=int, default=2)
+    args = ap.parse_args(argv)
+    factory = "autoshard.models:GPT" if args.small else "examples.gpt_shapes:gpt_1_3b"
+    for r, res in enumerate(measure(factory, args.world_size)):
+        bound = res["rss_before"] + res["kept"] + res["largest_module"]
+        print(f"rank {r}: peak RSS {_gib(res['peak_rss'])} (before autoshard "
+              f"{_gib(res['rss_before'])}, after {_gib(res['rss_after'])}); shards+buffers "
+              f"{_gib(res['kept'])} + largest module {_gib(res['largest_module'])} + the RSS "
+              f"before = {_gib(bound)}; peak - before = {_gib(res['peak_rss'] - res['rss_before'])}"
+              f"; autoshard() took {res['seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
