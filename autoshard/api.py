@@ -146,6 +146,26 @@ class ShardedModule(torch.nn.Module):
         """Full (gathered) tensors under the original keys, on every rank."""
         return full_state_dict(self)
 
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` into this rank's shards. Values may be DTensor shards
+        of this rank at this world size (``sharded.state_dict()``, DCP's
+        ``set_model_state_dict``) or full tensors (an unsharded model's ``state_dict()``,
+        ``sharded.full_state_dict()``), of which each rank keeps its own rows. A shard written
+        by another rank or at another world size is refused with a ValueError (use DCP to
+        change world size). Values are always copied into the existing parameters, whatever
+        ``assign`` says, so the optimizer, tied references and compiled programs keep them."""
+        return super().load_state_dict(state_dict, strict=strict, assign=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # runs before any submodule loads: every key of the model is checked and localized
+        # here, so a refused shard leaves the whole model untouched
+        from autoshard.runtime.checkpoint import localize_state_dict
+
+        localize_state_dict(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
                  aliases=None, progress=None):

@@ -19,16 +19,6 @@ from autoshard.passes.collectives import ShardLayout
 from autoshard.runtime import optim
 
 
-def parameter_owners(model: torch.nn.Module) -> dict:
-    """id(parameter) -> [(module, attribute name)], over every (tied) reference."""
-    owners = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((mod, name))
-    return owners
-
-
 def fqn_aliases(model: torch.nn.Module) -> dict:
     """Every parameter name (tied ones too) -> the canonical (first) FQN."""
     first = {}
@@ -785,8 +775,10 @@ def shard_module(model: torch.nn.Module, mesh, device: torch.device, *,
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:
-    """The model's state dict with every DTensor gathered to a full tensor (on every rank)."""
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-        for k, v in model.state_dict().items()
-    }
+    """The model's state dict with every DTensor gathered to a full tensor (on every rank):
+    DCP's ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``.
+    Every rank calls it (one all-gather per sharded tensor). For a rank-0 copy in host
+    memory, call that with ``cpu_offload=True`` (the other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
