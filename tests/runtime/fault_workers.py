@@ -50,28 +50,33 @@ def _outcome(fn):
         return str(e)
 
 
-def fault_worker(rank, world, case):
+def fault_worker(rank, world, cases):
+    """The cases in turn on one model: after each error the ranks are still in step (the
+    group is intact), except after the last case."""
     model = _model()
     _step(model, 4)  # step 1 compiles and runs on every rank
     out = {}
-    if case == "partial_batch":  # the last batch is smaller on one rank
-        out["error"] = _outcome(lambda: _step(model, 3 if rank == world - 1 else 4))
-        out["after"] = _outcome(lambda: _step(model, 4))  # nothing broke: go on
-    elif case == "eval_on_rank0":
-        def call():
-            if rank == 0:
-                model.eval()
-                with torch.no_grad():
+    for case in cases:
+        r = out[case] = {}
+        if case == "partial_batch":  # the last batch is smaller on one rank
+            r["error"] = _outcome(lambda: _step(model, 3 if rank == world - 1 else 4))
+            r["after"] = _outcome(lambda: _step(model, 4))  # nothing broke: go on
+        elif case == "eval_on_rank0":
+            def call():
+                if rank == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        model(torch.randn(4, 8))
+                else:
+                    _step(model, 4)
+            r["error"] = _outcome(call)
+            model.train()
+        elif case == "skipped_backward":  # rank 0 runs forward twice, the others once
+            def call():
+                if rank == 0:
                     model(torch.randn(4, 8))
-            else:
                 _step(model, 4)
-        out["error"] = _outcome(call)
-    elif case == "skipped_backward":  # rank 0 runs forward twice, the others forward+backward
-        def call():
-            if rank == 0:
-                model(torch.randn(4, 8))
-            _step(model, 4)
-        out["error"] = _outcome(call)
+            r["error"] = _outcome(call)
     return out
 
 
@@ -79,14 +84,14 @@ def hang_worker(rank, world, case):
     """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op)."""
     timeout = 3.0
     if case == "inside":
-        model = _model(timeout, stall_s=8.0 if rank == 1 else 0.0)
+        model = _model(timeout, stall_s=6.0 if rank == 1 else 0.0)
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
     else:
         model = _model(timeout)
         _step(model, 4)
         if rank == 1:
-            time.sleep(8.0)
+            time.sleep(6.0)
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
     return {"error": err, "seconds": time.perf_counter() - t0}

@@ -72,7 +72,11 @@ def parity_worker(rank, world, names):
     for key in names + ["gpt:auto"]:
         name, _, policy = key.partition(":")
         model = build(name)
-        replica = copy.deepcopy(model) if any(True for _ in model.buffers()) else None
+        # models whose forward updates buffers (BatchNorm statistics) are also compared with
+        # an eager replica on every rank
+        mutates = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                      for m in model.modules())
+        replica = copy.deepcopy(model) if mutates else None
         sharded = autoshard(model, config=Config(policy=policy or "module", verify=True))
         losses, buf_diff = _train(sharded, name, rank, world, replica)
         full = sharded.full_state_dict()

@@ -7,9 +7,17 @@ from fault_workers import fault_worker, hang_worker
 from harness import run_ranks
 
 
-@pytest.mark.parametrize("case", ["partial_batch", "eval_on_rank0", "skipped_backward"])
-def test_ranks_out_of_step_get_an_error_naming_each_rank(case):
-    results = run_ranks(2, fault_worker, case)
+CASES = ["partial_batch", "eval_on_rank0", "skipped_backward"]
+
+
+@pytest.fixture(scope="module")
+def out_of_step():
+    return run_ranks(2, fault_worker, CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ranks_out_of_step_get_an_error_naming_each_rank(out_of_step, case):
+    results = [r[case] for r in out_of_step]
     for rank, r in enumerate(results):
         msg = r["error"]
         assert "not at the same step" in msg, (rank, msg)
