@@ -98,6 +98,14 @@ def is_fake(x) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def all_gather_tensor(out, inp, group=None) -> None:
+    """``torch.distributed``'s all-gather into one tensor, under its current name
+    (``all_gather_single``; ``all_gather_into_tensor`` before it, deprecated since)."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
 def reparametrize(module, params_and_buffers):
     from torch.nn.utils.stateless import _reparametrize_module
 

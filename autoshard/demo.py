@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
+from autoshard import _compat
 from autoshard.models import GPT, gpt_loss
 
 
@@ -65,7 +66,7 @@ def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> No
 
     local = sum(p.to_local().numel() * p.element_size() for p in sharded.parameters())
     per_rank = torch.zeros(world, dtype=torch.long)
-    dist.all_gather_into_tensor(per_rank, torch.tensor([local]))
+    _compat.all_gather_tensor(per_rank, torch.tensor([local]))
     per_rank = per_rank.tolist()
     if rank == 0:
         plan = sharded.plan

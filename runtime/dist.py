@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoshard import _compat
 from autoshard.errors import AutoshardError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -124,7 +125,7 @@ class Agreement:
     def _gather(self, mine: torch.Tensor, what: str) -> list:
         out = torch.empty(self.world * mine.numel(), dtype=torch.uint8)
         try:
-            dist.all_gather_into_tensor(out, mine, group=self.group)
+            _compat.all_gather_tensor(out, mine, group=self.group)
         except RuntimeError as e:  # DistBackendError too: a timeout or a lost peer
             peers = [r for r in range(self.world) if r != self.rank]
             raise AutoshardError(
