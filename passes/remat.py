@@ -75,8 +75,8 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     copies (tagged ``recomputed``, region bwd) of cheap forward ops placed before their
     first backward reader; the forward computes what it did. Never recomputes an op that is
     random, writes into a tensor, or reads or is a storage that any node writes into (through
-    any view): what it reads is then the same at recompute time, and so is its value. Does nothing when no cheaper cut exists
-    (the saved bytes never grow) or with no backward.
+    any view): what it reads is then the same at recompute time, and so is its value. Does
+    nothing when no cheaper cut exists (the saved bytes never grow) or with no backward.
     """
     graph = gm.graph
     nodes = list(graph.nodes)

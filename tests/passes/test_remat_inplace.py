@@ -84,8 +84,8 @@ def _fork(m, pool, rng):
     pool.append(pool[_pick(rng, pool)] + pool[_pick(rng, pool)])
 
 
-OPS = [_fork, _fork, _read, _binary, _mul_, _div_, _relu_, _masked_fill_, _index_put_, _copy_, _view_write,
-       _router]
+OPS = [_fork, _fork, _read, _binary, _mul_, _div_, _relu_, _masked_fill_, _index_put_, _copy_,
+       _view_write, _router]
 
 
 class RandomNet(nn.Module):

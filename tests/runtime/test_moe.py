@@ -11,8 +11,8 @@ eager (SDPA ``is_causal``); with eager made to build the same mask, bf16 is bitw
 
 World size 2 (gloo, one spawn), bf16, Mixtral and DeepSeek-V3: the first step's gradients
 and three AdamW steps against one-process eager running each rank's micro-batch in turn; with
-the traced mask in eager, the gradients are bitwise equal. fp32 training at world sizes 1, 2 and 4 is in
-the parity suite with every other test model.
+the traced mask in eager, the gradients are bitwise equal. fp32 training at world sizes 1, 2
+and 4 is in the parity suite with every other test model.
 """
 
 import contextlib
