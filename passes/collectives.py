@@ -106,10 +106,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
     and one before its first backward use (unless ``Unit.keep``: then the forward's serves),
     one reduce_scatter+wait after the last of its gradients is complete; an
-    ``autoshard::free`` after the last read of every gathered buffer, full parameter and full
-    gradient that is not itself a collective's input (send buffers, and gradients a
-    reduce-scatter reads in place, go with their last reference: the backend may read them
-    until its own work object is gone). Parameter placeholders now hold the local padded shard
+    ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
+    gradient and send buffer; a collective's input is freed after its wait, not its issue.
+    Freed explicitly rather than left to its last reference, a send buffer goes at a fixed
+    point of the step: gloo drops its work objects (and their references) on a worker thread
+    whenever that thread next runs. Parameter placeholders now hold the local padded shard
     (``ShardLayout.local_shape``); gradient outputs are local padded shards.
     Does nothing to units whose parameters are never read.
     """
@@ -155,11 +156,6 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                     roots.setdefault(base, unit.index)
     out.args = (outs,)
 
-    # A collective's input is not freed explicitly: a backend may still read it after the
-    # wait returns (gloo's worker threads do), so it goes when the last reference does.
-    for n in graph.nodes:
-        if meta.is_collective_issue(n):
-            roots.pop(alias_base(n.args[0]), None)
     insert_free(
         gm,
         list(roots),

@@ -6,9 +6,9 @@ allocation events) on top of the model state held when the step starts.
 
 Prefetch is off here: with gathers in flight across compute, gloo's scratch copy of each
 buffer lives until its worker thread finishes, so the measured peak moves by several percent
-from run to run with thread timing. Even without prefetch the worker thread drops its copy a
-moment after the wait returns, which now and then lands after the next large allocation; that
-only ever adds, so the measured peak is the least of three identical steps."""
+from run to run with thread timing. Even without prefetch, gloo's clone of a reduce-scatter's
+input goes when its worker thread gets to it; that only ever adds, so the measured peak is the
+least of three identical steps."""
 
 import pytest
 import torch
