@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autoshard.capture import ParamSpec, capture
+from autoshard.capture import capture, param_specs
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat, meta
@@ -177,14 +177,14 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
-    specs = [
-        ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad)
-        for fqn, p in model.named_parameters()
-    ]
+    mp = config.mp_policy
+    specs = param_specs(model, mp)
     say(f"capturing the training step ({len(specs)} parameters)")
     cap = capture(
         model, forward, specs, dict(model.named_buffers()), args, kwargs,
         device=device, with_grad=torch.is_grad_enabled(),
+        input_dtype=mp.param_dtype if mp is not None and mp.cast_forward_inputs else None,
+        output_dtype=mp.output_dtype if mp is not None else None,
     )
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))

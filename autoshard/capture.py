@@ -14,11 +14,11 @@ import dataclasses
 import os
 import re
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _compat, meta
 from autoshard.errors import AutoshardError
@@ -26,12 +26,33 @@ from autoshard.graph import alias_closure, written_inputs
 
 @dataclasses.dataclass
 class ParamSpec:
-    """What capture needs to know of one parameter: its full (unsharded) layout."""
+    """How one parameter is stored and moved: its full (unsharded) shape, the dtype its shard,
+    gradient shard and optimizer state are stored in, the dtype it is gathered and computed in
+    (``compute_dtype``, default: the storage dtype) and the dtype its gradient is
+    reduce-scattered in (``reduce_dtype``, default: the compute dtype)."""
 
     fqn: str
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self):
+        self.compute_dtype = self.compute_dtype or self.dtype
+        self.reduce_dtype = self.reduce_dtype or self.compute_dtype
+
+
+def param_specs(model: torch.nn.Module, mp_policy=None) -> list:
+    """ParamSpec per (deduplicated) parameter of ``model``; ``mp_policy``: a
+    MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies it."""
+    specs = []
+    for fqn, p in model.named_parameters():
+        compute = reduce = None
+        if mp_policy is not None and p.dtype.is_floating_point:
+            compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
+        specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce))
+    return specs
 
 
 @dataclasses.dataclass
@@ -165,10 +186,15 @@ def capture(
     *,
     device: torch.device,
     with_grad: bool,
+    input_dtype: Optional[torch.dtype] = None,
+    output_dtype: Optional[torch.dtype] = None,
 ) -> Captured:
     """Trace ``forward(model, *args, **kwargs)`` and, if ``with_grad``, its backward.
 
-    params: ParamSpec per (deduplicated) parameter; buffers: FQN -> tensor (real or meta).
+    params: ParamSpec per (deduplicated) parameter, traced in its compute dtype; buffers:
+    FQN -> tensor (real or meta). ``input_dtype`` / ``output_dtype``: floating tensor inputs
+    and outputs are cast to it inside the graph (a mixed precision policy's
+    ``cast_forward_inputs`` and ``output_dtype``).
     """
     leaves, in_spec = tree_flatten((args, kwargs))
     in_consts = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -179,7 +205,8 @@ def capture(
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         fparams = [
-            torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+            torch.empty(p.shape, dtype=p.compute_dtype, device=device)
+            .requires_grad_(p.requires_grad)
             for p in params
         ]
     fbufs = [_fake_like(fake_mode, b, device) for b in buffers.values()]
@@ -200,12 +227,12 @@ def capture(
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         it = iter(xs)
         full = [next(it) if c is TENSOR else c for c in in_consts]
-        a, kw = tree_unflatten(full, in_spec)
+        a, kw = _cast_floating(tree_unflatten(full, in_spec), input_dtype)
         state = dict(zip(pnames, p))
         state.update(zip(bnames, bclones))
         with _compat.reparametrize(model, state), _track_modules(model, stack), \
                 _track_checkpoints():
-            out = forward(model, *a, **kw)
+            out = _cast_floating(forward(model, *a, **kw), output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
@@ -267,6 +294,13 @@ def capture(
     )
     _tag(cap, rec, grads_for)
     return cap
+
+
+def _cast_floating(tree, dtype):
+    if dtype is None:
+        return tree
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor)
+                    and t.is_floating_point() else t, tree)
 
 
 def _tag(cap: Captured, rec: dict, grads_for: list) -> None:

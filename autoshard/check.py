@@ -650,10 +650,9 @@ def _pristine_graph(eager_model, sharded, args, kwargs, device):
     kept = getattr(prog.captured, "pristine", None)
     if kept is not None:
         return kept, prog.captured
-    from autoshard.capture import ParamSpec, capture
+    from autoshard.capture import capture, param_specs
 
-    specs = [ParamSpec(f, tuple(p.shape), p.dtype, p.requires_grad)
-             for f, p in eager_model.named_parameters()]
+    specs = param_specs(eager_model, sharded._autoshard.config.mp_policy)
     with torch.enable_grad():
         cap = capture(eager_model, type(eager_model).forward, specs,
                       dict(eager_model.named_buffers()), args, kwargs, device=device,

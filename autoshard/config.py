@@ -57,6 +57,13 @@ class Config:
         forward graph picks what to save, and cheap ops (pointwise, views, normalisations)
         between it and the backward run again there (default: on).
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
+    mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, read as FSDP2 reads it:
+        each shard is cast to ``param_dtype`` before its all-gather and the step computes with
+        the gathered ``param_dtype`` parameters; gradients are reduce-scattered in
+        ``reduce_dtype`` (default: ``param_dtype``) and land on the shards in their own dtype,
+        so the sharded parameters and the optimizer state keep theirs (fp32 masters);
+        ``output_dtype`` casts the model's floating outputs; ``cast_forward_inputs`` casts
+        its floating tensor inputs to ``param_dtype``. Buffers are not cast. Default: none.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -80,6 +87,7 @@ class Config:
     prefetch_depth: int = 2
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
+    mp_policy: object = None
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -102,6 +110,7 @@ class Config:
                 0 < self.timeout < float("inf")):
             raise ValueError(f"Config.timeout must be a positive number of seconds or a "
                              f"datetime.timedelta, got {self.timeout!r}")
+        _mp_policy(self.mp_policy)
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 
@@ -129,6 +138,24 @@ class Config:
             except re.error as e:
                 raise ValueError(f"Config.module_pattern={self.module_pattern!r} is not a "
                                  f"valid regular expression: {e}") from None
+
+
+def _mp_policy(policy) -> None:
+    if policy is None:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError("Config.mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+                        f"(e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                        f"reduce_dtype=torch.float32)) or None, got {policy!r}")
+    import torch
+
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        d = getattr(policy, field)
+        if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+            raise ValueError(f"Config.mp_policy.{field} must be a floating dtype such as "
+                             f"torch.bfloat16, or None, got {d!r}")
 
 
 def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:

@@ -244,7 +244,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
-        nbytes = sum(_numel(specs[f].shape) * specs[f].dtype.itemsize for f in u.fqns)
+        nbytes = sum(_numel(specs[f].shape) * specs[f].compute_dtype.itemsize for f in u.fqns)
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget)
     if profile is not None:

@@ -31,12 +31,13 @@ MAX_TRIES = 6  # full pipelines tried for graphs over BIG_GRAPH nodes; smaller o
 BIG_GRAPH = 5000
 
 
-def unit_bytes(fqns, specs, world: int) -> int:
-    """Full (padded) bytes of the units' parameters as gathered."""
+def unit_bytes(fqns, specs, world: int, dtype_of=lambda spec: spec.compute_dtype) -> int:
+    """Full (padded) bytes of the units' parameters as gathered (in their compute dtype), or
+    in the dtype ``dtype_of(spec)`` gives."""
     total = 0
     for f in fqns:
         lay = ShardLayout(specs[f].shape, world)
-        total += (lay.local_numel * world if lay.sharded else 1) * specs[f].dtype.itemsize
+        total += (lay.local_numel * world if lay.sharded else 1) * dtype_of(specs[f]).itemsize
     return total
 
 
@@ -46,7 +47,8 @@ class _Segments:
     def __init__(self, order, specs, world, profile):
         n = len(order)
         self.world, self.profile = world, profile
-        self.dtypes = sorted({specs[f].dtype for f in order}, key=str)
+        self.dtypes = sorted({d for f in order
+                              for d in (specs[f].compute_dtype, specs[f].reduce_dtype)}, key=str)
         self.ag = {d: [0] * (n + 1) for d in self.dtypes}
         self.rs = {d: [0] * (n + 1) for d in self.dtypes}
         self.size = [0] * (n + 1)
@@ -55,9 +57,11 @@ class _Segments:
             for d in self.dtypes:
                 self.ag[d][k + 1], self.rs[d][k + 1] = self.ag[d][k], self.rs[d][k]
             if spec.shape:
-                self.ag[spec.dtype][k + 1] += b
+                self.ag[spec.compute_dtype][k + 1] += b
             if spec.requires_grad:
-                self.rs[spec.dtype][k + 1] += b if spec.shape else world * spec.dtype.itemsize
+                red = spec.reduce_dtype
+                self.rs[red][k + 1] += (unit_bytes([f], specs, world, lambda s: red)
+                                        if spec.shape else world * red.itemsize)
             self.size[k + 1] = self.size[k] + b
 
     def cost(self, j: int, i: int) -> float:

@@ -10,6 +10,7 @@ import torch.fx as fx
 from autoshard import meta
 from autoshard.graph import (
     alias_base,
+    alias_closure,
     copy_into_backward,
     insert_free,
     positions,
@@ -50,11 +51,13 @@ class ShardLayout:
         return start, min(start + self.rows, self.shape[0])
 
 
-def _by_dtype(fqns, specs):
+def _by_dtype(fqns, key):
+    """``fqns`` grouped by ``key(fqn)`` (a dtype or a tuple of them), in first-seen order:
+    one collective moves one dtype."""
     groups = {}
     for f in fqns:
-        groups.setdefault(specs[f].dtype, []).append(f)
-    return list(groups.values())
+        groups.setdefault(key(f), []).append(f)
+    return list(groups.items())
 
 
 def _comm_tags(unit: int, region: str, kinds: dict, other_kind: str):
@@ -123,19 +126,22 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
 
     for f, n in phs.items():
         v, lay = n.meta["val"], layouts[f]
-        if lay.sharded:
+        if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype
             with v.fake_mode:
-                n.meta["val"] = torch.empty(lay.local_shape, dtype=v.dtype, device=v.device)
+                n.meta["val"] = torch.empty(lay.local_shape, dtype=specs[f].dtype,
+                                            device=v.device)
+        elif specs[f].dtype != v.dtype:  # read unsharded, in the compute dtype
+            _cast_unsharded(gm, n, specs[f].dtype)
 
     roots = {}  # storage root -> unit index
     pos = positions(graph)  # original nodes keep their relative order through the splices
     for unit in ctx.units:
         for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
             fqns = [f for f in unit.fqns if layouts[f].sharded]
-            for group_fqns in _by_dtype(fqns, specs):
+            for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
                 new = _gather(gm, pos, unit.index, region, group_fqns, phs, layouts, N, group,
-                              unit.keep)
-                roots.update((r, unit.index) for r in storage_roots(new))
+                              unit.keep, dtype)
+                roots.update((r, unit.index) for r in _freed_roots(new))
 
     out = meta.output_node(gm)
     outs = list(out.args[0])
@@ -143,13 +149,14 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                if r[meta.ROLE] == meta.OUT_GRAD}
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if f in grad_at]
-        for group_fqns in _by_dtype(fqns, specs):
+        key = lambda f: (specs[f].reduce_dtype, specs[f].dtype)  # noqa: E731
+        for dtypes, group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
             locals_, new = _reduce(gm, pos, unit.index, grads, [layouts[f] for f in group_fqns],
-                                   N, group)
+                                   N, group, *dtypes)
             for f, loc in zip(group_fqns, locals_):
                 outs[grad_at[f]] = loc
-            roots.update((r, unit.index) for r in storage_roots(new))
+            roots.update((r, unit.index) for r in _freed_roots(new))
             for g in grads:
                 base = alias_base(g)
                 if base.op != "placeholder" and meta.is_backward(base):
@@ -166,8 +173,38 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     return gm
 
 
-def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
-    """all-gather ``fqns`` (one dtype) before their first use in ``region``; returns new nodes."""
+def _freed_roots(new) -> list:
+    """The fresh storages among a collective's new nodes that get an explicit free: all but
+    packing temporaries (a shard cast to the compute dtype before the send buffer is
+    concatenated), which only other packing nodes read and which go with their last
+    reference, so a pack stays one contiguous block for prefetch to move."""
+    packs = (meta.AG_PACK, meta.RS_PACK)
+
+    def temporary(r):  # read, through any view, by packing nodes only
+        return meta.tag(r, meta.COMM) in packs and all(
+            meta.tag(u, meta.COMM) in packs for a in alias_closure(r) for u in a.users)
+
+    return [r for r in storage_roots(new) if not temporary(r)]
+
+
+def _cast_unsharded(gm, ph, storage_dtype):
+    """An unsharded (0-d) parameter is read without a gather: its placeholder now holds the
+    stored value, and one cast gives every reader the compute dtype they were traced with."""
+    v = ph.meta["val"]
+    with v.fake_mode:
+        ph.meta["val"] = torch.empty((), dtype=storage_dtype, device=v.device)
+    users = list(ph.users)
+    with gm.graph.inserting_after(ph):
+        cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (ph,), {"dtype": v.dtype})
+    cast.meta["val"] = v
+    meta.tags(cast)[meta.REGION] = meta.FWD
+    for u in users:
+        u.replace_input_with(ph, cast)
+
+
+def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep, dtype):
+    """all-gather ``fqns`` (shards cast to ``dtype``, their compute dtype) before their first
+    use in ``region``; returns new nodes."""
     users = {
         u
         for f in fqns
@@ -180,7 +217,7 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
     lays = [layouts[f] for f in fqns]
 
     def issue(*shards):
-        flat = [s.reshape(-1) for s in shards]
+        flat = [s.reshape(-1).to(dtype) for s in shards]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
         return _AG(flat, N, group, out=buf)
@@ -193,7 +230,7 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
             off += lay.local_numel
         return fulls
 
-    key = ("ag", N, group, tuple(lay.shape for lay in lays))
+    key = ("ag", N, group, dtype, tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK)
     handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region),
@@ -206,13 +243,15 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep):
     return n1 + n2 + n3
 
 
-def _reduce(gm, pos, unit, grads, lays, N, group):
-    """reduce-scatter (average) full gradients ``grads`` right after the last of them."""
+def _reduce(gm, pos, unit, grads, lays, N, group, reduce_dtype, storage_dtype):
+    """reduce-scatter (average) full gradients ``grads`` in ``reduce_dtype`` right after the
+    last of them; the local gradient shards come out in ``storage_dtype``."""
     before = max(grads, key=pos.__getitem__).next
 
     def issue(*gs):
         cols = []
         for g, lay in zip(gs, lays):
+            g = g.to(reduce_dtype)
             if not lay.sharded:
                 cols.append(g.reshape(1, 1).expand(N, 1))
                 continue
@@ -232,9 +271,9 @@ def _reduce(gm, pos, unit, grads, lays, N, group):
             else:
                 outs.append(buf[off])
                 off += 1
-        return outs
+        return [o.to(storage_dtype) for o in outs]
 
-    key = ("rs", N, group, tuple(lay.shape for lay in lays))
+    key = ("rs", N, group, reduce_dtype, storage_dtype, tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, meta.BWD, {_RS: meta.RS_ISSUE}, meta.RS_PACK)
     handle, n1 = splice(gm, issue, grads, before, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD),

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from autoshard import Config
-from autoshard.capture import ParamSpec, capture
+from autoshard.capture import capture, param_specs
 from autoshard.passes import PassContext
 from autoshard.runtime.storage import fqn_aliases
 
 
 def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad=True):
-    specs = [ParamSpec(f, tuple(p.shape), p.dtype, p.requires_grad)
-             for f, p in model.named_parameters()]
+    specs = param_specs(model)
     with torch.set_grad_enabled(with_grad):
         cap = capture(model, type(model).forward, specs, dict(model.named_buffers()), inputs, {},
                       device=torch.device("cpu"), with_grad=with_grad)

@@ -3,6 +3,8 @@
 import datetime
 
 import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard import Config
 
@@ -28,6 +30,10 @@ BAD = [
     ({"prefetch_depth": -3}, ValueError, "Config.prefetch_depth must be a positive int"),
     ({"verify": None}, TypeError, "Config.verify must be True or False"),
     ({"timeout": 0}, ValueError, "Config.timeout must be a positive number of seconds"),
+    ({"mp_policy": "bf16"}, TypeError, "Config.mp_policy must be a torch.distributed.fsdp."
+                                       "MixedPrecisionPolicy"),
+    ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError,
+     "Config.mp_policy.param_dtype must be a floating dtype"),
 ]
 
 

@@ -88,17 +88,48 @@ def parity_worker(rank, world, names):
             "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
         }
     results["fsdp2:gpt"] = fsdp2_worker(rank, world, "gpt")
+    for name in MP_NAMES:
+        results[f"mp:{name}"] = mp_worker(rank, world, name)
+        results[f"fsdp2-mp:{name}"] = fsdp2_worker(rank, world, name, mp=True)
     return results
 
 
-def fsdp2_worker(rank, world, name):
+# bf16 parameters and compute, fp32 reduce-scatter, fp32 outputs (the usual FSDP2 setup)
+MP_NAMES = ["gpt", "hf_llama"]
+
+
+def mp_policy(root=True):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32 if root else None)
+
+
+def mp_worker(rank, world, name):
+    model = autoshard(build(name), config=Config(policy="module", mp_policy=mp_policy(),
+                                                 verify=True))
+    losses, _ = _train(model, name, rank, world)
+    full = model.full_state_dict()
+    grads_fp32 = all(p.dtype == torch.float32 for p in model.parameters())
+    return {"losses": losses, "params": full if rank == 0 else None, "fp32": grads_fp32}
+
+
+def _blocks(model):
+    """The repeated blocks FSDP2 wraps one by one (the units of autoshard's module policy)."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    inner = getattr(model, "model", None)
+    return list(inner.layers) if inner is not None and hasattr(inner, "layers") else []
+
+
+def fsdp2_worker(rank, world, name, mp=False):
     """The same training under FSDP2: fully_shard per block, then the root."""
     from torch.distributed.fsdp import fully_shard
 
     model = build(name)
-    for blk in model.blocks:
-        fully_shard(blk)
-    fully_shard(model)
+    for blk in _blocks(model):
+        fully_shard(blk, mp_policy=mp_policy(root=False)) if mp else fully_shard(blk)
+    fully_shard(model, mp_policy=mp_policy()) if mp else fully_shard(model)
     loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []

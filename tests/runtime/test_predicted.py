@@ -17,10 +17,16 @@ from harness import run_ranks
 from models import CASES, build, call
 
 
-def _measure(rank, world, name):
+def _measure(rank, world, payload):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from autoshard import Config, autoshard
 
-    model = autoshard(build(name), config=Config(policy="module", prefetch=False))
+    name, precision = payload
+    mp = None
+    if precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = autoshard(build(name), config=Config(policy="module", prefetch=False, mp_policy=mp))
     _, data, _, loss_fn = CASES[name]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = data(torch.Generator().manual_seed(0), 8)
@@ -43,9 +49,10 @@ def _measure(rank, world, name):
     }
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_measured_step_matches_the_plan(name):
-    for r in run_ranks(2, _measure, name):
+def test_measured_step_matches_the_plan(name, precision):
+    for r in run_ranks(2, _measure, (name, precision)):
         assert r["measured"] == r["planned"]
         ratio = r["predicted_peak"] / r["measured_peak"]
         assert 0.9 <= ratio <= 1.1, f"predicted {r['predicted_peak']} measured {r['measured_peak']}"
