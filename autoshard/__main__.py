@@ -42,7 +42,7 @@ def _plan(args) -> int:
     make = getattr(factory, "example_inputs", None) or (
         lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
-                    device_profile=args.device_profile)
+                    device_profile=args.device_profile, mp_policy=_mp_policy(args))
     if args.symbolic:
         plan = autoshard.plan(model, world_size=args.world_size, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
@@ -63,6 +63,23 @@ def _plan(args) -> int:
     if args.plot:
         plan.memory_plot(args.plot)
     return 0
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _mp_policy(args):
+    """--param-dtype / --reduce-dtype as FSDP2's MixedPrecisionPolicy (None when neither)."""
+    if args.param_dtype is None and args.reduce_dtype is None:
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def dtype(name):
+        return None if name is None else getattr(torch, name)
+
+    return MixedPrecisionPolicy(param_dtype=dtype(args.param_dtype),
+                                reduce_dtype=dtype(args.reduce_dtype))
 
 
 def _check(args) -> int:
@@ -94,6 +111,11 @@ def main(argv=None) -> int:
     pl.add_argument("--memory-budget", default=None, help="per rank, e.g. 80GiB")
     pl.add_argument("--policy", default="auto",
                     choices=["auto", "module", "size", "per-parameter", "whole-model"])
+    pl.add_argument("--param-dtype", choices=DTYPES, default=None,
+                    help="gather and compute parameters in this dtype (MixedPrecisionPolicy "
+                    "param_dtype); the shards and optimizer state keep the model's dtype")
+    pl.add_argument("--reduce-dtype", choices=DTYPES, default=None,
+                    help="reduce-scatter gradients in this dtype (default: --param-dtype)")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
     pl.add_argument("--json", help="write the plan as JSON here")
     pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")

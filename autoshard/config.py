@@ -53,9 +53,14 @@ class Config:
     prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
         the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
         in flight (default: no byte bound), and defer reduce-scatter waits (default: on).
-    recompute: save fewer activation bytes from forward to backward: a minimum cut over the
-        forward graph picks what to save, and cheap ops (pointwise, views, normalisations)
-        between it and the backward run again there (default: on).
+    recompute: which activations cross from forward to backward —
+        True (default): a minimum cut over the forward graph picks what to save, and cheap
+            ops (pointwise, views, normalisations) between it and the backward run again there;
+        False: what eager autograd saves;
+        "blocks": every repeated block is recomputed whole in backward (as if each ran under
+            torch.utils.checkpoint): only its input is saved, at the price of its forward again;
+        "auto": a plan decision per repeated block among these three, the fastest that fits
+            ``memory_budget``.
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, read as FSDP2 reads it:
         each shard is cast to ``param_dtype`` before its all-gather and the step computes with
@@ -82,7 +87,7 @@ class Config:
     bucket: Optional[bool] = None
     bucket_bytes: Union[int, str, None] = None
     prefetch: bool = True
-    recompute: bool = True
+    recompute: Union[bool, str] = True
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
     verify: bool = False
@@ -94,8 +99,9 @@ class Config:
                 " or pass explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
         _one_of("reshard_after_forward", self.reshard_after_forward, (True, False, "auto"))
-        for name in ("prefetch", "recompute", "verify"):
+        for name in ("prefetch", "verify"):
             _flag(name, getattr(self, name))
+        _one_of("recompute", self.recompute, (True, False, "blocks", "auto"))
         if self.bucket is not None:
             _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
         self.memory_budget = _size("memory_budget", self.memory_budget)

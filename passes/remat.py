@@ -43,7 +43,7 @@ _CHEAP = {
 }
 
 
-def _recomputable(n: fx.Node, mutated: set) -> bool:
+def _recomputable(n: fx.Node, mutated: set, region) -> bool:
     """Cheap (or inside a checkpoint region), deterministic, writes nothing, and reads only
     storages no node ever writes: then its inputs hold the same values in backward as in
     forward, and so does its copy."""
@@ -54,17 +54,47 @@ def _recomputable(n: fx.Node, mutated: set) -> bool:
         return True
     if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
         return False
-    # inside a torch.utils.checkpoint region the user asked for recomputation: any op
+    # inside a torch.utils.checkpoint region (or a block the plan recomputes whole)
+    # recomputation was asked for: any op
     return (t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
-            or meta.tag(n, meta.CHECKPOINT) is not None)
+            or region(n) is not None)
 
 
-def _enters_region(n: fx.Node) -> bool:
+def _enters_region(n: fx.Node, region) -> bool:
     """Whether a checkpoint region other than ``n``'s own reads ``n``: as in eager activation
     checkpointing, a region recomputes from its saved inputs, never across other regions
     (which would recompute the whole chain before it, once for each region)."""
-    own = meta.tag(n, meta.CHECKPOINT)
-    return any(meta.tag(u, meta.CHECKPOINT) not in (None, own) for u in n.users)
+    own = region(n)
+    return any(region(u) not in (None, own) for u in n.users)
+
+
+MODES = ("keep", "min-cut", "block")
+
+
+def _regions(modes: dict):
+    """(region of a node, whether the node's block keeps everything): a node's checkpoint
+    region, else ("block", path) when its repeated block ``path`` is recomputed whole."""
+
+    def block(n):
+        parts = (meta.tag(n, meta.MODULE) or "").split(".")
+        for k in range(1, len(parts) + 1):
+            path = ".".join(parts[:k])
+            if path in modes:
+                return path
+        return None
+
+    def region(n):
+        ck = meta.tag(n, meta.CHECKPOINT)
+        if ck is not None or not modes:
+            return ck
+        path = block(n)
+        return ("block", path) if path is not None and modes[path] == "block" else None
+
+    def kept(n):
+        path = block(n) if modes else None
+        return path is not None and modes[path] == "keep"
+
+    return region, kept
 
 
 def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
@@ -77,7 +107,13 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     random, writes into a tensor, or reads or is a storage that any node writes into (through
     any view): what it reads is then the same at recompute time, and so is its value. Does
     nothing when no cheaper cut exists (the saved bytes never grow) or with no backward.
+
+    Options: ``blocks`` — ``{module path: mode}`` for repeated blocks (a plan's decision per
+    block): "min-cut" (the default, as above), "keep" (nothing of the block is recomputed:
+    what eager autograd saves) or "block" (any deterministic op of the block may be, as if
+    the block ran under torch.utils.checkpoint: what crosses is in effect the block's input).
     """
+    region, kept = _regions(options.get("blocks") or {})
     graph = gm.graph
     nodes = list(graph.nodes)
     fwd = [n for n in nodes if meta.is_forward(n) and n.op != "output"]
@@ -92,7 +128,8 @@ def recompute_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphM
     g = nx.DiGraph()
     for n in fwd:
         inp = n.op == "placeholder"
-        if inp or not _recomputable(n, mutated) or n in user_out or _enters_region(n):
+        if (inp or kept(n) or not _recomputable(n, mutated, region) or n in user_out
+                or _enters_region(n, region)):
             g.add_edge("source", (n, "in"))  # no capacity: infinite
         # inputs cost nothing to keep (the backward reads them anyway); a view costs little
         # more than its base so that the base is what gets saved; a tuple is never saved

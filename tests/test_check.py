@@ -135,7 +135,7 @@ def test_a_wrong_op_in_the_backward_is_named(monkeypatch):
     assert "DIFFERS" in text and f"first difference: node {diff.node}" in text
 
 
-def _unsafe_recomputable(n, mutated):
+def _unsafe_recomputable(n, mutated, region):
     """Recompute any cheap op, even one that reads a tensor written in place later."""
     from autoshard.graph import _aliased_arg, written_inputs
     from autoshard.passes import remat

@@ -25,7 +25,8 @@ BAD = [
     ({"bucket": "yes"}, TypeError, "Config.bucket must be True or False"),
     ({"bucket_bytes": -5}, ValueError, "Config.bucket_bytes=-5 must be positive"),
     ({"prefetch": "no"}, TypeError, "Config.prefetch must be True or False, got 'no'"),
-    ({"recompute": 1}, TypeError, "Config.recompute must be True or False"),
+    ({"recompute": 1}, ValueError, "Config.recompute=1 is not accepted; use one of True, "
+                                   "False, 'blocks', 'auto'"),
     ({"prefetch_bytes": 0}, ValueError, "Config.prefetch_bytes=0 must be positive"),
     ({"prefetch_depth": -3}, ValueError, "Config.prefetch_depth must be a positive int"),
     ({"verify": None}, TypeError, "Config.verify must be True or False"),
