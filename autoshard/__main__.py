@@ -42,7 +42,8 @@ def _plan(args) -> int:
     make = getattr(factory, "example_inputs", None) or (
         lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
-                    device_profile=args.device_profile, mp_policy=_mp_policy(args))
+                    device_profile=args.device_profile, mp_policy=_mp_policy(args),
+                    recompute=RECOMPUTE[args.recompute])
     if args.symbolic:
         plan = autoshard.plan(model, world_size=args.world_size, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
@@ -66,6 +67,7 @@ def _plan(args) -> int:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+RECOMPUTE = {"auto": "auto", "min-cut": True, "blocks": "blocks", "none": False}
 
 
 def _mp_policy(args):
@@ -116,6 +118,9 @@ def main(argv=None) -> int:
                     "param_dtype); the shards and optimizer state keep the model's dtype")
     pl.add_argument("--reduce-dtype", choices=DTYPES, default=None,
                     help="reduce-scatter gradients in this dtype (default: --param-dtype)")
+    pl.add_argument("--recompute", choices=list(RECOMPUTE), default="auto",
+                    help="activation recomputation: the planner's choice per repeated block "
+                    "(auto, the default), the min cut, whole blocks, or none")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
     pl.add_argument("--json", help="write the plan as JSON here")
     pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")

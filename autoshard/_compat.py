@@ -155,3 +155,19 @@ def capture_decompositions() -> dict:
     if grouped is not None and "default" in grouped.overloads():
         table[grouped.default] = grouped_mm_op
     return table
+
+
+# --- lazily compiled graph modules ------------------------------------------------------------
+
+
+def graph_module(root, graph):
+    """``fx.GraphModule(root, graph)`` that writes its Python code only when first called.
+    Passes rewrite graphs of tens of thousands of nodes many times, and a plan never runs
+    them: generating the code after each rewrite cost a third of planning a 96-layer model."""
+    import torch.fx as fx
+
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # older torch: code is generated on every recompile
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)

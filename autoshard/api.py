@@ -11,15 +11,12 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import capture, param_specs
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat, meta
+from autoshard import _compat
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.cost import get_profile
-from autoshard.graph import clone_graph
-from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.collectives import ShardLayout
 from autoshard.plans import Plan, _fmt_bytes, make_plan
-from autoshard.simulate import simulate
-from autoshard.passes import PassContext, default_passes, run_passes
+from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
 from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
@@ -172,9 +169,9 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
 
-    With policy "auto", candidate groupings are tried fastest first until one's predicted peak
-    fits the budget (``autoshard.passes.auto``); if even one unit per parameter does not fit,
-    AutoshardError says the smallest budget that would.
+    The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
+    recomputation (recompute "auto") and keeps the fastest that fits the budget; if none
+    does, AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
@@ -193,50 +190,38 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     inputs = sum(x.numel() * x.element_size() for x in tree_flatten((args, kwargs))[0]
                  if isinstance(x, torch.Tensor))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    replan = config.policy == "auto" and config.units is None
-    pristine = clone_graph(cap.gm)  # as traced; attempts clone it, so it stays untouched
-    cap.pristine = pristine
-    unit_options, best, min_peak = {}, None, None
-    for attempt in range(64):
-        gm = clone_graph(pristine) if attempt else cap.gm
-        ctx = PassContext(
-            captured=cap, world_size=world_size, group_name=group_name, model=model,
-            fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
-            reshard_after_forward=config.reshard_after_forward, profile=profile,
-            memory_budget=budget, static_bytes=state["params"] + state["optimizer"]
-            + state["grads"] + buffers + inputs,
-        )
-        say("planning units and inserting collectives")
-        gm = run_passes(gm, ctx, default_passes(config, **unit_options),
-                        verify_each=config.verify)
-        n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in ctx.split.fwd_roles)
-        say("predicting time and memory")
-        pred = simulate(ctx.split.fwd, ctx.split.bwd, profile, world_size,
-                        state["params"] + state["optimizer"] + buffers + inputs, n_user)
-        fits = pred.peak_bytes <= budget
-        min_peak = pred.peak_bytes if min_peak is None else min(min_peak, pred.peak_bytes)
-        if best is None or (fits and (best[3].peak_bytes > budget or pred.total < best[3].total)):
-            best = (gm, ctx, ctx.split, pred)
-        # small graphs: try every candidate and keep the fastest that fits; big ones stop at
-        # the first that fits (candidates come fastest first by the no-overlap estimate)
-        if not replan or ctx.auto_tries_left == 0 or (fits and len(gm.graph.nodes) > BIG_GRAPH):
-            break
-        unit_options = {"candidate": attempt + 1}
-    gm, ctx, split, pred = best
+    searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
+    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
+    ctx = PassContext(
+        captured=cap, world_size=world_size, group_name=group_name, model=model,
+        fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
+        reshard_after_forward=config.reshard_after_forward, profile=profile,
+        memory_budget=budget, static_bytes=state["params"] + state["optimizer"]
+        + state["grads"] + buffers + inputs,
+    )
+    say("planning units, recomputation and collectives; predicting time and memory")
+    gm = run_passes(cap.gm, ctx, [(plan_step_pass, {
+        "config": config, "verify": config.verify,
+        "sim_static_bytes": state["params"] + state["optimizer"] + buffers + inputs})])
+    pred, split = ctx.prediction, ctx.split
     cap.gm = gm
     plan = make_plan(
         world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
         prediction=pred, profile=profile, budget=budget,
         policy="pinned" if config.units is not None else config.policy,
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
+        recompute=ctx.recompute, candidates=ctx.candidates,
     )
-    if replan and pred.peak_bytes > budget:
-        smallest = min_peak  # one unit per parameter is always among the candidates tried
+    if searched and pred.peak_bytes > budget:
+        # the last candidates tried are the least memory a plan can take: one unit per
+        # parameter, and (recompute "auto") every repeated block recomputed whole
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
-            f"{world_size} ranks: the smallest plan autoshard can make (one unit per "
-            f"parameter) needs {_fmt_bytes(smallest)}. Raise Config.memory_budget to at "
-            "least that, shard over more ranks, or use a smaller batch."
+            f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
+            f"recomputation, {len(ctx.units)} units) needs {_fmt_bytes(pred.peak_bytes)}. "
+            "Raise Config.memory_budget to at least that, shard over more ranks, use a "
+            "smaller batch" + (", or Config(recompute='auto') to recompute activations"
+                               if config.recompute != "auto" else "") + "."
         )
     return cap, ctx, plan
 
@@ -323,7 +308,8 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
 
     p = one(example_inputs, config)
     if make_inputs is not None:
-        pinned = dataclasses.replace(config, units=p.pinned_units())
+        pinned = dataclasses.replace(config, units=p.pinned_units(),
+                                     recompute=p.pinned_recompute())
         if progress:
             progress("fitting memory and time in batch and seq (two more traces)")
         p2 = one(make_inputs(2 * batch, seq), pinned)

@@ -260,6 +260,7 @@ def capture(
             gm = _compat.make_fx(joint, tracing_mode="fake",
                                  decomposition_table=_compat.capture_decompositions())(
                 *fparams, *fbufs, *finputs)
+        gm = _compat.graph_module(gm, gm.graph)
     except AutoshardError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation

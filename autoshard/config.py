@@ -60,7 +60,9 @@ class Config:
         "blocks": every repeated block is recomputed whole in backward (as if each ran under
             torch.utils.checkpoint): only its input is saved, at the price of its forward again;
         "auto": a plan decision per repeated block among these three, the fastest that fits
-            ``memory_budget``.
+            ``memory_budget`` (the plan lists the candidates);
+        {block path: "keep" | "min-cut" | "block"}: per block, as ``plan.pinned_recompute()``
+            gives it (blocks not named: the min cut).
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, read as FSDP2 reads it:
         each shard is cast to ``param_dtype`` before its all-gather and the step computes with
@@ -87,7 +89,7 @@ class Config:
     bucket: Optional[bool] = None
     bucket_bytes: Union[int, str, None] = None
     prefetch: bool = True
-    recompute: Union[bool, str] = True
+    recompute: Union[bool, str, dict] = True
     prefetch_bytes: Union[int, str, None] = None
     prefetch_depth: int = 2
     verify: bool = False
@@ -101,7 +103,11 @@ class Config:
         _one_of("reshard_after_forward", self.reshard_after_forward, (True, False, "auto"))
         for name in ("prefetch", "verify"):
             _flag(name, getattr(self, name))
-        _one_of("recompute", self.recompute, (True, False, "blocks", "auto"))
+        if isinstance(self.recompute, dict):
+            _recompute_blocks(self.recompute)
+        else:
+            _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
+                    " or {block path: 'keep' | 'min-cut' | 'block'}")
         if self.bucket is not None:
             _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
         self.memory_budget = _size("memory_budget", self.memory_budget)
@@ -162,6 +168,14 @@ def _mp_policy(policy) -> None:
         if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
             raise ValueError(f"Config.mp_policy.{field} must be a floating dtype such as "
                              f"torch.bfloat16, or None, got {d!r}")
+
+
+def _recompute_blocks(modes: dict) -> None:
+    for path, mode in modes.items():
+        if not isinstance(path, str) or mode not in ("keep", "min-cut", "block"):
+            raise ValueError(f"Config.recompute: {path!r}: {mode!r} is not accepted; map "
+                             "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut' or "
+                             "'block'")
 
 
 def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:

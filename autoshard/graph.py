@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard._compat import make_fx
 
 
@@ -263,7 +263,7 @@ def clone_graph(gm: fx.GraphModule) -> fx.GraphModule:
         if meta.KEY in n.meta:
             new.meta[meta.KEY] = dict(n.meta[meta.KEY])
         env[n] = new
-    return fx.GraphModule(gm, graph)
+    return _compat.graph_module(gm, graph)
 
 
 def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:

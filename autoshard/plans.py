@@ -67,6 +67,11 @@ class Plan:
     memory_timeline: list = dataclasses.field(default_factory=list)  # [seconds, bytes, graph, node]
     events: list = dataclasses.field(default_factory=list)  # [lane, name, start, dur, unit]
     symbolic: dict = dataclasses.field(default_factory=dict)  # {"memory": expr, "time": expr}
+    recompute: str = ""  # the recomputation chosen: "none", "min-cut", "blocks k/L", ...
+    # {block path: "keep" | "min-cut" | "block"} of that choice; None: nothing recomputed
+    recompute_blocks: Optional[dict] = None
+    # every plan the planner predicted: recompute, units, step_s, peak_bytes, fits, chosen
+    candidates: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -81,6 +86,19 @@ class Plan:
     def pinned_units(self) -> list:
         """The units as lists of FQNs, for ``Config(units=...)``: pins this plan's grouping."""
         return [list(u.fqns) for u in self.units]
+
+    def pinned_recompute(self):
+        """This plan's recomputation for ``Config(recompute=...)``."""
+        return False if self.recompute_blocks is None else dict(self.recompute_blocks)
+
+    def candidates_table(self) -> str:
+        rows = [(c["recompute"], c["units"] if c["units"] is not None else "-",
+                 f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
+                 _fmt_bytes(c["peak_bytes"]), "yes" if c["fits"] else "no",
+                 "chosen" if c.get("chosen") else c.get("note", ""))
+                for c in self.candidates]
+        return tabulate(rows, headers=["recompute", "units", "predicted step", "peak",
+                                       "fits", ""])
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
@@ -109,6 +127,7 @@ class Plan:
             ("world size", self.world_size),
             ("policy", self.policy),
             ("units", len(self.units)),
+            ("activation recomputation", self.recompute or "-"),
             ("predicted step time", f"{p['step_s'] * 1e3:.3f} ms"),
             ("  compute", f"{p['compute_s'] * 1e3:.3f} ms"),
             ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),
@@ -196,8 +215,14 @@ class Plan:
         return (
             f"autoshard plan: world size {self.world_size}, {len(self.units)} "
             f"unit{'s' if len(self.units) != 1 else ''}\n\n"
-            f"{self.summary_table()}\n\n{self.units_table()}\n\n{self.schedule_table()}"
+            f"{self.summary_table()}\n\n{self.candidates_section()}{self.units_table()}\n\n"
+            f"{self.schedule_table()}"
         )
+
+    def candidates_section(self) -> str:
+        if len(self.candidates) < 2:
+            return ""
+        return f"plans considered (fastest that fits is chosen):\n{self.candidates_table()}\n\n"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -240,13 +265,16 @@ def read_schedule(graphs) -> list:
 
 
 def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
-              budget: int = 0, policy: str = "", model_state_bytes: int = 0) -> Plan:
+              budget: int = 0, policy: str = "", model_state_bytes: int = 0,
+              recompute=("", None), candidates=()) -> Plan:
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(_numel(specs[f].shape) * specs[f].compute_dtype.itemsize for f in u.fqns)
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
-    plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget)
+    plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
+                recompute=recompute[0], recompute_blocks=recompute[1],
+                candidates=[dict(c) for c in candidates])
     if profile is not None:
         plan.device = profile.to_dict()
     if prediction is not None:

@@ -24,6 +24,7 @@ from autoshard.passes.prefetch import prefetch_pass  # noqa: F401
 from autoshard.passes.remat import recompute_activations_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
+from autoshard.passes.plan import plan_step_pass  # noqa: F401,E402
 
 
 @dataclasses.dataclass
@@ -41,10 +42,15 @@ class PassContext:
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     units: Optional[list] = None  # list[Unit], set by assign_units
-    auto_tries_left: int = 0  # "auto": how many more candidates compile_step may try
+    auto_tries_left: int = 0  # "auto": how many more unit candidates plan_step may try
     prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
+    # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes), and
+    # every candidate tried with its prediction
+    prediction: Any = None
+    recompute: Any = None
+    candidates: list = dataclasses.field(default_factory=list)
 
 
 def debug_level() -> int:

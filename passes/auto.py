@@ -12,7 +12,7 @@ plus the fixed policies' groupings (module, size, per-parameter, whole-model: so
 contiguous in use order, like a module policy's root unit). Candidates whose lower bound on
 peak memory (model state plus the larger of the activation peak and the largest unit) exceeds
 the budget are dropped; the rest are tried fastest first through the full pipeline and its
-memory simulation (``compile_step``), and the first that fits wins. So "auto" is never
+memory simulation (``autoshard.passes.plan``), and the fastest that fits wins. So "auto" is never
 predicted slower than a fixed policy that fits, and what it picks is checked, not estimated.
 Complexity: O(P * K) segment evaluations per cap for P parameters and at most K parameters per
 unit (O(P^2) for the largest cap), each O(dtypes) with prefix sums; for graphs over

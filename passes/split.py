@@ -6,7 +6,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from autoshard import meta
+from autoshard import _compat, meta
 
 
 @dataclasses.dataclass
@@ -68,9 +68,9 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
             benv[n].meta = n.meta
         _copy_into(bwd_graph, [n for n in bwd_nodes if n.op != "placeholder"], benv)
         bwd_graph.output([benv[values[i]] for i in bwd_idx])
-        bwd = fx.GraphModule(gm, bwd_graph)
+        bwd = _compat.graph_module(gm, bwd_graph)
     ctx.split = SplitProgram(
-        fwd=fx.GraphModule(gm, fwd_graph),
+        fwd=_compat.graph_module(gm, fwd_graph),
         bwd=bwd,
         fwd_roles=[roles[i] for i in fwd_idx],
         bwd_roles=[roles[i] for i in bwd_idx],

@@ -65,19 +65,28 @@ def _train(model, name, rank, world, replica=None):
     return losses, buf_diff
 
 
+# the GPT also with the "auto" unit policy, and two models with each other recomputation
+# choice (the default is the min cut): nothing recomputed, every block recomputed whole
+EXTRA = ["gpt:auto", "gpt:none", "gpt:blocks", "hf_llama:none", "hf_llama:blocks"]
+RECOMPUTE = {"none": False, "blocks": "blocks"}
+
+
 def parity_worker(rank, world, names):
-    """Each model with one unit per repeated block (the module policy), and the GPT also with
-    the default "auto" policy."""
+    """Each model with one unit per repeated block (the module policy), and the variants of
+    ``EXTRA``."""
     results = {}
-    for key in names + ["gpt:auto"]:
-        name, _, policy = key.partition(":")
+    for key in names + EXTRA:
+        name, _, variant = key.partition(":")
+        policy = "auto" if variant == "auto" else "module"
+        recompute = RECOMPUTE.get(variant, True)
         model = build(name)
         # models whose forward updates buffers (BatchNorm statistics) are also compared with
         # an eager replica on every rank
         mutates = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                       for m in model.modules())
         replica = copy.deepcopy(model) if mutates else None
-        sharded = autoshard(model, config=Config(policy=policy or "module", verify=True))
+        sharded = autoshard(model, config=Config(policy=policy, recompute=recompute,
+                                                 verify=True))
         losses, buf_diff = _train(sharded, name, rank, world, replica)
         full = sharded.full_state_dict()
         results[key] = {

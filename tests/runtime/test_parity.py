@@ -12,7 +12,7 @@ import torch
 
 from harness import run_ranks
 from models import CASES
-from parity_workers import parity_worker, reference
+from parity_workers import EXTRA, parity_worker, reference
 
 TOL = 1e-5
 NAMES = list(CASES)
@@ -23,7 +23,7 @@ def world_results(request):
     return request.param, run_ranks(request.param, parity_worker, NAMES)
 
 
-@pytest.mark.parametrize("key", NAMES + ["gpt:auto"])
+@pytest.mark.parametrize("key", NAMES + EXTRA)
 def test_matches_eager(world_results, key):
     world, results = world_results
     name = key.partition(":")[0]

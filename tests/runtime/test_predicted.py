@@ -22,11 +22,13 @@ def _measure(rank, world, payload):
 
     from autoshard import Config, autoshard
 
-    name, precision = payload
+    name, variant = payload
     mp = None
-    if precision == "bf16":
+    if variant == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = autoshard(build(name), config=Config(policy="module", prefetch=False, mp_policy=mp))
+    recompute = {"keep": False, "blocks": "blocks"}.get(variant, True)
+    model = autoshard(build(name), config=Config(policy="module", prefetch=False, mp_policy=mp,
+                                                 recompute=recompute))
     _, data, _, loss_fn = CASES[name]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = data(torch.Generator().manual_seed(0), 8)
@@ -49,10 +51,12 @@ def _measure(rank, world, payload):
     }
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# fp32 with the min cut (the default), bf16 parameters and compute (fp32 reduce), and fp32
+# with each other recomputation choice: nothing recomputed, every block recomputed whole
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "keep", "blocks"])
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_measured_step_matches_the_plan(name, precision):
-    for r in run_ranks(2, _measure, (name, precision)):
+def test_measured_step_matches_the_plan(name, variant):
+    for r in run_ranks(2, _measure, (name, variant)):
         assert r["measured"] == r["planned"]
         ratio = r["predicted_peak"] / r["measured_peak"]
         assert 0.9 <= ratio <= 1.1, f"predicted {r['predicted_peak']} measured {r['measured_peak']}"

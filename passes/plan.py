@@ -1,0 +1,139 @@
+"""plan_step: the planner, as the one pass the API runs.
+
+A plan is a choice of units (which parameters are gathered together) and of recomputation
+(which activations cross from forward to backward, per repeated block). This pass runs the
+rest of the pipeline once per candidate on a copy of the captured graph, predicts each result's
+step time and peak memory (``autoshard.simulate``) and keeps the fastest that fits the memory
+budget; every candidate tried, with its prediction, is recorded for the plan to show.
+
+Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
+keep what eager saves, the min cut, then the first 1/4, 1/2, 3/4 and all of the repeated blocks
+recomputed whole (the rest by the min cut). Any k blocks save the same bytes, since every
+block's saved activations are live when the backward starts; the first ones are taken. Per
+choice, the unit candidates of the "auto" policy (``autoshard.passes.auto``), fastest first, or
+the one grouping a fixed policy gives. A choice whose activation peak alone already exceeds the
+budget is skipped without a pipeline; so is a unit candidate whose lower bound does. Graphs over
+``BIG_GRAPH`` nodes stop at the first candidate that fits (the order is fastest first); smaller
+ones try them all.
+
+    captured ─clone─▶ recompute(choice) ─clone─▶ units(k) ─▶ collectives ─▶ ... ─▶ split
+                                                   └─ simulate ─▶ (time, peak) ─▶ keep best
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from autoshard.graph import clone_graph
+from autoshard.passes.auto import BIG_GRAPH
+
+LADDER = (0.25, 0.5, 0.75, 1.0)
+
+
+def recompute_choices(setting, blocks: list) -> list:
+    """``[(label, modes)]`` for ``Config.recompute``: ``modes`` is the recompute pass's
+    ``{block path: mode}`` (``{}``: the min cut everywhere), or None for no recomputation."""
+    if setting is False:
+        return [("none", None)]
+    if setting is True:
+        return [("min-cut", {})]
+    if isinstance(setting, dict):
+        return [(_label(setting, blocks), dict(setting))]
+    whole = [("blocks", {b: "block" for b in blocks})] if blocks else [("min-cut", {})]
+    if setting == "blocks":
+        return whole
+    out, seen = [("none", None), ("min-cut", {})], set()
+    for frac in LADDER:
+        k = max(1, round(frac * len(blocks)))
+        if k not in seen and blocks:
+            seen.add(k)
+            out.append((f"blocks {k}/{len(blocks)}", {b: "block" for b in blocks[:k]}))
+    return out
+
+
+def _label(modes: dict, blocks: list) -> str:
+    whole = sum(m == "block" for m in modes.values())
+    kept = sum(m == "keep" for m in modes.values())
+    parts = [f"blocks {whole}/{len(blocks)}"] if whole else []
+    parts += [f"kept {kept}/{len(blocks)}"] if kept else []
+    return ", ".join(parts) or "min-cut"
+
+
+def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+    """Choose and build the plan: returns the chosen candidate's graph.
+
+    Needs: the captured joint graph (untouched: every candidate works on a copy) and in
+    ``ctx`` the profile, budget and static bytes. Options: ``config`` (the Config),
+    ``sim_static_bytes`` (model state the simulator holds all step), ``verify``.
+    Guarantees: ``ctx`` is the chosen candidate's (units, split program), ``ctx.prediction``
+    its Prediction, ``ctx.recompute`` its recomputation (label, modes), ``ctx.candidates``
+    every candidate tried; when none fits, the one with the least peak is chosen (the caller
+    says what it needs). Does nothing else to ``gm``.
+    """
+    from autoshard.passes import default_passes, recompute_activations_pass, run_passes
+    from autoshard.passes.units import repeated_blocks
+    from autoshard.simulate import activation_peak, simulate
+
+    config, verify = options["config"], options.get("verify", False)
+    blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
+    choices = recompute_choices(config.recompute, blocks)
+    searching_units = config.policy == "auto" and config.units is None
+    big = len(gm.graph.nodes) > BIG_GRAPH
+    budget = ctx.memory_budget
+    candidates, best = [], None
+
+    def better(a, b):  # fits first, then fastest; among the unfit, the least memory
+        a_fits, b_fits = a[0].peak_bytes <= budget, b[0].peak_bytes <= budget
+        if a_fits != b_fits:
+            return a_fits
+        return a[0].total < b[0].total if a_fits else a[0].peak_bytes < b[0].peak_bytes
+
+    for i, (label, modes) in enumerate(choices):
+        base = clone_graph(gm)
+        rctx = dataclasses.replace(ctx)
+        if modes is not None:
+            base = run_passes(base, rctx, [(recompute_activations_pass, {"blocks": modes})],
+                              verify_each=verify)
+        last_choice = i == len(choices) - 1
+        if not last_choice and ctx.static_bytes + activation_peak(base) > budget:
+            candidates.append({"recompute": label, "units": None, "step_s": None,
+                               "peak_bytes": ctx.static_bytes + activation_peak(base),
+                               "fits": False, "note": "activations alone exceed the budget"})
+            continue
+        k = 0
+        while True:
+            cctx = dataclasses.replace(ctx)
+            passes = [p for p in default_passes(config, candidate=k)
+                      if p[0] is not recompute_activations_pass]  # done above, per choice
+            out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
+            n_user = _user_outputs(cctx)
+            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.world_size,
+                            options["sim_static_bytes"], n_user)
+            cctx.prediction, cctx.recompute = pred, (label, modes)
+            candidates.append({"recompute": label, "units": len(cctx.units),
+                               "step_s": pred.total, "peak_bytes": pred.peak_bytes,
+                               "fits": pred.peak_bytes <= budget, "note": ""})
+            if best is None or better((pred, out, cctx), best):
+                best = (pred, out, cctx)
+            fits = pred.peak_bytes <= budget
+            if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
+                break
+            k += 1
+        if big and best[0].peak_bytes <= budget:
+            break
+    pred, out, chosen = best
+    for c in candidates:
+        c["chosen"] = (c["step_s"] == pred.total and c["peak_bytes"] == pred.peak_bytes
+                       and c["recompute"] == chosen.recompute[0])
+    for f in dataclasses.fields(ctx):
+        setattr(ctx, f.name, getattr(chosen, f.name))
+    ctx.candidates = candidates
+    return out
+
+
+def _user_outputs(ctx) -> int:
+    from autoshard import meta
+
+    return sum(r[meta.ROLE] == meta.OUT_FWD for r in ctx.split.fwd_roles)
