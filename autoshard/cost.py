@@ -90,13 +90,24 @@ def collective_time(nbytes: int, world_size: int, profile: DeviceProfile) -> flo
     return (n - 1) * profile.alpha + (n - 1) / n * nbytes * profile.beta
 
 
+# ops torch's flop formulas do not name, counted as the op they compute alike: a graph traced
+# on a CPU holds the CPU kernel of flash attention (forward and backward)
+_aten = torch.ops.aten
+_FLOP_ALIASES = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _aten._scaled_dot_product_efficient_attention_backward,
+}
+
+
 def _flops(node: fx.Node) -> int:
     from torch.utils.flop_counter import flop_registry
 
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return 0
-    fn = flop_registry.get(target.overloadpacket)
+    packet = target.overloadpacket
+    fn = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
     if fn is None:
         return 0
     args = fx.node.map_arg(node.args, lambda n: n.meta.get("val"))

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
+    def __init__(self, dim: int, heads: int, fused_attention: bool = False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.fused = heads, fused_attention
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # a key bias gets no gradient
         self.proj = nn.Linear(dim, dim)
@@ -24,23 +24,28 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(b, t, d)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        y = y.transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    """A small GPT: token + position embeddings, pre-norm blocks, tied LM head."""
+    """A small GPT: token + position embeddings, pre-norm blocks, tied LM head. Attention is
+    written out (scores, mask, softmax) unless ``fused_attention``: then it is
+    ``F.scaled_dot_product_attention``, whose fused kernels never hold the scores."""
 
     def __init__(self, vocab: int = 96, dim: int = 32, heads: int = 4, layers: int = 2,
-                 seq: int = 16):
+                 seq: int = 16, fused_attention: bool = False):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, fused_attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight

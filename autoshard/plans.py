@@ -94,7 +94,7 @@ class Plan:
     def candidates_table(self) -> str:
         rows = [(c["recompute"], c["units"] if c["units"] is not None else "-",
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
-                 _fmt_bytes(c["peak_bytes"]), "yes" if c["fits"] else "no",
+                 _fmt_bytes(c["peak_bytes"]), {True: "yes", False: "no"}.get(c["fits"], "-"),
                  "chosen" if c.get("chosen") else c.get("note", ""))
                 for c in self.candidates]
         return tabulate(rows, headers=["recompute", "units", "predicted step", "peak",

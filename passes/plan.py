@@ -12,9 +12,10 @@ recomputed whole (the rest by the min cut). Any k blocks save the same bytes, si
 block's saved activations are live when the backward starts; the first ones are taken. Per
 choice, the unit candidates of the "auto" policy (``autoshard.passes.auto``), fastest first, or
 the one grouping a fixed policy gives. A choice whose activation peak alone already exceeds the
-budget is skipped without a pipeline; so is a unit candidate whose lower bound does. Graphs over
-``BIG_GRAPH`` nodes stop at the first candidate that fits (the order is fastest first); smaller
-ones try them all.
+budget is skipped without a pipeline; so is a unit candidate whose lower bound does, and, once
+a plan fits, a choice whose compute alone takes longer than that plan's step (its step can only
+be longer). Within a choice, graphs over ``BIG_GRAPH`` nodes stop at the first unit candidate
+that fits (the order is fastest first); smaller ones try them all.
 
     captured ─clone─▶ recompute(choice) ─clone─▶ units(k) ─▶ collectives ─▶ ... ─▶ split
                                                    └─ simulate ─▶ (time, peak) ─▶ keep best
@@ -74,6 +75,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     """
     from autoshard.passes import default_passes, recompute_activations_pass, run_passes
     from autoshard.passes.units import repeated_blocks
+    from autoshard.cost import node_time
     from autoshard.simulate import activation_peak, simulate
 
     config, verify = options["config"], options.get("verify", False)
@@ -97,10 +99,18 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
             base = run_passes(base, rctx, [(recompute_activations_pass, {"blocks": modes})],
                               verify_each=verify)
         last_choice = i == len(choices) - 1
-        if not last_choice and ctx.static_bytes + activation_peak(base) > budget:
+        floor = ctx.static_bytes + activation_peak(base)
+        if not last_choice and floor > budget:
             candidates.append({"recompute": label, "units": None, "step_s": None,
-                               "peak_bytes": ctx.static_bytes + activation_peak(base),
-                               "fits": False, "note": "activations alone exceed the budget"})
+                               "peak_bytes": floor, "fits": False,
+                               "note": "activations alone exceed the budget"})
+            continue
+        compute = sum(node_time(n, ctx.profile) for n in base.graph.nodes)
+        if best is not None and best[0].peak_bytes <= budget and compute >= best[0].total:
+            candidates.append({"recompute": label, "units": None, "step_s": None,
+                               "peak_bytes": floor, "fits": None,
+                               "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
+                                       "slower than the chosen plan"})
             continue
         k = 0
         while True:
@@ -121,8 +131,6 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
             if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
                 break
             k += 1
-        if big and best[0].peak_bytes <= budget:
-            break
     pred, out, chosen = best
     for c in candidates:
         c["chosen"] = (c["step_s"] == pred.total and c["peak_bytes"] == pred.peak_bytes
