@@ -53,7 +53,7 @@ def _plan(args) -> int:
                               config=config, progress=progress)
     progress("done")
     if args.summary_only:
-        print(plan.summary_table() + "\n\n" + plan.units_table())
+        print(plan.summary_table() + "\n\n" + plan.candidates_section() + plan.units_table())
     else:
         print(plan)
     if args.json:

@@ -1,0 +1,63 @@
+"""The planner: recomputation chosen with the units, per memory budget, recorded in the plan."""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.models import GPT
+from autoshard.passes.plan import recompute_choices
+
+INPUTS = (torch.randint(0, 96, (16, 32)),)
+
+
+def _plan(**config):
+    return autoshard.plan(GPT(seq=32), INPUTS, world_size=2,
+                          config=autoshard.Config(policy="module", **config))
+
+
+@pytest.fixture(scope="module")
+def peaks():
+    """The predicted peak of each fixed choice: none < min-cut < blocks in time, the reverse
+    in memory."""
+    out = {rc: _plan(recompute=rc).predicted for rc in (False, True, "blocks")}
+    assert out[False]["peak_bytes"] > out[True]["peak_bytes"] > out["blocks"]["peak_bytes"]
+    assert out[False]["step_s"] < out[True]["step_s"] < out["blocks"]["step_s"]
+    return {rc: p["peak_bytes"] for rc, p in out.items()}
+
+
+@pytest.mark.parametrize("between,chosen", [((False, None), "none"), ((True, False), "min-cut"),
+                                            (("blocks", True), "blocks")])
+def test_auto_recompute_is_the_fastest_choice_that_fits(peaks, between, chosen):
+    low, high = between
+    budget = peaks[low] + 1 if high is None else (peaks[low] + peaks[high]) // 2
+    plan = _plan(recompute="auto", memory_budget=budget)
+    assert plan.predicted["peak_bytes"] <= budget
+    assert plan.recompute.startswith(chosen), plan.recompute
+    fitting = [c for c in plan.candidates if c["fits"]]
+    best = min(fitting, key=lambda c: c["step_s"])
+    assert best["chosen"] and sum(c["chosen"] for c in plan.candidates) == 1
+    assert "plans considered" in str(plan)
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert again == plan and again.recompute_blocks == plan.recompute_blocks
+
+
+def test_pinned_recompute_gives_the_same_plan(peaks):
+    plan = _plan(recompute="auto", memory_budget=(peaks[True] + peaks["blocks"]) // 2)
+    pinned = _plan(recompute=plan.pinned_recompute(), memory_budget=plan.memory_budget)
+    assert pinned.predicted["peak_bytes"] == plan.predicted["peak_bytes"]
+    assert pinned.recompute == plan.recompute
+
+
+def test_no_plan_fits_names_the_least_memory_any_plan_takes(peaks):
+    with pytest.raises(autoshard.AutoshardError, match="blocks 2/2 recomputation"):
+        _plan(recompute="auto", memory_budget=peaks["blocks"] // 2)
+
+
+def test_recompute_choices_ladder():
+    blocks = [f"blocks.{i}" for i in range(8)]
+    labels = [label for label, _ in recompute_choices("auto", blocks)]
+    assert labels == ["none", "min-cut", "blocks 2/8", "blocks 4/8", "blocks 6/8", "blocks 8/8"]
+    _, modes = recompute_choices("auto", blocks)[2]
+    assert modes == {"blocks.0": "block", "blocks.1": "block"}
+    assert recompute_choices(False, blocks) == [("none", None)]
+    assert recompute_choices(True, blocks) == [("min-cut", {})]
