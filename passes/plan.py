@@ -94,9 +94,9 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
     for i, (label, modes) in enumerate(choices):
         base = clone_graph(gm)
-        rctx = dataclasses.replace(ctx)
         if modes is not None:
-            base = run_passes(base, rctx, [(recompute_activations_pass, {"blocks": modes})],
+            base = run_passes(base, dataclasses.replace(ctx),
+                              [(recompute_activations_pass, {"blocks": modes})],
                               verify_each=verify)
         last_choice = i == len(choices) - 1
         floor = ctx.static_bytes + activation_peak(base)
@@ -126,15 +126,14 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                                "step_s": pred.total, "peak_bytes": pred.peak_bytes,
                                "fits": pred.peak_bytes <= budget, "note": ""})
             if best is None or better((pred, out, cctx), best):
-                best = (pred, out, cctx)
+                best, chosen_at = (pred, out, cctx), len(candidates) - 1
             fits = pred.peak_bytes <= budget
             if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
                 break
             k += 1
     pred, out, chosen = best
-    for c in candidates:
-        c["chosen"] = (c["step_s"] == pred.total and c["peak_bytes"] == pred.peak_bytes
-                       and c["recompute"] == chosen.recompute[0])
+    for i, c in enumerate(candidates):
+        c["chosen"] = i == chosen_at
     for f in dataclasses.fields(ctx):
         setattr(ctx, f.name, getattr(chosen, f.name))
     ctx.candidates = candidates
