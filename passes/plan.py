@@ -17,8 +17,8 @@ a plan fits, a choice whose compute alone takes longer than that plan's step (it
 be longer). Within a choice, graphs over ``BIG_GRAPH`` nodes stop at the first unit candidate
 that fits (the order is fastest first); smaller ones try them all.
 
-    captured ─clone─▶ recompute(choice) ─clone─▶ units(k) ─▶ collectives ─▶ ... ─▶ split
-                                                   └─ simulate ─▶ (time, peak) ─▶ keep best
+    captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> ... -> split
+                                                 -> simulate -> (time, peak) -> keep best
 """
 
 from __future__ import annotations

@@ -239,16 +239,22 @@ def _halve_linear(m):
         m.weight.mul_(0.5)  # scales what reset_parameters() drew: reads earlier values
 
 
-def test_param_init_fn_may_scale_the_default_init(mesh):
+def _assert_meta_init_matches(cls, init_fn, mesh):
+    """Built on the meta device and initialised with ``init_fn``, the shards equal the model
+    built on the CPU with ``init_fn`` applied, bit for bit."""
     torch.manual_seed(0)
-    ref = MLP()
-    ref.apply(_halve_linear)
+    ref = cls()
+    ref.apply(init_fn)
     with torch.device("meta"):
-        model = MLP()
+        model = cls()
     torch.manual_seed(0)
-    autoshard(model, mesh=mesh, param_init_fn=_halve_linear)
+    autoshard(model, mesh=mesh, param_init_fn=init_fn)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.to_local(), q.detach()), k
+
+
+def test_param_init_fn_may_scale_the_default_init(mesh):
+    _assert_meta_init_matches(MLP, _halve_linear, mesh)
 
 
 class Scaled(nn.Module):
@@ -272,15 +278,7 @@ def _scale_child(m):
 
 
 def test_param_init_fn_may_initialise_a_child(mesh):
-    torch.manual_seed(0)
-    ref = Scaled()
-    ref.apply(_scale_child)
-    with torch.device("meta"):
-        model = Scaled()
-    torch.manual_seed(0)
-    autoshard(model, mesh=mesh, param_init_fn=_scale_child)
-    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.equal(p.to_local(), q.detach()), k
+    _assert_meta_init_matches(Scaled, _scale_child, mesh)
 
 
 class Rotary(nn.Module):
