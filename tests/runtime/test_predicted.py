@@ -42,6 +42,7 @@ def _measure(rank, world, payload):
         with model.record(opt, x, y) as rec:
             loss_fn(call(name, model, x), y).backward()
         recs.append(rec)
+        opt.zero_grad()  # each step starts without gradients, as the plan assumes
     plan = model.plan
     return {
         "planned": [(e.op, e.bytes) for e in plan.schedule],
@@ -81,6 +82,7 @@ def _measure_at(rank, world, payload):
         with model.record(opt, x, y) as rec:
             gpt_loss(model(x), y).backward()
         peaks.append(rec.peak_bytes)
+        opt.zero_grad()
     return min(peaks)
 
 
