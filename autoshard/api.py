@@ -8,14 +8,14 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autoshard.capture import capture, param_specs
+from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.cost import get_profile
-from autoshard.passes.collectives import ShardLayout
 from autoshard.plans import Plan, _fmt_bytes, make_plan
+from autoshard.spec import model_state_bytes, param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
@@ -175,7 +175,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
-    specs = param_specs(model, mp)
+    specs = param_specs(model, mp, mesh_shape=(world_size,))
     say(f"capturing the training step ({len(specs)} parameters)")
     cap = capture(
         model, forward, specs, dict(model.named_buffers()), args, kwargs,
@@ -186,14 +186,14 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
     budget = config.memory_budget or profile.memory
-    state = model_state_bytes(specs, world_size, OPTIMIZER_STATES[config.optimizer])
+    state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     inputs = sum(x.numel() * x.element_size() for x in tree_flatten((args, kwargs))[0]
                  if isinstance(x, torch.Tensor))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
     cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
     ctx = PassContext(
-        captured=cap, world_size=world_size, group_name=group_name, model=model,
+        captured=cap, group_name=group_name, model=model,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
         reshard_after_forward=config.reshard_after_forward, profile=profile,
         memory_budget=budget, static_bytes=state["params"] + state["optimizer"]
@@ -224,17 +224,6 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
                                if config.recompute != "auto" else "") + "."
         )
     return cap, ctx, plan
-
-
-def model_state_bytes(specs, world_size: int, optimizer_states: int) -> dict:
-    """Per-rank bytes of parameter shards, gradient shards and optimizer state (padded)."""
-    params = grads = 0
-    for p in specs:
-        lay = ShardLayout(p.shape, world_size)
-        b = (lay.local_numel if lay.sharded else 1) * p.dtype.itemsize
-        params += b
-        grads += b if p.requires_grad else 0
-    return {"params": params, "grads": grads, "optimizer": grads * optimizer_states}
 
 
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:

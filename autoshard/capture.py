@@ -23,37 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from autoshard import _compat, meta
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, written_inputs
-
-@dataclasses.dataclass
-class ParamSpec:
-    """How one parameter is stored and moved: its full (unsharded) shape, the dtype its shard,
-    gradient shard and optimizer state are stored in, the dtype it is gathered and computed in
-    (``compute_dtype``, default: the storage dtype) and the dtype its gradient is
-    reduce-scattered in (``reduce_dtype``, default: the compute dtype)."""
-
-    fqn: str
-    shape: tuple
-    dtype: torch.dtype
-    requires_grad: bool
-    compute_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self):
-        self.compute_dtype = self.compute_dtype or self.dtype
-        self.reduce_dtype = self.reduce_dtype or self.compute_dtype
-
-
-def param_specs(model: torch.nn.Module, mp_policy=None) -> list:
-    """ParamSpec per (deduplicated) parameter of ``model``; ``mp_policy``: a
-    MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies it."""
-    specs = []
-    for fqn, p in model.named_parameters():
-        compute = reduce = None
-        if mp_policy is not None and p.dtype.is_floating_point:
-            compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
-        specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce))
-    return specs
-
+from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
 
 @dataclasses.dataclass
 class Captured:

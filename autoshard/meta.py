@@ -92,6 +92,13 @@ def is_collective_issue(node: fx.Node) -> bool:
     return tag(node, COMM) in COLLECTIVE_ISSUES
 
 
+def group_size(issue: fx.Node) -> int:
+    """The ranks a collective issue runs over, as its c10d op says
+    (``all_gather_into_tensor_out(x, group_size, group_name)``,
+    ``reduce_scatter_tensor(x, op, group_size, group_name)``)."""
+    return issue.args[1] if tag(issue, COMM) == AG_ISSUE else issue.args[2]
+
+
 def is_wait(node: fx.Node) -> bool:
     return tag(node, COMM) in (AG_WAIT, RS_WAIT)
 

@@ -35,7 +35,7 @@ class UnitInfo:
     name: str
     fqns: list
     numel: int
-    bytes: int
+    bytes: int  # as gathered: padded to a multiple of the ranks, in the compute dtype
     kept: bool = False  # gathered from forward to backward, not resharded after forward
 
 
@@ -270,7 +270,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
-        nbytes = sum(_numel(specs[f].shape) * specs[f].compute_dtype.itemsize for f in u.fqns)
+        nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1],

@@ -67,8 +67,8 @@ class _Storages:
 class _Sim:
     """One predicted run: a compute clock, a communication clock, and the live storages."""
 
-    def __init__(self, profile: DeviceProfile, world_size: int, static_bytes: int):
-        self.profile, self.world = profile, world_size
+    def __init__(self, profile: DeviceProfile, static_bytes: int):
+        self.profile = profile
         self.mem = _Storages(static_bytes)
         self.tc = self.tq = self.busy = self.exposed = 0.0
         self.pending, self.timeline, self.events, self.group = {}, [], [], None
@@ -86,7 +86,8 @@ class _Sim:
         kind = meta.tag(n, meta.COMM)
         if kind in meta.COLLECTIVE_ISSUES:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
-            dur = collective_time(size, self.world, self.profile)
+            world = meta.group_size(n)
+            dur = collective_time(size, world, self.profile)
             start = max(self.tc, self.tq)
             self.tq = self.pending[n] = start + dur
             held = dur * (1 - self.profile.comm_overlap)  # what compute cannot run beside
@@ -99,7 +100,7 @@ class _Sim:
                 self.mem.acquire(("scratch", n), scratch)
                 self.scratch.append((self.tq, ("scratch", n)))
             self.comm += size
-            self.sent += size * (self.world - 1) // self.world
+            self.sent += size * (world - 1) // world
             self.events.append(["comm", f"{kind} unit {meta.tag(n, meta.UNIT)}", start, dur,
                                 meta.tag(n, meta.UNIT)])
         elif kind in (meta.AG_WAIT, meta.RS_WAIT):
@@ -184,11 +185,11 @@ class _Sim:
         )
 
 
-def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
-             static_bytes: int, n_user_outputs: int) -> Prediction:
+def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, static_bytes: int,
+             n_user_outputs: int) -> Prediction:
     """``static_bytes``: what each rank holds throughout the step (parameter shards, optimizer
     state, buffers, inputs); the forward's first ``n_user_outputs`` outputs are the user's."""
-    sim = _Sim(profile, world_size, static_bytes)
+    sim = _Sim(profile, static_bytes)
     held = sim.run(fwd, "fwd", {n: None for n in fwd.graph.nodes if n.op == "placeholder"})
     user, rest = held[:n_user_outputs], held[n_user_outputs:]
     if bwd is not None:
@@ -212,7 +213,7 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, world_size: int,
 def activation_peak(joint: fx.GraphModule) -> int:
     """Peak bytes of everything but the parameters over the joint graph (before collectives):
     what a step holds besides the model state and the gathered units."""
-    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 1, 0)
+    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:
         if meta.is_tangent(n):

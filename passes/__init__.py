@@ -29,11 +29,11 @@ from autoshard.passes.plan import plan_step_pass  # noqa: F401,E402
 
 @dataclasses.dataclass
 class PassContext:
-    """What passes share: the captured signature, the mesh size, and what earlier passes
-    decided (units, the split program)."""
+    """What passes share: the captured signature (its ``params`` say how each parameter is
+    sharded, over how many ranks, in which dtypes), and what earlier passes decided (units,
+    the split program)."""
 
     captured: Any  # autoshard.capture.Captured
-    world_size: int
     group_name: str
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN

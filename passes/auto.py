@@ -25,43 +25,36 @@ from __future__ import annotations
 import math
 
 from autoshard.cost import collective_time
-from autoshard.passes.collectives import ShardLayout
+from autoshard.spec import group_size
 
 MAX_TRIES = 6  # full pipelines tried for graphs over BIG_GRAPH nodes; smaller ones try all
 BIG_GRAPH = 5000
 
 
-def unit_bytes(fqns, specs, world: int, dtype_of=lambda spec: spec.compute_dtype) -> int:
-    """Full (padded) bytes of the units' parameters as gathered (in their compute dtype), or
-    in the dtype ``dtype_of(spec)`` gives."""
-    total = 0
-    for f in fqns:
-        lay = ShardLayout(specs[f].shape, world)
-        total += (lay.local_numel * world if lay.sharded else 1) * dtype_of(specs[f]).itemsize
-    return total
+def unit_bytes(fqns, specs) -> int:
+    """Full (padded) bytes of the parameters ``fqns`` as gathered, in their compute dtype."""
+    return sum(specs[f].gathered_bytes() for f in fqns)
 
 
 class _Segments:
     """Collective cost of any contiguous run of parameters, from per-dtype prefix sums."""
 
-    def __init__(self, order, specs, world, profile):
+    def __init__(self, order, specs, profile):
         n = len(order)
-        self.world, self.profile = world, profile
+        self.world, self.profile = group_size([specs[f] for f in order]), profile
         self.dtypes = sorted({d for f in order
                               for d in (specs[f].compute_dtype, specs[f].reduce_dtype)}, key=str)
         self.ag = {d: [0] * (n + 1) for d in self.dtypes}
         self.rs = {d: [0] * (n + 1) for d in self.dtypes}
         self.size = [0] * (n + 1)
         for k, f in enumerate(order):
-            spec, b = specs[f], unit_bytes([f], specs, world)
+            spec, b = specs[f], specs[f].gathered_bytes()
             for d in self.dtypes:
                 self.ag[d][k + 1], self.rs[d][k + 1] = self.ag[d][k], self.rs[d][k]
-            if spec.shape:
+            if spec.sharded:
                 self.ag[spec.compute_dtype][k + 1] += b
             if spec.requires_grad:
-                red = spec.reduce_dtype
-                self.rs[red][k + 1] += (unit_bytes([f], specs, world, lambda s: red)
-                                        if spec.shape else world * red.itemsize)
+                self.rs[spec.reduce_dtype][k + 1] += spec.reduced_bytes
             self.size[k + 1] = self.size[k] + b
 
     def cost(self, j: int, i: int) -> float:
@@ -75,9 +68,9 @@ class _Segments:
         return c
 
 
-def group_cost(fqns, specs, world: int, profile) -> float:
+def group_cost(fqns, specs, profile) -> float:
     """Predicted exposed seconds of one unit's collectives per step."""
-    return _Segments(list(fqns), specs, world, profile).cost(0, len(fqns))
+    return _Segments(list(fqns), specs, profile).cost(0, len(fqns))
 
 
 def _dp(order, seg: _Segments, cap: int) -> list:
@@ -104,8 +97,8 @@ def auto_candidates(gm, ctx, order, options) -> list:
     from autoshard.simulate import activation_peak
 
     specs = {p.fqn: p for p in ctx.captured.params}
-    world, profile = ctx.world_size, ctx.profile
-    seg = _Segments(order, specs, world, profile)
+    profile = ctx.profile
+    seg = _Segments(order, specs, profile)
     total = seg.size[-1]
     groupings = [[("model", list(order))], [(f, [f]) for f in order]]
     mod = _module_groups(ctx.model, order, options) if ctx.model is not None else []
@@ -114,7 +107,7 @@ def auto_candidates(gm, ctx, order, options) -> list:
         groupings.append(mod + ([("root", rest)] if rest else []))
     numel = {f: math.prod(specs[f].shape) for f in order}
     groupings.append(_size_groups(order, numel, options.get("min_unit_numel", 10**8)))
-    caps = {max(unit_bytes(g, specs, world) for _, g in c) for c in groupings[2:]}
+    caps = {max(unit_bytes(g, specs) for _, g in c) for c in groupings[2:]}
     caps |= {total >> k for k in range(1, 7)}
     for cap in sorted(caps, reverse=True):
         groups = _dp(order, seg, cap)
@@ -126,8 +119,8 @@ def auto_candidates(gm, ctx, order, options) -> list:
         if key in seen:
             continue
         seen.add(key)
-        t = sum(group_cost(g, specs, world, profile) for _, g in groups)
-        biggest = max(unit_bytes(g, specs, world) for _, g in groups)
+        t = sum(group_cost(g, specs, profile) for _, g in groups)
+        biggest = max(unit_bytes(g, specs) for _, g in groups)
         out.append((t, ctx.static_bytes + max(act, biggest), groups))
     out.sort(key=lambda c: (c[0], -len(c[2])))
     return out

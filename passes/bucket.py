@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from autoshard import meta
 from autoshard.passes.auto import unit_bytes
+from autoshard.spec import group_size
 from autoshard.passes.units import Unit
 
 
@@ -20,7 +21,7 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     their order, never by hash. Does nothing when no two adjacent units are both small.
     """
     specs = {p.fqn: p for p in ctx.captured.params}
-    world = ctx.world_size
+    world = group_size(specs.values())
     limit = options.get("min_bytes")
     if limit is None:
         p = ctx.profile
@@ -38,12 +39,12 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         run.clear()
 
     for u in ctx.units:
-        size = unit_bytes(u.fqns, specs, world)
+        size = unit_bytes(u.fqns, specs)
         if size >= limit:
             close()
             merged.append(u)
             continue
-        if run and unit_bytes([f for r in run for f in r.fqns] + u.fqns, specs, world) > limit:
+        if run and unit_bytes([f for r in run for f in r.fqns] + u.fqns, specs) > limit:
             close()
         run.append(u)
     close()

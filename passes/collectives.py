@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx as fx
 
 from autoshard import meta
+from autoshard.spec import ShardLayout, group_size  # noqa: F401 (re-exported)
 from autoshard.graph import (
     alias_base,
     alias_closure,
@@ -26,29 +25,6 @@ _AG = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 _EMPTY = torch.ops.aten.empty.memory_format
 _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-class ShardLayout:
-    """How one parameter is stored: Shard(0) rows of ceil(dim0 / N), padded on the last ranks
-    (FSDP2's layout), or replicated when it has no dim 0 (a scalar)."""
-
-    def __init__(self, shape, world_size: int):
-        self.shape = tuple(shape)
-        self.world_size = world_size
-        self.sharded = len(self.shape) > 0
-        if self.sharded:
-            self.rows = math.ceil(self.shape[0] / world_size) if self.shape[0] else 0
-            self.inner = self.shape[1:]
-            self.local_shape = (self.rows, *self.inner)
-        else:
-            self.rows, self.inner, self.local_shape = 0, (), ()
-        self.padded_rows = self.rows * world_size
-        self.local_numel = math.prod(self.local_shape)
-
-    def local_range(self, rank: int) -> tuple:
-        """The rows of the full parameter rank ``rank`` stores (possibly empty)."""
-        start = min(rank * self.rows, self.shape[0])
-        return start, min(start + self.rows, self.shape[0])
 
 
 def _by_dtype(fqns, key):
@@ -114,18 +90,18 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Freed explicitly rather than left to its last reference, a send buffer goes at a fixed
     point of the step: gloo drops its work objects (and their references) on a worker thread
     whenever that thread next runs. Parameter placeholders now hold the local padded shard
-    (``ShardLayout.local_shape``); gradient outputs are local padded shards.
+    (``ParamSpec.layout.local_shape``); gradient outputs are local padded shards. Each
+    collective runs over its parameters' ``ParamSpec.group_size`` ranks.
     Does nothing to units whose parameters are never read.
     """
     graph = gm.graph
-    N, group = ctx.world_size, ctx.group_name
+    group = ctx.group_name
     specs = {p.fqn: p for p in ctx.captured.params}
-    layouts = {f: ShardLayout(p.shape, N) for f, p in specs.items()}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
     _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
 
     for f, n in phs.items():
-        v, lay = n.meta["val"], layouts[f]
+        v, lay = n.meta["val"], specs[f].layout
         if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype
             with v.fake_mode:
                 n.meta["val"] = torch.empty(lay.local_shape, dtype=specs[f].dtype,
@@ -137,10 +113,10 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     pos = positions(graph)  # original nodes keep their relative order through the splices
     for unit in ctx.units:
         for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
-            fqns = [f for f in unit.fqns if layouts[f].sharded]
+            fqns = [f for f in unit.fqns if specs[f].sharded]
             for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
-                new = _gather(gm, pos, unit.index, region, group_fqns, phs, layouts, N, group,
-                              unit.keep, dtype)
+                new = _gather(gm, pos, unit.index, region, [specs[f] for f in group_fqns], phs,
+                              group, unit.keep, dtype)
                 roots.update((r, unit.index) for r in _freed_roots(new))
 
     out = meta.output_node(gm)
@@ -152,8 +128,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         key = lambda f: (specs[f].reduce_dtype, specs[f].dtype)  # noqa: E731
         for dtypes, group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
-            locals_, new = _reduce(gm, pos, unit.index, grads, [layouts[f] for f in group_fqns],
-                                   N, group, *dtypes)
+            locals_, new = _reduce(gm, pos, unit.index, grads, [specs[f] for f in group_fqns],
+                                   group, *dtypes)
             for f, loc in zip(group_fqns, locals_):
                 outs[grad_at[f]] = loc
             roots.update((r, unit.index) for r in _freed_roots(new))
@@ -202,9 +178,10 @@ def _cast_unsharded(gm, ph, storage_dtype):
         u.replace_input_with(ph, cast)
 
 
-def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep, dtype):
-    """all-gather ``fqns`` (shards cast to ``dtype``, their compute dtype) before their first
-    use in ``region``; returns new nodes."""
+def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype):
+    """all-gather the parameters ``specs`` describe (shards cast to ``dtype``, their compute
+    dtype) before their first use in ``region``; returns new nodes."""
+    fqns, N = [s.fqn for s in specs], group_size(specs)
     users = {
         u
         for f in fqns
@@ -214,7 +191,7 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep, dtype):
     if not users:
         return []
     first = min(users, key=pos.__getitem__)
-    lays = [layouts[f] for f in fqns]
+    lays = [s.layout for s in specs]
 
     def issue(*shards):
         flat = [s.reshape(-1).to(dtype) for s in shards]
@@ -243,9 +220,11 @@ def _gather(gm, pos, unit, region, fqns, phs, layouts, N, group, keep, dtype):
     return n1 + n2 + n3
 
 
-def _reduce(gm, pos, unit, grads, lays, N, group, reduce_dtype, storage_dtype):
-    """reduce-scatter (average) full gradients ``grads`` in ``reduce_dtype`` right after the
-    last of them; the local gradient shards come out in ``storage_dtype``."""
+def _reduce(gm, pos, unit, grads, specs, group, reduce_dtype, storage_dtype):
+    """reduce-scatter (average) full gradients ``grads`` of the parameters ``specs`` describe,
+    in ``reduce_dtype``, right after the last of them; the local gradient shards come out in
+    ``storage_dtype``."""
+    lays, N = [s.layout for s in specs], group_size(specs)
     before = max(grads, key=pos.__getitem__).next
 
     def issue(*gs):

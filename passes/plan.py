@@ -119,7 +119,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                       if p[0] is not recompute_activations_pass]  # done above, per choice
             out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
             n_user = _user_outputs(cctx)
-            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.world_size,
+            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile,
                             options["sim_static_bytes"], n_user)
             cctx.prediction, cctx.recompute = pred, (label, modes)
             candidates.append({"recompute": label, "units": len(cctx.units),

@@ -97,7 +97,8 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
         tail = {}  # anchor -> last node placed after it, so issue order stays unit order
         for k in range(1, len(issues)):
-            need = collective_time(sizes[k], ctx.world_size, profile) if profile else 0.0
+            need = (collective_time(sizes[k], meta.group_size(issues[k]), profile)
+                    if profile else 0.0)
             depth = 0
             for d in range(1, min(max_depth, k) + 1):
                 point = pos[waits[k - d]] + 0.5

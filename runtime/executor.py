@@ -9,7 +9,6 @@ from autoshard import _compat, meta
 from autoshard.capture import TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
-from autoshard.passes.collectives import ShardLayout
 
 
 class Program:
@@ -31,7 +30,7 @@ class Program:
         slot = {f: i for i, f in enumerate(captured.buffer_fqns)}
         self.mutated_slots = [slot[f] for f in self.mutated]
         self.fqns = [p.fqn for p in captured.params]
-        self.layouts = [ShardLayout(p.shape, world_size) for p in captured.params]
+        self.layouts = [p.layout for p in captured.params]
         self.local_rows = [
             (lay.local_range(rank)[1] - lay.local_range(rank)[0]) if lay.sharded else None
             for lay in self.layouts

@@ -9,13 +9,13 @@ import sys
 from typing import Callable, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError
-from autoshard.passes.collectives import ShardLayout
+from autoshard.spec import ShardLayout, placements_for
 from autoshard.runtime import optim
 
 
@@ -753,11 +753,9 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
             local_t = t.detach()[a:b].to(device, copy=True).contiguous()
         else:
             local_t = t.detach().to(device, copy=True)
-        if lay.sharded:
-            dt = DTensor.from_local(local_t, mesh, [Shard(0)], run_check=False, shape=t.shape,
-                                    stride=_contiguous_stride(t.shape))
-        else:
-            dt = DTensor.from_local(local_t, mesh, [Replicate()], run_check=False)
+        dt = DTensor.from_local(local_t, mesh, placements_for(t.shape, mesh.ndim),
+                                run_check=False, shape=t.shape,
+                                stride=_contiguous_stride(t.shape))
         new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
         optim.mark(new)
         params[sid] = new

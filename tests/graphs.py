@@ -11,11 +11,11 @@ from autoshard.runtime.storage import fqn_aliases
 
 
 def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad=True):
-    specs = param_specs(model)
+    specs = param_specs(model, mesh_shape=(world_size,))
     with torch.set_grad_enabled(with_grad):
         cap = capture(model, type(model).forward, specs, dict(model.named_buffers()), inputs, {},
                       device=torch.device("cpu"), with_grad=with_grad)
-    ctx = PassContext(captured=cap, world_size=world_size, group_name="test", model=model,
+    ctx = PassContext(captured=cap, group_name="test", model=model,
                       fqn_aliases=fqn_aliases(model),
                       reshard_after_forward=reshard_after_forward)
     return cap.gm, ctx

@@ -105,6 +105,6 @@ def test_bucket_merges_adjacent_small_units():
     from autoshard.passes.auto import unit_bytes
 
     specs = {p.fqn: p for p in ctx.captured.params}
-    assert all(unit_bytes(u.fqns, specs, 2) <= 60_000 or len(u.fqns) == 1 for u in ctx.units)
+    assert all(unit_bytes(u.fqns, specs) <= 60_000 or len(u.fqns) == 1 for u in ctx.units)
     order = [f for u in ctx.units for f in u.fqns]
     assert len(order) == len(set(order)) == n

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autoshard import AutoshardError, autoshard
-from autoshard.passes.collectives import ShardLayout
+from autoshard.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
 from harness import run_ranks
 from init_workers import (META_CASES, build_on_device, build_on_meta, local_state,

@@ -1,0 +1,176 @@
+"""How each parameter is stored and moved: one description, read by capture, the passes, the
+cost model, the simulator and the runtime.
+
+A ``ParamSpec`` says where a parameter's shard lives (its DTensor placements over the mesh,
+and whether it sits on the accelerator or the host), the dtype it is stored in (the shard, its
+gradient shard and the optimizer state), the dtype it is gathered and computed in, and the
+dtype its gradient is reduce-scattered in. Every size the planner counts (the shard, the
+gathered buffer, the reduce-scatter's send buffer, the model state) comes from here, so there
+is one answer to "how many bytes is this parameter on this rank".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+DEVICES = ("device", "host")
+
+
+class ShardLayout:
+    """The row arithmetic of Shard(0) over ``shards`` ranks: rows of ceil(dim0 / N), padded on
+    the last ranks (FSDP2's and ``torch.chunk``'s layout), or no sharding when the tensor has
+    no dim 0 (a scalar, replicated)."""
+
+    def __init__(self, shape, shards: int):
+        self.shape = tuple(shape)
+        self.world_size = shards
+        self.sharded = len(self.shape) > 0
+        if self.sharded:
+            self.rows = math.ceil(self.shape[0] / shards) if self.shape[0] else 0
+            self.inner = self.shape[1:]
+            self.local_shape = (self.rows, *self.inner)
+        else:
+            self.rows, self.inner, self.local_shape = 0, (), ()
+        self.padded_rows = self.rows * shards
+        self.local_numel = math.prod(self.local_shape)
+
+    def local_range(self, rank: int) -> tuple:
+        """The rows of the full parameter rank ``rank`` stores (possibly empty)."""
+        start = min(rank * self.rows, self.shape[0])
+        return start, min(start + self.rows, self.shape[0])
+
+
+def placements_for(shape, mesh_ndim: int = 1) -> tuple:
+    """FSDP's placements: dim 0 sharded over the mesh's last dimension (replicated over any
+    before it, as HSDP does); a scalar is replicated."""
+    last = Shard(0) if len(shape) > 0 else Replicate()
+    return (Replicate(),) * (mesh_ndim - 1) + (last,)
+
+
+@dataclasses.dataclass
+class ParamSpec:
+    """How one parameter is stored and moved.
+
+    ``shape``: the full (unsharded) shape. ``dtype``: the dtype the shard, its gradient shard
+    and its optimizer state are stored in. ``compute_dtype``: gathered and computed in
+    (default: ``dtype``). ``reduce_dtype``: its gradient is reduce-scattered in (default:
+    ``compute_dtype``). ``mesh_shape`` and ``placements``: the DTensor placement of the shard
+    over the mesh (default: one rank). ``device``: where the shard and its optimizer state
+    live between uses, ``"device"`` (the accelerator) or ``"host"``."""
+
+    fqn: str
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    mesh_shape: tuple = (1,)
+    placements: Optional[tuple] = None
+    device: str = "device"
+
+    def __post_init__(self):
+        self.shape = tuple(self.shape)
+        self.mesh_shape = tuple(self.mesh_shape)
+        self.compute_dtype = self.compute_dtype or self.dtype
+        self.reduce_dtype = self.reduce_dtype or self.compute_dtype
+        if self.placements is None:
+            self.placements = placements_for(self.shape, len(self.mesh_shape))
+        self.placements = tuple(self.placements)
+        if len(self.placements) != len(self.mesh_shape):
+            raise ValueError(f"{self.fqn}: {len(self.placements)} placements for a mesh of "
+                             f"shape {self.mesh_shape}; give one per mesh dimension")
+        if any(isinstance(p, Shard) and p.dim != 0 for p in self.placements):
+            raise ValueError(f"{self.fqn}: only Shard(0) and Replicate() placements are "
+                             f"supported, got {self.placements}")
+        if self.device not in DEVICES:
+            raise ValueError(f"{self.fqn}: device must be one of {DEVICES}, got "
+                             f"{self.device!r}")
+        self.layout = ShardLayout(self.shape, self.shards)
+
+    @property
+    def shards(self) -> int:
+        """How many ranks hold a distinct piece of it: the mesh dimensions it is sharded
+        over (the reduce-scatter's and all-gather's group size)."""
+        return math.prod(n for n, p in zip(self.mesh_shape, self.placements)
+                         if isinstance(p, Shard))
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout.sharded
+
+    @property
+    def group_size(self) -> int:
+        """The ranks its all-gather and reduce-scatter run over: those it is sharded over;
+        a replicated scalar's gradient is averaged over the mesh's last dimension (FSDP's
+        shard dimension)."""
+        return self.shards if self.sharded else self.mesh_shape[-1]
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements this rank stores (padded rows; a scalar is 1)."""
+        return self.layout.local_numel if self.sharded else 1
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's shard, in the storage dtype (also its gradient shard's, and
+        each optimizer state tensor's)."""
+        return self.shard_numel * self.dtype.itemsize
+
+    def gathered_bytes(self, dtype: Optional[torch.dtype] = None) -> int:
+        """Bytes of the full padded parameter as gathered, in ``dtype`` (default: the compute
+        dtype); a scalar is read as it is stored, one element."""
+        n = self.layout.local_numel * self.shards if self.sharded else 1
+        return n * (dtype or self.compute_dtype).itemsize
+
+    @property
+    def reduced_bytes(self) -> int:
+        """Bytes of its gradient in the reduce-scatter's send buffer (reduce dtype); a scalar's
+        gradient is sent once per rank."""
+        if self.sharded:
+            return self.gathered_bytes(self.reduce_dtype)
+        return self.group_size * self.reduce_dtype.itemsize
+
+
+def group_size(specs) -> int:
+    """The ranks one collective over these parameters runs over (they must agree)."""
+    sizes = {s.group_size for s in specs}
+    if len(sizes) > 1:
+        raise ValueError(f"one collective over parameters sharded over different numbers of "
+                         f"ranks: {sorted(sizes)} ({[s.fqn for s in specs]})")
+    return sizes.pop() if sizes else 1
+
+
+def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,)) -> list:
+    """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``;
+    ``mp_policy``: a MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies
+    it."""
+    specs = []
+    for fqn, p in model.named_parameters():
+        compute = reduce = None
+        if mp_policy is not None and p.dtype.is_floating_point:
+            compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
+        specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
+                               mesh_shape=tuple(mesh_shape)))
+    return specs
+
+
+def model_state_bytes(specs, optimizer_states: int) -> dict:
+    """Per-rank bytes of parameter shards, gradient shards and optimizer state on the device
+    (padded), and what of it lives on the host."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
+    for p in specs:
+        b = p.shard_bytes
+        grads = b if p.requires_grad else 0
+        held = b + grads + grads * optimizer_states
+        if p.device == "host":
+            out["host"] += held
+            continue
+        out["params"] += b
+        out["grads"] += grads
+        out["optimizer"] += grads * optimizer_states
+    return out

@@ -1,0 +1,69 @@
+"""The per-parameter description: placements, dtypes, device, and every size derived from them."""
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Replicate, Shard
+
+from autoshard.spec import ParamSpec, group_size, model_state_bytes, param_specs
+
+
+def test_an_uneven_shard_is_padded_as_fsdp2_stores_it():
+    spec = ParamSpec("w", (10, 3), torch.float32, True, mesh_shape=(4,))
+    assert spec.placements == (Shard(0),) and spec.shards == spec.group_size == 4
+    assert spec.layout.local_shape == (3, 3) and spec.layout.local_range(3) == (9, 10)
+    assert spec.shard_bytes == 9 * 4
+    assert spec.gathered_bytes() == 12 * 3 * 4  # four ranks' padded rows
+    assert spec.reduced_bytes == 12 * 3 * 4
+
+
+def test_mixed_precision_sizes_each_movement_in_its_own_dtype():
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = torch.nn.Linear(8, 6)
+    specs = {s.fqn: s for s in param_specs(model, policy, mesh_shape=(2,))}
+    w = specs["weight"]
+    assert (w.dtype, w.compute_dtype, w.reduce_dtype) == (torch.float32, torch.bfloat16,
+                                                          torch.float32)
+    assert w.shard_bytes == 3 * 8 * 4 and w.gathered_bytes() == 6 * 8 * 2
+    assert w.reduced_bytes == 6 * 8 * 4
+    # fp32 masters + AdamW: 16 bytes per parameter over the ranks
+    state = model_state_bytes(specs.values(), optimizer_states=2)
+    assert sum(state[k] for k in ("params", "grads", "optimizer")) == 16 * (48 + 6) // 2
+
+
+def test_a_scalar_is_replicated_and_averaged_over_the_shard_dimension():
+    spec = ParamSpec("scale", (), torch.float32, True, mesh_shape=(4,))
+    assert spec.placements == (Replicate(),) and not spec.sharded
+    assert spec.shard_bytes == spec.gathered_bytes() == 4
+    assert spec.group_size == 4 and spec.reduced_bytes == 16
+
+
+def test_hybrid_placements_shard_over_the_last_mesh_dimension_only():
+    spec = ParamSpec("w", (8, 2), torch.float32, True, mesh_shape=(2, 4))
+    assert spec.placements == (Replicate(), Shard(0)) and spec.shards == 4
+    assert spec.shard_bytes == 2 * 2 * 4
+
+
+def test_host_state_is_not_counted_on_the_device():
+    on = ParamSpec("a", (4, 4), torch.float32, True, mesh_shape=(2,))
+    off = ParamSpec("b", (4, 4), torch.float32, True, mesh_shape=(2,), device="host")
+    state = model_state_bytes([on, off], optimizer_states=2)
+    assert state["params"] == state["grads"] == 32 and state["optimizer"] == 64
+    assert state["host"] == 32 * 4
+
+
+def test_one_collective_needs_one_group():
+    a = ParamSpec("a", (4,), torch.float32, True, mesh_shape=(2,))
+    b = ParamSpec("b", (4,), torch.float32, True, mesh_shape=(4,))
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        group_size([a, b])
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"placements": (Shard(1),)}, r"only Shard\(0\) and Replicate"),
+    ({"placements": (Shard(0), Shard(0))}, "2 placements for a mesh of shape"),
+    ({"device": "cpu"}, "device must be one of"),
+])
+def test_a_bad_description_names_what_is_wrong(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ParamSpec("w", (4, 4), torch.float32, True, mesh_shape=(2,), **kw)
