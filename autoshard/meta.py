@@ -50,6 +50,10 @@ RS_ISSUE = "reduce_scatter"
 RS_WAIT = "rs_wait"
 RS_UNPACK = "rs_unpack"
 FREE = "free"
+# offloaded parameters (ParamSpec.device == "host"): the shard copied to the device before it
+# is packed for its all-gather, and the gradient shard copied back to the host after unpacking
+H2D = "h2d"
+D2H = "d2h"
 
 COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE)
 GATHERED = (AG_BUFFER, AG_ISSUE, AG_WAIT, AG_UNPACK)  # what holds or views a gathered buffer

@@ -88,7 +88,8 @@ def _check_gathers(gm):
         for d in nx.descendants(g, p):
             if d.op == "output":
                 _fail(f"parameter shard {p.name} is returned without being gathered")
-            if meta.tag(d, meta.COMM) not in (meta.AG_PACK, meta.AG_ISSUE, meta.FREE):
+            if meta.tag(d, meta.COMM) not in (meta.H2D, meta.AG_PACK, meta.AG_ISSUE,
+                                              meta.FREE):
                 _fail(
                     f"node {d.name} reads parameter {meta.tag(p, meta.FQN)} without an "
                     "all-gather wait before it"
@@ -132,6 +133,8 @@ def _check_reductions(gm, pos):
         if r[meta.ROLE] != meta.OUT_GRAD:
             continue
         base = alias_base(v)
+        while meta.tag(base, meta.COMM) in (meta.RS_UNPACK, meta.D2H):  # cast, or copied out
+            base = alias_base(base.args[0])
         if meta.tag(base, meta.COMM) != meta.RS_ISSUE:
             _fail(f"gradient of {r[meta.FQN]} is returned without a reduce-scatter")
     for rs in gm.graph.nodes:

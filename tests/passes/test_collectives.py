@@ -103,3 +103,19 @@ def test_auto_keeps_only_the_unit_read_last_in_forward():
     kept[0].keep = False
     with pytest.raises(VerificationError, match="must be re-gathered in backward"):
         verify(gm, ctx)
+
+
+def test_gradients_reduced_in_bf16_land_on_fp32_shards_and_verify():
+    """A reduce dtype other than the storage dtype casts the gradient shard after unpacking;
+    the verifier follows that cast back to its reduce-scatter."""
+    import autoshard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    plan = autoshard.plan(GPT(), (torch.randint(0, 96, (2, 16)),), world_size=4,
+                          config=autoshard.Config(verify=True, mp_policy=mp, policy="module"))
+    rs = [e for e in plan.schedule if e.op == "reduce_scatter"]
+    assert len(rs) == len(plan.units)
+    # the send buffer is bf16, like the gathered buffer: padded numel x 2 bytes
+    gathered = {u.index: u.bytes for u in plan.units}
+    assert all(e.bytes == gathered[e.unit] for e in rs)
