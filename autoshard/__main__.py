@@ -41,9 +41,12 @@ def _plan(args) -> int:
         model = factory()
     make = getattr(factory, "example_inputs", None) or (
         lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
                     device_profile=args.device_profile, mp_policy=_mp_policy(args),
-                    recompute=RECOMPUTE[args.recompute])
+                    recompute=RECOMPUTE[args.recompute],
+                    offload_policy=CPUOffloadPolicy() if args.offload else None)
     if args.symbolic:
         plan = autoshard.plan(model, world_size=args.world_size, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
@@ -121,6 +124,9 @@ def main(argv=None) -> int:
     pl.add_argument("--recompute", choices=list(RECOMPUTE), default="auto",
                     help="activation recomputation: the planner's choice per repeated block "
                     "(auto, the default), the min cut, whole blocks, or none")
+    pl.add_argument("--offload", action="store_true",
+                    help="keep parameter shards, gradient shards and optimizer state in host "
+                    "memory (CPUOffloadPolicy): the optimizer steps on the host")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
     pl.add_argument("--json", help="write the plan as JSON here")
     pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")

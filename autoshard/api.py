@@ -12,10 +12,10 @@ from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat
-from autoshard.config import OPTIMIZER_STATES
+from autoshard.config import offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan
-from autoshard.spec import model_state_bytes, param_specs
+from autoshard.spec import param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
@@ -165,17 +165,18 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None):
+                 aliases=None, progress=None, may_offload=True):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
 
     The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
-    recomputation (recompute "auto") and keeps the fastest that fits the budget; if none
-    does, AutoshardError says the smallest budget that would.
+    recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
+    ``Config.offload_policy`` and ``may_offload``, it then tries the model state in host
+    memory. If none fits, AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
-    specs = param_specs(model, mp, mesh_shape=(world_size,))
+    specs = param_specs(model, mp, mesh_shape=(world_size,), offload=offloads(config))
     say(f"capturing the training step ({len(specs)} parameters)")
     cap = capture(
         model, forward, specs, dict(model.named_buffers()), args, kwargs,
@@ -186,7 +187,6 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
     budget = config.memory_budget or profile.memory
-    state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     inputs = sum(x.numel() * x.element_size() for x in tree_flatten((args, kwargs))[0]
                  if isinstance(x, torch.Tensor))
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -196,21 +196,21 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         captured=cap, group_name=group_name, model=model,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
         reshard_after_forward=config.reshard_after_forward, profile=profile,
-        memory_budget=budget, static_bytes=state["params"] + state["optimizer"]
-        + state["grads"] + buffers + inputs,
+        memory_budget=budget,
     )
     say("planning units, recomputation and collectives; predicting time and memory")
     gm = run_passes(cap.gm, ctx, [(plan_step_pass, {
-        "config": config, "verify": config.verify,
-        "sim_static_bytes": state["params"] + state["optimizer"] + buffers + inputs})])
-    pred, split = ctx.prediction, ctx.split
+        "config": config, "verify": config.verify, "may_offload": may_offload,
+        "other_static_bytes": buffers + inputs})])
+    pred, split, state = ctx.prediction, ctx.split, ctx.state
     cap.gm = gm
     plan = make_plan(
         world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
         prediction=pred, profile=profile, budget=budget,
         policy="pinned" if config.units is not None else config.policy,
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
-        recompute=ctx.recompute, candidates=ctx.candidates,
+        host_state_bytes=state["host"],
+        recompute=ctx.recompute, candidates=ctx.candidates, offload=ctx.offload,
     )
     if searched and pred.peak_bytes > budget:
         # the last candidates tried are the least memory a plan can take: one unit per
@@ -218,7 +218,9 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
             f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
-            f"recomputation, {len(ctx.units)} units) needs {_fmt_bytes(pred.peak_bytes)}. "
+            f"recomputation, {len(ctx.units)} units"
+            + (", the model state in host memory" if ctx.offload else "")
+            + f") needs {_fmt_bytes(pred.peak_bytes)}. "
             "Raise Config.memory_budget to at least that, shard over more ranks, use a "
             "smaller batch" + (", or Config(recompute='auto') to recompute activations"
                                if config.recompute != "auto" else "") + "."
@@ -233,6 +235,16 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases,
     )
+    if plan.offload and not offloads(st.config):
+        fits = plan.predicted["peak_bytes"] <= plan.memory_budget
+        raise AutoshardError(
+            f"no plan fits the memory budget of {_fmt_bytes(plan.memory_budget)} per rank with "
+            f"the model state on the device; with it in host memory "
+            f"({_fmt_bytes(plan.predicted['host_state_bytes'])}) one "
+            f"{'fits' if fits else 'comes closest'} (peak "
+            f"{_fmt_bytes(plan.predicted['peak_bytes'])}). Shards are placed when the model "
+            "is wrapped: pass autoshard(model, config=Config(offload_policy="
+            "torch.distributed.fsdp.CPUOffloadPolicy())).")
     # the same signature can still compile differently (a rank-dependent model): compare
     st.agreement(f"step {st.agreement.step}: compiled program",
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
@@ -413,7 +425,8 @@ def autoshard(
                 )
 
     # every new tensor is built before anything changes; then swapped in, undone on failure
-    staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn)
+    staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn,
+                          offload=config.offload_policy if offloads(config) else None)
     cls = type(model)
     undo = staged.commit()
     try:

@@ -71,6 +71,11 @@ class Config:
         so the sharded parameters and the optimizer state keep theirs (fp32 masters);
         ``output_dtype`` casts the model's floating outputs; ``cast_forward_inputs`` casts
         its floating tensor inputs to ``param_dtype``. Buffers are not cast. Default: none.
+    offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy()`` keeps every sharded
+        parameter, its gradient shard and its optimizer state in host memory, as FSDP2 does:
+        each shard is copied to the device before its all-gather and each gradient shard back
+        to the host after its reduce-scatter (explicit graph nodes), so the optimizer steps on
+        the host. Scalars stay on the device. ``OffloadPolicy()`` or None (default): none.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -95,6 +100,7 @@ class Config:
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: object = None
+    offload_policy: object = None
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -123,6 +129,7 @@ class Config:
             raise ValueError(f"Config.timeout must be a positive number of seconds or a "
                              f"datetime.timedelta, got {self.timeout!r}")
         _mp_policy(self.mp_policy)
+        _offload_policy(self.offload_policy)
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 
@@ -168,6 +175,22 @@ def _mp_policy(policy) -> None:
         if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
             raise ValueError(f"Config.mp_policy.{field} must be a floating dtype such as "
                              f"torch.bfloat16, or None, got {d!r}")
+
+
+def _offload_policy(policy) -> None:
+    from torch.distributed.fsdp import OffloadPolicy
+
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise TypeError("Config.offload_policy must be a torch.distributed.fsdp "
+                        "CPUOffloadPolicy() (or OffloadPolicy() for none) or None, got "
+                        f"{policy!r}")
+
+
+def offloads(config) -> bool:
+    """Whether ``config`` keeps the sharded state in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return isinstance(config.offload_policy, CPUOffloadPolicy)
 
 
 def _recompute_blocks(modes: dict) -> None:

@@ -40,6 +40,9 @@ class DeviceProfile:
     # data with engines of their own; gloo's threads copy and reduce on the very cores the
     # compute runs on
     comm_overlap: float = 1.0
+    # bytes/s each way between host and device memory (an offloaded shard's copies); 0: the
+    # host is the device, and such a copy costs what any copy does
+    host_bandwidth: float = 0.0
     source: str = ""
 
     def to_dict(self) -> dict:
@@ -51,15 +54,17 @@ GiB = 2**30
 PROFILES = {
     "h100": DeviceProfile(
         "h100", matmul_flops=989e12, mem_bandwidth=3.35e12, alpha=10e-6, beta=1 / 450e9,
-        memory=80 * 10**9, efficiency=0.5,
+        memory=80 * 10**9, efficiency=0.5, host_bandwidth=50e9,
         source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB, "
-               "NVLink 900 GB/s total (450 GB/s each way); alpha: NCCL's ~10 us per ring step",
+               "NVLink 900 GB/s total (450 GB/s each way); alpha: NCCL's ~10 us per ring step; "
+               "host link PCIe Gen5 x16, 64 GB/s each way, ~50 GB/s reached",
     ),
     "a100": DeviceProfile(
         "a100", matmul_flops=312e12, mem_bandwidth=2.039e12, alpha=10e-6, beta=1 / 300e9,
-        memory=80 * 10**9, efficiency=0.5,
+        memory=80 * 10**9, efficiency=0.5, host_bandwidth=25e9,
         source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e, "
-               "NVLink 600 GB/s total (300 GB/s each way); alpha: NCCL's ~10 us per ring step",
+               "NVLink 600 GB/s total (300 GB/s each way); alpha: NCCL's ~10 us per ring step; "
+               "host link PCIe Gen4 x16, 32 GB/s each way, ~25 GB/s reached",
     ),
     "cpu": DeviceProfile(
         "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
@@ -133,6 +138,9 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if meta.is_free(node) or _aliased_arg(node) is not None:
         return 0.0
+    if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
+        # on the compute stream, as the graph runs it: copy engines do not overlap it yet
+        return tensor_bytes(node.meta.get("val")) / profile.host_bandwidth
     flops = _flops(node)
     moved = tensor_bytes(node.meta.get("val")) + sum(
         tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
@@ -180,6 +188,7 @@ def calibrate(device: Optional[torch.device] = None, group=None, name: str = "ca
     return DeviceProfile(name, flops, bandwidth, alpha,
                          beta, memory, efficiency=1.0, comm_overlap=overlap,
                          collective_scratch=base.collective_scratch,
+                         host_bandwidth=base.host_bandwidth,
                          source=f"measured by calibrate() on {device.type}")
 
 

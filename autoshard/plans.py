@@ -70,8 +70,10 @@ class Plan:
     recompute: str = ""  # the recomputation chosen: "none", "min-cut", "blocks k/L", ...
     # {block path: "keep" | "min-cut" | "block"} of that choice; None: nothing recomputed
     recompute_blocks: Optional[dict] = None
-    # every plan the planner predicted: recompute, units, step_s, peak_bytes, fits, chosen
+    # every plan the planner predicted: recompute, offload, units, step_s, peak_bytes, fits,
+    # chosen
     candidates: list = dataclasses.field(default_factory=list)
+    offload: bool = False  # parameter shards, gradient shards and optimizer state on the host
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -92,13 +94,15 @@ class Plan:
         return False if self.recompute_blocks is None else dict(self.recompute_blocks)
 
     def candidates_table(self) -> str:
-        rows = [(c["recompute"], c["units"] if c["units"] is not None else "-",
+        yes_no = {True: "yes", False: "no"}
+        rows = [(c["recompute"], yes_no[c.get("offload", False)],
+                 c["units"] if c["units"] is not None else "-",
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
-                 _fmt_bytes(c["peak_bytes"]), {True: "yes", False: "no"}.get(c["fits"], "-"),
+                 _fmt_bytes(c["peak_bytes"]), yes_no.get(c["fits"], "-"),
                  "chosen" if c.get("chosen") else c.get("note", ""))
                 for c in self.candidates]
-        return tabulate(rows, headers=["recompute", "units", "predicted step", "peak",
-                                       "fits", ""])
+        return tabulate(rows, headers=["recompute", "offload", "units", "predicted step",
+                                       "peak", "fits", ""])
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
@@ -138,6 +142,8 @@ class Plan:
              else "none (one rank)"),
             ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
+            *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"]))]
+              if p.get("host_state_bytes") else []),
             ("  memory budget", _fmt_bytes(self.memory_budget)),
         ]
         for k, v in self.symbolic.items():
@@ -266,6 +272,7 @@ def read_schedule(graphs) -> list:
 
 def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
               budget: int = 0, policy: str = "", model_state_bytes: int = 0,
+              host_state_bytes: int = 0, offload: bool = False,
               recompute=("", None), candidates=()) -> Plan:
     infos = []
     for u in units:
@@ -273,7 +280,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
-                recompute=recompute[0], recompute_blocks=recompute[1],
+                recompute=recompute[0], recompute_blocks=recompute[1], offload=offload,
                 candidates=[dict(c) for c in candidates])
     if profile is not None:
         plan.device = profile.to_dict()
@@ -283,6 +290,8 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
             "step_s": p.total, "compute_s": p.compute, "exposed_comm_s": p.exposed_comm,
             "peak_bytes": p.peak_bytes, "peak_at": p.peak_at, "comm_bytes": p.comm_bytes,
             "sent_bytes": p.sent_bytes, "model_state_bytes": model_state_bytes,
+            "host_state_bytes": host_state_bytes, "host_peak_bytes": p.host_peak_bytes,
+            "both_peak_bytes": p.both_peak_bytes,
         }
         plan.memory_timeline = p.timeline
         plan.events = p.events

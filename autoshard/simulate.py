@@ -7,7 +7,8 @@ exposed time). Memory: the forward, then the backward graph run in order. A node
 output unless it is a view; a storage is released by a free node, or once no live value views
 it: values die after their last use, as the generated code drops them. The forward's saved
 tensors live until their last use in the (boxed) backward; its user outputs until the end of
-the step; the gradient shards it returns stay.
+the step; the gradient shards it returns stay. An offloaded parameter's shard, gradient shard
+and optimizer state are host memory and not counted; its copy to the device is, until packed.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Prediction:
     events: list  # [lane, name, start, duration, unit]: compute groups and collectives
     comm_bytes: int  # collective buffer bytes per step
     sent_bytes: int  # bytes each rank sends per step (ring)
+    host_peak_bytes: int = 0  # host memory: offloaded state, gradient shards copied out
+    # device and host bytes at once: what a machine whose host is its device (a CPU) holds
+    both_peak_bytes: int = 0
 
 
 def _size(n: fx.Node) -> int:
@@ -41,35 +45,48 @@ def _size(n: fx.Node) -> int:
 
 
 class _Storages:
-    """Reference-counted storages: a live value holds one reference on its storage."""
+    """Reference-counted storages: a live value holds one reference on its storage. Device
+    bytes are ``total``, host bytes (offloaded state, gradient shards copied out)
+    ``host_total``."""
 
-    def __init__(self, base: int):
-        self.bytes, self.refs, self.total = {}, {}, base
+    def __init__(self, base: int, host_base: int = 0):
+        self.bytes, self.refs, self.total, self.host_total = {}, {}, base, host_base
+        self.host = set()
 
-    def acquire(self, sid, size: int):
-        if sid not in self.refs:
-            self.refs[sid], self.bytes[sid] = 0, size
+    def _add(self, sid, size: int):
+        if sid in self.host:
+            self.host_total += size
+        else:
             self.total += size
+
+    def acquire(self, sid, size: int, host: bool = False):
+        if sid not in self.refs:
+            if host:
+                self.host.add(sid)
+            self.refs[sid], self.bytes[sid] = 0, size
+            self._add(sid, size)
         self.refs[sid] += 1
 
     def release(self, sid):
         self.refs[sid] -= 1
         if self.refs[sid] == 0:
-            self.total -= self.bytes.pop(sid)
+            self._add(sid, -self.bytes.pop(sid))
             del self.refs[sid]
+            self.host.discard(sid)
 
     def free(self, sid):
         if sid in self.bytes:
-            self.total -= self.bytes[sid]
+            self._add(sid, -self.bytes[sid])
             self.bytes[sid] = 0
 
 
 class _Sim:
     """One predicted run: a compute clock, a communication clock, and the live storages."""
 
-    def __init__(self, profile: DeviceProfile, static_bytes: int):
+    def __init__(self, profile: DeviceProfile, static_bytes: int, host_bytes: int = 0):
         self.profile = profile
-        self.mem = _Storages(static_bytes)
+        self.mem = _Storages(static_bytes, host_bytes)
+        self.host_peak = self.both_peak = host_bytes + static_bytes
         self.tc = self.tq = self.busy = self.exposed = 0.0
         self.pending, self.timeline, self.events, self.group = {}, [], [], None
         self.scratch = []  # (completion time, storage id) of collectives' scratch copies
@@ -155,11 +172,13 @@ class _Sim:
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 src = _aliased_arg(n)
                 sids[n] = sids.get(src) if src is not None else n
-                if sids[n] is not None:
-                    mem.acquire(sids[n], _size(n))
+                if sids[n] is not None:  # a gradient shard copied out lands in host memory
+                    mem.acquire(sids[n], _size(n), host=meta.tag(n, meta.COMM) == meta.D2H)
             self.timeline.append([self.tc, mem.total, gname, n.name])
             if mem.total > self.peak:
                 self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
+            self.host_peak = max(self.host_peak, mem.host_total)
+            self.both_peak = max(self.both_peak, mem.total + mem.host_total)
             if n not in last and sids.get(n) is not None and n not in returned:
                 mem.release(sids[n])
             for a in n.all_input_nodes:
@@ -182,14 +201,16 @@ class _Sim:
             compute=self.busy, exposed_comm=self.exposed, total=self.tc,
             peak_bytes=self.peak, peak_at=self.peak_at, timeline=self.timeline,
             events=self.events, comm_bytes=self.comm, sent_bytes=self.sent,
+            host_peak_bytes=self.host_peak, both_peak_bytes=self.both_peak,
         )
 
 
 def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, static_bytes: int,
-             n_user_outputs: int) -> Prediction:
-    """``static_bytes``: what each rank holds throughout the step (parameter shards, optimizer
-    state, buffers, inputs); the forward's first ``n_user_outputs`` outputs are the user's."""
-    sim = _Sim(profile, static_bytes)
+             n_user_outputs: int, host_bytes: int = 0) -> Prediction:
+    """``static_bytes``: what each rank holds throughout the step on the device (parameter
+    shards, optimizer state, buffers, inputs), ``host_bytes`` in host memory (offloaded shards
+    and optimizer state); the forward's first ``n_user_outputs`` outputs are the user's."""
+    sim = _Sim(profile, static_bytes, host_bytes)
     held = sim.run(fwd, "fwd", {n: None for n in fwd.graph.nodes if n.op == "placeholder"})
     user, rest = held[:n_user_outputs], held[n_user_outputs:]
     if bwd is not None:

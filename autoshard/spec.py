@@ -145,30 +145,39 @@ def group_size(specs) -> int:
     return sizes.pop() if sizes else 1
 
 
-def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,)) -> list:
+def home(shape, offload: bool) -> str:
+    """Where a parameter's shard lives: on the host when offloading, except a scalar (read
+    whole by the step, never gathered), which stays on the device."""
+    return "host" if offload and len(shape) > 0 else "device"
+
+
+def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
+                offload: bool = False) -> list:
     """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``;
     ``mp_policy``: a MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies
-    it."""
+    it; ``offload``: shards kept in host memory (see ``home``)."""
     specs = []
     for fqn, p in model.named_parameters():
         compute = reduce = None
         if mp_policy is not None and p.dtype.is_floating_point:
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
-                               mesh_shape=tuple(mesh_shape)))
+                               mesh_shape=tuple(mesh_shape), device=home(p.shape, offload)))
     return specs
 
 
 def model_state_bytes(specs, optimizer_states: int) -> dict:
     """Per-rank bytes of parameter shards, gradient shards and optimizer state on the device
-    (padded), and what of it lives on the host."""
-    out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0}
+    (padded), and what of it lives on the host (``host``, of which ``host_grads`` are the
+    gradient shards)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0, "host_grads": 0}
     for p in specs:
         b = p.shard_bytes
         grads = b if p.requires_grad else 0
         held = b + grads + grads * optimizer_states
         if p.device == "host":
             out["host"] += held
+            out["host_grads"] += grads
             continue
         out["params"] += b
         out["grads"] += grads

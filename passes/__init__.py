@@ -41,15 +41,19 @@ class PassContext:
     profile: Any = None  # autoshard.cost.DeviceProfile, for cost-based decisions
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
+    sim_static_bytes: int = 0  # of those, what the simulator holds from the step's start
     units: Optional[list] = None  # list[Unit], set by assign_units
     auto_tries_left: int = 0  # "auto": how many more unit candidates plan_step may try
     prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
-    # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes), and
-    # every candidate tried with its prediction
+    # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes),
+    # whether it keeps the sharded state on the host, that state's bytes
+    # (autoshard.spec.model_state_bytes), and every candidate tried with its prediction
     prediction: Any = None
     recompute: Any = None
+    offload: bool = False
+    state: Optional[dict] = None
     candidates: list = dataclasses.field(default_factory=list)
 
 

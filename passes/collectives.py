@@ -25,6 +25,8 @@ _AG = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 _EMPTY = torch.ops.aten.empty.memory_format
 _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_TO_COPY = torch.ops.aten._to_copy.default
+HOST = torch.device("cpu")
 
 
 def _by_dtype(fqns, key):
@@ -36,12 +38,14 @@ def _by_dtype(fqns, key):
     return list(groups.items())
 
 
-def _comm_tags(unit: int, region: str, kinds: dict, other_kind: str):
-    """Tags for a traced issue: ``kinds`` maps an op to its kind, every other node is
-    ``other_kind`` (packing)."""
+def _comm_tags(unit: int, region: str, kinds: dict, other_kind: str, copy_kind=None):
+    """Tags for a traced issue: ``kinds`` maps an op to its kind, a copy to another device is
+    ``copy_kind`` (H2D or D2H), every other node is ``other_kind`` (packing)."""
 
     def tag(n):
         kind = kinds.get(n.target, other_kind)
+        if copy_kind is not None and n.target is _TO_COPY and "device" in n.kwargs:
+            kind = copy_kind
         return {meta.COMM: kind, meta.UNIT: unit, meta.REGION: region}
 
     return tag
@@ -99,13 +103,16 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     specs = {p.fqn: p for p in ctx.captured.params}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
     _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
+    # where the step computes: capture traced every parameter there, full size
+    device = next((n.meta["val"].device for n in phs.values()), HOST)
 
     for f, n in phs.items():
         v, lay = n.meta["val"], specs[f].layout
-        if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype
+        if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype,
+            # on the host when it is offloaded
+            home = HOST if specs[f].device == "host" else v.device
             with v.fake_mode:
-                n.meta["val"] = torch.empty(lay.local_shape, dtype=specs[f].dtype,
-                                            device=v.device)
+                n.meta["val"] = torch.empty(lay.local_shape, dtype=specs[f].dtype, device=home)
         elif specs[f].dtype != v.dtype:  # read unsharded, in the compute dtype
             _cast_unsharded(gm, n, specs[f].dtype)
 
@@ -116,7 +123,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
             fqns = [f for f in unit.fqns if specs[f].sharded]
             for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
                 new = _gather(gm, pos, unit.index, region, [specs[f] for f in group_fqns], phs,
-                              group, unit.keep, dtype)
+                              group, unit.keep, dtype, device)
                 roots.update((r, unit.index) for r in _freed_roots(new))
 
     out = meta.output_node(gm)
@@ -154,7 +161,7 @@ def _freed_roots(new) -> list:
     packing temporaries (a shard cast to the compute dtype before the send buffer is
     concatenated), which only other packing nodes read and which go with their last
     reference, so a pack stays one contiguous block for prefetch to move."""
-    packs = (meta.AG_PACK, meta.RS_PACK)
+    packs = (meta.H2D, meta.AG_PACK, meta.RS_PACK)
 
     def temporary(r):  # read, through any view, by packing nodes only
         return meta.tag(r, meta.COMM) in packs and all(
@@ -178,10 +185,12 @@ def _cast_unsharded(gm, ph, storage_dtype):
         u.replace_input_with(ph, cast)
 
 
-def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype):
+def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
     """all-gather the parameters ``specs`` describe (shards cast to ``dtype``, their compute
-    dtype) before their first use in ``region``; returns new nodes."""
+    dtype; an offloaded shard first copied from the host to ``device``) before their first
+    use in ``region``; returns new nodes."""
     fqns, N = [s.fqn for s in specs], group_size(specs)
+    hosted = [s.device == "host" for s in specs]
     users = {
         u
         for f in fqns
@@ -194,6 +203,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype):
     lays = [s.layout for s in specs]
 
     def issue(*shards):
+        shards = [_TO_COPY(s, device=device, non_blocking=True) if h else s
+                  for s, h in zip(shards, hosted)]
         flat = [s.reshape(-1).to(dtype) for s in shards]
         flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
@@ -207,8 +218,9 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype):
             off += lay.local_numel
         return fulls
 
-    key = ("ag", N, group, dtype, tuple(lay.shape for lay in lays))
-    tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK)
+    key = ("ag", N, group, dtype, str(device), tuple(hosted), tuple(lay.shape for lay in lays))
+    tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK,
+                     copy_kind=meta.H2D)
     handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region),
                         key=("wait",))
@@ -223,8 +235,10 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype):
 def _reduce(gm, pos, unit, grads, specs, group, reduce_dtype, storage_dtype):
     """reduce-scatter (average) full gradients ``grads`` of the parameters ``specs`` describe,
     in ``reduce_dtype``, right after the last of them; the local gradient shards come out in
-    ``storage_dtype``."""
+    ``storage_dtype``, an offloaded parameter's copied to the host (a blocking copy: the
+    optimizer step on the host reads it)."""
     lays, N = [s.layout for s in specs], group_size(specs)
+    hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
 
     def issue(*gs):
@@ -250,13 +264,16 @@ def _reduce(gm, pos, unit, grads, specs, group, reduce_dtype, storage_dtype):
             else:
                 outs.append(buf[off])
                 off += 1
-        return [o.to(storage_dtype) for o in outs]
+        return [_TO_COPY(o, dtype=storage_dtype, device=HOST) if h else o.to(storage_dtype)
+                for o, h in zip(outs, hosted)]
 
-    key = ("rs", N, group, reduce_dtype, storage_dtype, tuple(lay.shape for lay in lays))
+    key = ("rs", N, group, reduce_dtype, storage_dtype, tuple(hosted),
+           tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, meta.BWD, {_RS: meta.RS_ISSUE}, meta.RS_PACK)
     handle, n1 = splice(gm, issue, grads, before, tag, key=key + ("issue",))
     waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD),
                         key=("wait",))
     locals_, n3 = splice(gm, unpack, [waited], before,
-                         _plain_tags(meta.RS_UNPACK, unit, meta.BWD), key=key + ("unpack",))
+                         _comm_tags(unit, meta.BWD, {}, meta.RS_UNPACK, copy_kind=meta.D2H),
+                         key=key + ("unpack",))
     return locals_, n1 + n2 + n3

@@ -66,13 +66,60 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     """Choose and build the plan: returns the chosen candidate's graph.
 
     Needs: the captured joint graph (untouched: every candidate works on a copy) and in
-    ``ctx`` the profile, budget and static bytes. Options: ``config`` (the Config),
-    ``sim_static_bytes`` (model state the simulator holds all step), ``verify``.
-    Guarantees: ``ctx`` is the chosen candidate's (units, split program), ``ctx.prediction``
-    its Prediction, ``ctx.recompute`` its recomputation (label, modes), ``ctx.candidates``
-    every candidate tried; when none fits, the one with the least peak is chosen (the caller
-    says what it needs). Does nothing else to ``gm``.
+    ``ctx`` the profile and budget. Options: ``config`` (the Config), ``other_static_bytes``
+    (buffers and inputs, held all step), ``verify``, ``may_offload`` (default True: with no
+    ``Config.offload_policy``, offload is tried when nothing fits on the device).
+    Guarantees: ``ctx`` is the chosen candidate's (units, split program, parameter
+    descriptions), ``ctx.prediction`` its Prediction, ``ctx.recompute`` its recomputation
+    (label, modes), ``ctx.state`` its model state (``autoshard.spec.model_state_bytes``),
+    ``ctx.candidates`` every candidate tried; when none fits, the one with the least peak is
+    chosen (the caller says what it needs). Does nothing else to ``gm``.
     """
+    from autoshard.config import offloads
+
+    config = options["config"]
+    settings = [True] if offloads(config) else [False]
+    if config.offload_policy is None and options.get("may_offload", True):
+        settings.append(True)  # only when nothing fits on the device
+    candidates, best = [], None
+    for offload in settings:
+        if best is not None and best[0].peak_bytes <= ctx.memory_budget:
+            break
+        best = _search(gm, _with_offload(ctx, offload, config, options), options, candidates,
+                       best)
+    pred, out, chosen = best
+    chosen_at = next(i for i, c in enumerate(candidates) if c.pop("best", False))
+    for i, c in enumerate(candidates):
+        c["chosen"] = i == chosen_at
+    for f in dataclasses.fields(ctx):
+        setattr(ctx, f.name, getattr(chosen, f.name))
+    ctx.candidates = candidates
+    return out
+
+
+def _with_offload(ctx, offload: bool, config, options):
+    """``ctx`` with every sharded parameter kept on the host (``offload``) or the device, and
+    the bytes held all step that follow."""
+    from autoshard.config import OPTIMIZER_STATES
+    from autoshard.spec import home, model_state_bytes
+
+    specs = ctx.captured.params
+    if any(s.device != home(s.shape, offload) for s in specs):
+        specs = [dataclasses.replace(s, device=home(s.shape, offload)) for s in specs]
+        ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
+    else:
+        ctx = dataclasses.replace(ctx)
+    state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
+    other = options.get("other_static_bytes", 0)
+    ctx.state, ctx.offload = state, offload
+    ctx.static_bytes = state["params"] + state["grads"] + state["optimizer"] + other
+    ctx.sim_static_bytes = state["params"] + state["optimizer"] + other
+    return ctx
+
+
+def _search(gm, ctx, options, candidates: list, best):
+    """Every recomputation choice and unit candidate for one placement of the state; appends
+    to ``candidates`` and returns the better of ``best`` and what it found."""
     from autoshard.passes import default_passes, recompute_activations_pass, run_passes
     from autoshard.passes.units import repeated_blocks
     from autoshard.cost import node_time
@@ -84,7 +131,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     searching_units = config.policy == "auto" and config.units is None
     big = len(gm.graph.nodes) > BIG_GRAPH
     budget = ctx.memory_budget
-    candidates, best = [], None
+    offload = ctx.offload
 
     def better(a, b):  # fits first, then fastest; among the unfit, the least memory
         a_fits, b_fits = a[0].peak_bytes <= budget, b[0].peak_bytes <= budget
@@ -101,14 +148,14 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         last_choice = i == len(choices) - 1
         floor = ctx.static_bytes + activation_peak(base)
         if not last_choice and floor > budget:
-            candidates.append({"recompute": label, "units": None, "step_s": None,
-                               "peak_bytes": floor, "fits": False,
+            candidates.append({"recompute": label, "offload": offload, "units": None,
+                               "step_s": None, "peak_bytes": floor, "fits": False,
                                "note": "activations alone exceed the budget"})
             continue
         compute = sum(node_time(n, ctx.profile) for n in base.graph.nodes)
         if best is not None and best[0].peak_bytes <= budget and compute >= best[0].total:
-            candidates.append({"recompute": label, "units": None, "step_s": None,
-                               "peak_bytes": floor, "fits": None,
+            candidates.append({"recompute": label, "offload": offload, "units": None,
+                               "step_s": None, "peak_bytes": floor, "fits": None,
                                "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
                                        "slower than the chosen plan"})
             continue
@@ -119,25 +166,22 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                       if p[0] is not recompute_activations_pass]  # done above, per choice
             out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
             n_user = _user_outputs(cctx)
-            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile,
-                            options["sim_static_bytes"], n_user)
+            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.sim_static_bytes,
+                            n_user, ctx.state["host"] - ctx.state["host_grads"])
             cctx.prediction, cctx.recompute = pred, (label, modes)
-            candidates.append({"recompute": label, "units": len(cctx.units),
+            candidates.append({"recompute": label, "offload": offload, "units": len(cctx.units),
                                "step_s": pred.total, "peak_bytes": pred.peak_bytes,
                                "fits": pred.peak_bytes <= budget, "note": ""})
             if best is None or better((pred, out, cctx), best):
-                best, chosen_at = (pred, out, cctx), len(candidates) - 1
+                for c in candidates:
+                    c.pop("best", None)
+                best = (pred, out, cctx)
+                candidates[-1]["best"] = True
             fits = pred.peak_bytes <= budget
             if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
                 break
             k += 1
-    pred, out, chosen = best
-    for i, c in enumerate(candidates):
-        c["chosen"] = i == chosen_at
-    for f in dataclasses.fields(ctx):
-        setattr(ctx, f.name, getattr(chosen, f.name))
-    ctx.candidates = candidates
-    return out
+    return best
 
 
 def _user_outputs(ctx) -> int:

@@ -12,9 +12,9 @@ def _issue_block(issue: fx.Node) -> list:
     """The pack nodes feeding ``issue`` (contiguous before it), then the issue."""
     block = [issue]
     n = issue.prev
-    while meta.tag(n, meta.COMM) in (meta.AG_PACK, meta.AG_BUFFER, meta.RS_PACK) and meta.tag(
-        n, meta.UNIT
-    ) == meta.tag(issue, meta.UNIT):
+    packing = (meta.H2D, meta.AG_PACK, meta.AG_BUFFER, meta.RS_PACK)
+    while meta.tag(n, meta.COMM) in packing and meta.tag(n, meta.UNIT) == meta.tag(issue,
+                                                                                   meta.UNIT):
         block.insert(0, n)
         n = n.prev
     return block
@@ -24,7 +24,8 @@ def _wait_block(wait: fx.Node) -> list:
     """``wait`` and the frees and unpacks of its unit that follow it."""
     block, n = [wait], wait.next
     unit = meta.tag(wait, meta.UNIT)
-    while meta.tag(n, meta.COMM) in (meta.FREE, meta.RS_UNPACK) and meta.tag(n, meta.UNIT) == unit:
+    while (meta.tag(n, meta.COMM) in (meta.FREE, meta.RS_UNPACK, meta.D2H)
+           and meta.tag(n, meta.UNIT) == unit):
         block.append(n)
         n = n.next
     return block

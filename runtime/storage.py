@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map_only
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError
-from autoshard.spec import ShardLayout, placements_for
+from autoshard.spec import ShardLayout, home, placements_for
 from autoshard.runtime import optim
 
 
@@ -696,7 +696,7 @@ class StagedShards:
 
 
 def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
-                 param_init_fn=None) -> StagedShards:
+                 param_init_fn=None, offload=None) -> StagedShards:
     """Build this rank's DTensor parameters (its rows of each) and the buffers on ``device``,
     without changing ``model``; ``commit()`` swaps them in.
 
@@ -712,6 +712,9 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     ``_init_weights``), then by ``param_init_fn(module)`` if given, children first; with the
     same seed, the shards are bitwise the rows of the model built on ``device``. A meta
     tensor nothing initialises raises ``ValueError`` naming it.
+
+    ``offload`` (a CPUOffloadPolicy): the parameter shards (not scalars) are kept in host
+    memory, pinned when the device is a GPU and the policy asks for it.
     """
     rank, world = mesh.get_local_rank(), mesh.size()
     slots = _slots(model)
@@ -753,6 +756,10 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
             local_t = t.detach()[a:b].to(device, copy=True).contiguous()
         else:
             local_t = t.detach().to(device, copy=True)
+        if home(t.shape, offload is not None) == "host":
+            local_t = local_t.to("cpu")
+            if device.type == "cuda" and offload.pin_memory:
+                local_t = local_t.pin_memory()
         dt = DTensor.from_local(local_t, mesh, placements_for(t.shape, mesh.ndim),
                                 run_check=False, shape=t.shape,
                                 stride=_contiguous_stride(t.shape))

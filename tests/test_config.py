@@ -35,6 +35,8 @@ BAD = [
                                        "MixedPrecisionPolicy"),
     ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError,
      "Config.mp_policy.param_dtype must be a floating dtype"),
+    ({"offload_policy": "cpu"}, TypeError, "Config.offload_policy must be a torch.distributed."
+                                           "fsdp CPUOffloadPolicy()"),
 ]
 
 

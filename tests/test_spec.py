@@ -49,7 +49,7 @@ def test_host_state_is_not_counted_on_the_device():
     off = ParamSpec("b", (4, 4), torch.float32, True, mesh_shape=(2,), device="host")
     state = model_state_bytes([on, off], optimizer_states=2)
     assert state["params"] == state["grads"] == 32 and state["optimizer"] == 64
-    assert state["host"] == 32 * 4
+    assert state["host"] == 32 * 4 and state["host_grads"] == 32
 
 
 def test_one_collective_needs_one_group():

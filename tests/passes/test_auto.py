@@ -55,13 +55,20 @@ def test_units_shrink_with_the_budget():
 
 
 def test_no_plan_fits_names_the_smallest_budget_that_would():
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     model, inputs = _models()["gpt"]
-    with pytest.raises(AutoshardError, match=r"needs ([\d.]+ \w+)") as e:
-        _plan(model, inputs, memory_budget=100_000)
-    finest = _plan(model, inputs, policy="per-parameter", bucket=False)
-    assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
-    # and that budget is enough
-    _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"])
+    # on the device only, and (the default) with offload as the last resort
+    for offload, smallest in ((OffloadPolicy(), "units)"), (None, "in host memory)")):
+        with pytest.raises(AutoshardError, match=r"needs ([\d.]+ \w+)") as e:
+            _plan(model, inputs, memory_budget=100_000, offload_policy=offload)
+        assert smallest in str(e.value)
+        finest = _plan(model, inputs, policy="per-parameter", bucket=False,
+                       offload_policy=offload or CPUOffloadPolicy())
+        assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
+        # and that budget is enough
+        _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"],
+              offload_policy=offload)
 
 
 def test_pinned_units_round_trip_through_json():

@@ -97,10 +97,27 @@ def parity_worker(rank, world, names):
             "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
         }
     results["fsdp2:gpt"] = fsdp2_worker(rank, world, "gpt")
+    for name in OFFLOAD_NAMES:
+        results[f"offload:{name}"] = offload_worker(rank, world, name)
     for name in MP_NAMES:
         results[f"mp:{name}"] = mp_worker(rank, world, name)
         results[f"fsdp2-mp:{name}"] = fsdp2_worker(rank, world, name, mp=True)
     return results
+
+
+# CPUOffloadPolicy: the same programs with every shard copied in and every gradient shard out
+OFFLOAD_NAMES = ["gpt", "hf_llama"]
+
+
+def offload_worker(rank, world, name):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = autoshard(build(name), config=Config(
+        policy="module", offload_policy=CPUOffloadPolicy(pin_memory=False), verify=True))
+    losses, _ = _train(model, name, rank, world)
+    homes = {p.to_local().device.type for p in model.parameters()}
+    full = model.full_state_dict()  # every rank takes part in gathering it
+    return {"losses": losses, "params": full if rank == 0 else None, "homes": homes}
 
 
 # bf16 parameters and compute, fp32 reduce-scatter, fp32 outputs (the usual FSDP2 setup)

@@ -12,7 +12,7 @@ import torch
 
 from harness import run_ranks
 from models import CASES
-from parity_workers import EXTRA, parity_worker, reference
+from parity_workers import EXTRA, OFFLOAD_NAMES, parity_worker, reference
 
 TOL = 1e-5
 NAMES = list(CASES)
@@ -79,3 +79,15 @@ def test_mixed_precision_matches_fsdp2(world_results, name):
     dparam = max((ours["params"][k] - fsdp["params"][k]).abs().max().item()
                  for k in fsdp["params"])
     assert dparam <= tol_param, f"{name} world {world}: max |Δparam| vs FSDP2 {dparam:.3g}"
+
+
+@pytest.mark.parametrize("name", OFFLOAD_NAMES)
+def test_offload_trains_exactly_as_on_the_device(world_results, name):
+    """CPUOffloadPolicy only adds copies: the same numbers, bit for bit, as the same policy
+    without it (on this machine the host is the device; the copies still run, as nodes)."""
+    world, results = world_results
+    ours, plain = results[0][f"offload:{name}"], results[0][name]
+    assert all(r[f"offload:{name}"]["homes"] == {"cpu"} for r in results)
+    assert ours["losses"] == plain["losses"], f"{name} world {world}"
+    for k, v in plain["params"].items():
+        assert torch.equal(ours["params"][k], v), f"{name} world {world}: {k}"

@@ -1,0 +1,114 @@
+"""Offload (CPUOffloadPolicy): the copies are graph nodes, and the plan counts host and device.
+
+On this machine the host is the device, so the plans here use the H100 profile: its host link
+(``host_bandwidth``) prices the copies, and only device memory counts against the budget."""
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+import autoshard
+from autoshard import meta
+from autoshard.cost import PROFILES, tensor_bytes
+from autoshard.models import GPT
+
+INPUTS = (torch.randint(0, 96, (8, 32)),)
+MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _plan(offload, **config):
+    """``offload``: True (CPUOffloadPolicy), False (OffloadPolicy(): none), None (the
+    planner's choice)."""
+    from torch.distributed.fsdp import OffloadPolicy
+
+    policy = None if offload is None else CPUOffloadPolicy() if offload else OffloadPolicy()
+    return autoshard.plan(GPT(seq=32), INPUTS, world_size=2, config=autoshard.Config(
+        policy="module", prefetch=False, device_profile="h100", verify=True,
+        offload_policy=policy, **config))
+
+
+def _sharded_compiled(offload, **config):
+    from autoshard.api import compile_step
+
+    model = GPT(seq=32)
+    cfg = autoshard.Config(policy="module", prefetch=False, device_profile="h100",
+                           verify=True, offload_policy=CPUOffloadPolicy() if offload else None,
+                           **config)
+    with torch.enable_grad():
+        _, ctx, plan = compile_step(model, type(model).forward, INPUTS, {}, world_size=2,
+                                    group_name="plan", device=torch.device("cpu"), config=cfg)
+    return ctx, plan
+
+
+@pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
+def test_every_shard_goes_through_a_copy_to_the_device_and_every_gradient_back(mp):
+    ctx, plan = _sharded_compiled(True, mp_policy=mp)
+    specs = {p.fqn: p for p in ctx.captured.params}
+    for gm in (ctx.split.fwd, ctx.split.bwd):
+        for ph in gm.graph.nodes:
+            if not meta.is_param(ph) or not specs[meta.tag(ph, meta.FQN)].sharded:
+                continue
+            # the host shard is read only by its copies to the device (and handed on to the
+            # backward)
+            assert ph.meta["val"].device.type == "cpu"
+            copies = [u for u in ph.users if u.op != "output"]
+            assert copies and all(meta.tag(u, meta.COMM) == meta.H2D for u in copies)
+            for copy in copies:
+                assert copy.kwargs["device"] == torch.device("cpu")  # the step's device here
+                assert meta.tag(copy, meta.UNIT) == meta.tag(ph, meta.UNIT)
+    out = meta.output_node(ctx.split.bwd)
+    grads = [(v, r) for v, r in zip(out.args[0], ctx.split.bwd_roles)
+             if r[meta.ROLE] == meta.OUT_GRAD]
+    assert grads
+    for v, r in grads:
+        assert meta.tag(v, meta.COMM) == meta.D2H, r[meta.FQN]
+        assert v.meta["val"].dtype == specs[r[meta.FQN]].dtype  # fp32 masters' gradients
+
+
+def test_the_plan_holds_the_model_state_on_the_host_and_prices_the_copies():
+    on, off = _plan(False), _plan(True)
+    state = on.predicted["model_state_bytes"]
+    assert off.predicted["model_state_bytes"] == 0
+    assert off.predicted["host_state_bytes"] == state
+    assert "offloaded to host memory" in off.summary_table()
+    # the device holds the gathered units and activations, not the shards, gradient shards
+    # and AdamW state; what it holds instead is one unit's shards copied in before packing
+    ctx, _ = _sharded_compiled(True)
+    copies = [n for gm in (ctx.split.fwd, ctx.split.bwd) for n in gm.graph.nodes
+              if meta.tag(n, meta.COMM) in (meta.H2D, meta.D2H)]
+    staged = max(sum(tensor_bytes(n.meta["val"]) for n in copies
+                     if meta.tag(n, meta.COMM) == meta.H2D and meta.tag(n, meta.UNIT) == u)
+                 for u in {meta.tag(n, meta.UNIT) for n in copies})
+    # on the device, shards and AdamW's two moments are held all step (3/4 of the state),
+    # gradient shards as the backward makes them
+    peak_on, peak_off = on.predicted["peak_bytes"], off.predicted["peak_bytes"]
+    assert peak_on - state <= peak_off <= peak_on - state * 3 // 4 + staged
+    # each copy costs its bytes over the host link, on the compute stream
+    moved = sum(tensor_bytes(n.meta["val"]) for n in copies)
+    extra = off.predicted["step_s"] - on.predicted["step_s"]
+    assert extra == pytest.approx(moved / PROFILES["h100"].host_bandwidth, rel=0.02)
+
+
+def test_no_offload_policy_plans_as_no_policy_where_the_device_has_room():
+    assert _plan(False).predicted == _plan(None).predicted
+
+
+def test_the_planner_offloads_only_when_nothing_fits_on_the_device():
+    on, off = _plan(False), _plan(True)
+    budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
+    roomy = _plan(None, memory_budget=on.predicted["peak_bytes"])
+    assert not roomy.offload and all(not c["offload"] for c in roomy.candidates)
+    tight = _plan(None, memory_budget=budget)
+    assert tight.offload and tight.predicted["peak_bytes"] == off.predicted["peak_bytes"]
+    assert [c["offload"] for c in tight.candidates] == [False, True]
+    assert [c["fits"] for c in tight.candidates] == [False, True]
+    assert "offload" in tight.candidates_table()
+    assert autoshard.Plan.from_json(tight.to_json()).offload
+    # OffloadPolicy() says "no offload": the planner keeps to the device
+    kept = _plan(False, memory_budget=budget)
+    assert not kept.offload and kept.predicted["peak_bytes"] > budget
+    # the runtime places shards when it wraps the model, so it asks for the policy
+    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
+        policy="module", prefetch=False, device_profile="h100", memory_budget=budget))
+    with pytest.raises(autoshard.AutoshardError, match=r"offload_policy=.*CPUOffloadPolicy"):
+        model(*INPUTS)
