@@ -17,6 +17,7 @@ from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan
 from autoshard.spec import param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
+from autoshard.passes.plan import RESHARD
 from autoshard.runtime import dist as _dist
 from autoshard.runtime.executor import Program
 from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
@@ -195,7 +196,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     ctx = PassContext(
         captured=cap, group_name=group_name, model=model,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
-        reshard_after_forward=config.reshard_after_forward, profile=profile,
+        reshard_after_forward=("auto" if config.reshard_after_forward == "search"
+                               else config.reshard_after_forward), profile=profile,
         memory_budget=budget,
     )
     say("planning units, recomputation and collectives; predicting time and memory")
@@ -211,6 +213,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
         host_state_bytes=state["host"],
         recompute=ctx.recompute, candidates=ctx.candidates, offload=ctx.offload,
+        reshard=RESHARD[ctx.reshard_after_forward],
     )
     if searched and pred.peak_bytes > budget:
         # the last candidates tried are the least memory a plan can take: one unit per

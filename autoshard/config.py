@@ -45,7 +45,9 @@ class Config:
         again in backward (ZeRO-3): ``True`` for every unit; ``False`` keeps every unit
         gathered from forward to backward; "auto" (default) keeps only the unit gathered last
         in forward, whose backward gather would come right after its forward use (FSDP2
-        keeps its root the same way).
+        keeps its root the same way); "search": the planner's choice per candidate between
+        "auto" and ``False``, the latter where it is faster and surely within the budget
+        (``plan.reshard`` says which).
     bucket: merge adjacent units smaller than ``bucket_bytes`` (default: the size below which
         a collective is latency-bound under the cost model) into one collective. Default: on
         for the "per-parameter" policy only ("auto" already sizes units for time within the
@@ -106,7 +108,8 @@ class Config:
         _one_of("policy", self.policy, POLICIES,
                 " or pass explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
-        _one_of("reshard_after_forward", self.reshard_after_forward, (True, False, "auto"))
+        _one_of("reshard_after_forward", self.reshard_after_forward,
+                (True, False, "auto", "search"))
         for name in ("prefetch", "verify"):
             _flag(name, getattr(self, name))
         if isinstance(self.recompute, dict):

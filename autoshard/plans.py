@@ -74,6 +74,9 @@ class Plan:
     # chosen
     candidates: list = dataclasses.field(default_factory=list)
     offload: bool = False  # parameter shards, gradient shards and optimizer state on the host
+    # which units free their gathered parameters after the forward: "every unit", "all but
+    # the last" (gathered last in forward), "none"
+    reshard: str = ""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -96,13 +99,13 @@ class Plan:
     def candidates_table(self) -> str:
         yes_no = {True: "yes", False: "no"}
         rows = [(c["recompute"], yes_no[c.get("offload", False)],
-                 c["units"] if c["units"] is not None else "-",
+                 c["units"] if c["units"] is not None else "-", c.get("reshard", "-"),
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
                  _fmt_bytes(c["peak_bytes"]), yes_no.get(c["fits"], "-"),
                  "chosen" if c.get("chosen") else c.get("note", ""))
                 for c in self.candidates]
-        return tabulate(rows, headers=["recompute", "offload", "units", "predicted step",
-                                       "peak", "fits", ""])
+        return tabulate(rows, headers=["recompute", "offload", "units", "resharded",
+                                       "predicted step", "peak", "fits", ""])
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
@@ -132,6 +135,7 @@ class Plan:
             ("policy", self.policy),
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
+            ("resharded after forward", self.reshard or "-"),
             ("predicted step time", f"{p['step_s'] * 1e3:.3f} ms"),
             ("  compute", f"{p['compute_s'] * 1e3:.3f} ms"),
             ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),
@@ -272,7 +276,7 @@ def read_schedule(graphs) -> list:
 
 def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
               budget: int = 0, policy: str = "", model_state_bytes: int = 0,
-              host_state_bytes: int = 0, offload: bool = False,
+              host_state_bytes: int = 0, offload: bool = False, reshard: str = "",
               recompute=("", None), candidates=()) -> Plan:
     infos = []
     for u in units:
@@ -281,6 +285,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1], offload=offload,
+                reshard=reshard,
                 candidates=[dict(c) for c in candidates])
     if profile is not None:
         plan.device = profile.to_dict()

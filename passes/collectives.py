@@ -203,6 +203,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
     lays = [s.layout for s in specs]
 
     def issue(*shards):
+        # non_blocking: the step's gradient copies back are blocking, so every copy in has
+        # completed before the backward returns and the optimizer writes the host shards
         shards = [_TO_COPY(s, device=device, non_blocking=True) if h else s
                   for s, h in zip(shards, hosted)]
         flat = [s.reshape(-1).to(dtype) for s in shards]

@@ -1,7 +1,9 @@
 """plan_step: the planner, as the one pass the API runs.
 
-A plan is a choice of units (which parameters are gathered together) and of recomputation
-(which activations cross from forward to backward, per repeated block). This pass runs the
+A plan is a choice of units (which parameters are gathered together), of recomputation
+(which activations cross from forward to backward, per repeated block), of resharding (which
+units free their gathered parameters after the forward) and of offload (whether the sharded
+state lives in host memory). This pass runs the
 rest of the pipeline once per candidate on a copy of the captured graph, predicts each result's
 step time and peak memory (``autoshard.simulate``) and keeps the fastest that fits the memory
 budget; every candidate tried, with its prediction, is recorded for the plan to show.
@@ -17,6 +19,13 @@ a plan fits, a choice whose compute alone takes longer than that plan's step (it
 be longer). Within a choice, graphs over ``BIG_GRAPH`` nodes stop at the first unit candidate
 that fits (the order is fastest first); smaller ones try them all.
 
+Resharding ("auto"): every unit but the one gathered last in forward frees its parameters after
+the forward and gathers them again in the backward. With ``reshard_after_forward="search"``, a
+candidate that fits with communication exposed is tried once more with every unit kept from
+forward to backward (no backward all-gathers) when that surely fits: its peak plus every
+resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the device first and, with no
+``Config.offload_policy``, again with the state in host memory only if nothing fits.
+
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> ... -> split
                                                  -> simulate -> (time, peak) -> keep best
 """
@@ -31,6 +40,8 @@ from autoshard.graph import clone_graph
 from autoshard.passes.auto import BIG_GRAPH
 
 LADDER = (0.25, 0.5, 0.75, 1.0)
+# which units free their gathered parameters after the forward (Config.reshard_after_forward)
+RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 
 
 def recompute_choices(setting, blocks: list) -> list:
@@ -133,6 +144,30 @@ def _search(gm, ctx, options, candidates: list, best):
     budget = ctx.memory_budget
     offload = ctx.offload
 
+    gathered = {p.fqn: p.gathered_bytes() for p in ctx.captured.params}
+
+    def evaluate(base, label, modes, k, reshard):
+        """Run unit candidate ``k`` with ``reshard`` through the pipeline and simulate it;
+        record it, and keep it if it is the best so far."""
+        nonlocal best
+        cctx = dataclasses.replace(ctx, reshard_after_forward=reshard)
+        passes = [p for p in default_passes(config, candidate=k)
+                  if p[0] is not recompute_activations_pass]  # done already, per choice
+        out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
+        pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.sim_static_bytes,
+                        _user_outputs(cctx), ctx.state["host"] - ctx.state["host_grads"])
+        cctx.prediction, cctx.recompute = pred, (label, modes)
+        candidates.append({"recompute": label, "offload": offload, "units": len(cctx.units),
+                           "reshard": RESHARD[reshard], "step_s": pred.total,
+                           "peak_bytes": pred.peak_bytes, "fits": pred.peak_bytes <= budget,
+                           "note": ""})
+        if best is None or better((pred, out, cctx), best):
+            for c in candidates:
+                c.pop("best", None)
+            best = (pred, out, cctx)
+            candidates[-1]["best"] = True
+        return cctx, pred
+
     def better(a, b):  # fits first, then fastest; among the unfit, the least memory
         a_fits, b_fits = a[0].peak_bytes <= budget, b[0].peak_bytes <= budget
         if a_fits != b_fits:
@@ -161,23 +196,15 @@ def _search(gm, ctx, options, candidates: list, best):
             continue
         k = 0
         while True:
-            cctx = dataclasses.replace(ctx)
-            passes = [p for p in default_passes(config, candidate=k)
-                      if p[0] is not recompute_activations_pass]  # done above, per choice
-            out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
-            n_user = _user_outputs(cctx)
-            pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.sim_static_bytes,
-                            n_user, ctx.state["host"] - ctx.state["host_grads"])
-            cctx.prediction, cctx.recompute = pred, (label, modes)
-            candidates.append({"recompute": label, "offload": offload, "units": len(cctx.units),
-                               "step_s": pred.total, "peak_bytes": pred.peak_bytes,
-                               "fits": pred.peak_bytes <= budget, "note": ""})
-            if best is None or better((pred, out, cctx), best):
-                for c in candidates:
-                    c.pop("best", None)
-                best = (pred, out, cctx)
-                candidates[-1]["best"] = True
+            cctx, pred = evaluate(base, label, modes, k, ctx.reshard_after_forward)
             fits = pred.peak_bytes <= budget
+            # every unit kept from forward to backward saves the backward's all-gathers; tried
+            # when its bound (the peak plus every resharded unit held) surely fits and some
+            # communication is exposed
+            held = sum(gathered[f] for u in cctx.units if not u.keep for f in u.fqns)
+            if (fits and config.reshard_after_forward == "search" and pred.exposed_comm > 0
+                    and 0 < held and pred.peak_bytes + held <= budget):
+                evaluate(base, label, modes, k, False)
             if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
                 break
             k += 1

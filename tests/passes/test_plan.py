@@ -61,3 +61,19 @@ def test_recompute_choices_ladder():
     assert modes == {"blocks.0": "block", "blocks.1": "block"}
     assert recompute_choices(False, blocks) == [("none", None)]
     assert recompute_choices(True, blocks) == [("min-cut", {})]
+
+
+def test_resharding_search_keeps_every_unit_where_that_is_faster_and_surely_fits():
+    auto = _plan(reshard_after_forward="auto")
+    assert auto.reshard == "all but the last" and all(
+        c["reshard"] == "all but the last" for c in auto.candidates)
+    roomy = _plan(reshard_after_forward="search")
+    assert roomy.reshard == "none" and all(u.kept for u in roomy.units)
+    assert [c["reshard"] for c in roomy.candidates] == ["all but the last", "none"]
+    assert roomy.predicted["step_s"] < auto.predicted["step_s"]
+    assert "resharded after forward" in roomy.summary_table()
+    # the bound: the resharded plan's peak plus every unit it frees after the forward
+    held = sum(u.bytes for u in auto.units if not u.kept)
+    tight = _plan(reshard_after_forward="search",
+                  memory_budget=auto.predicted["peak_bytes"] + held - 1)
+    assert tight.reshard == "all but the last" and len(tight.candidates) == 1

@@ -65,9 +65,11 @@ def _train(model, name, rank, world, replica=None):
     return losses, buf_diff
 
 
-# the GPT also with the "auto" unit policy, and two models with each other recomputation
-# choice (the default is the min cut): nothing recomputed, every block recomputed whole
-EXTRA = ["gpt:auto", "gpt:none", "gpt:blocks", "hf_llama:none", "hf_llama:blocks"]
+# the GPT also with the "auto" unit policy and with the planner's resharding choice (which
+# keeps every unit gathered from forward to backward where there is room), and two models
+# with each other recomputation choice (the default is the min cut): nothing recomputed,
+# every block recomputed whole
+EXTRA = ["gpt:auto", "gpt:search", "gpt:none", "gpt:blocks", "hf_llama:none", "hf_llama:blocks"]
 RECOMPUTE = {"none": False, "blocks": "blocks"}
 
 
@@ -85,8 +87,9 @@ def parity_worker(rank, world, names):
         mutates = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                       for m in model.modules())
         replica = copy.deepcopy(model) if mutates else None
+        reshard = "search" if variant == "search" else "auto"
         sharded = autoshard(model, config=Config(policy=policy, recompute=recompute,
-                                                 verify=True))
+                                                 reshard_after_forward=reshard, verify=True))
         losses, buf_diff = _train(sharded, name, rank, world, replica)
         full = sharded.full_state_dict()
         results[key] = {
@@ -94,6 +97,7 @@ def parity_worker(rank, world, names):
             "params": full if rank == 0 else None,
             "buf_diff": buf_diff,
             "units": [u.name for u in sharded.units],
+            "kept": [u.kept for u in sharded.plan.units],
             "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
         }
     results["fsdp2:gpt"] = fsdp2_worker(rank, world, "gpt")

@@ -37,6 +37,8 @@ def test_matches_eager(world_results, key):
     assert dparam <= TOL, f"{name} world {world}: max |Δparam| {dparam:.3g}"
     # buffers mutated in forward (BatchNorm) equal an eager replica on every rank
     assert max(r[key]["buf_diff"] for r in results) <= TOL
+    if key == "gpt:search":  # the planner kept every unit: no backward all-gathers
+        assert all(got["kept"]) and len(got["kept"]) > 1
     # every rank holds only its shard
     total = sum(ref_state[k].numel() for k in params)
     for r in results:
