@@ -108,15 +108,17 @@ class _CommLog(TorchDispatchMode):
         return out
 
 
-def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
+def state_bytes(model: torch.nn.Module, optimizer=None, device=None) -> int:
     """Bytes this rank holds for the model: parameter shards, gradients, buffers, optimizer
-    state (each storage once)."""
+    state (each storage once); only those on ``device``'s type when given."""
     seen, total = set(), 0
 
     def add(t):
         nonlocal total
         if isinstance(t, torch.Tensor):
             local = t.to_local() if hasattr(t, "to_local") else t
+            if device is not None and local.device.type != device.type:
+                return
             key = local.untyped_storage().data_ptr()
             if key not in seen and local.untyped_storage().nbytes():
                 seen.add(key)
@@ -137,9 +139,13 @@ def state_bytes(model: torch.nn.Module, optimizer=None) -> int:
 @contextlib.contextmanager
 def record(model: torch.nn.Module, optimizer=None, extra_bytes: int = 0):
     """Record one step run inside the block. ``extra_bytes``: other live tensors to count in
-    the baseline (the step's inputs)."""
-    rec = Recording(baseline_bytes=state_bytes(model, optimizer) + extra_bytes)
-    cuda = next(model.parameters()).device.type == "cuda"
+    the baseline (the step's inputs). Memory is the step's device's: on a GPU an offloaded
+    model's host state is left out; on a CPU host and device are one memory."""
+    # the step's device (offloaded parameters live on the host, the step does not)
+    state = getattr(model, "_autoshard", None)
+    device = state.device if state is not None else next(model.parameters()).device
+    cuda = device.type == "cuda"
+    rec = Recording(baseline_bytes=state_bytes(model, optimizer, device) + extra_bytes)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
