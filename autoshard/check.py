@@ -225,6 +225,22 @@ def _within(delta: float, ref: float, dtype: torch.dtype, atol, rtol) -> tuple:
     return delta <= tol, tol
 
 
+def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """Of two dtypes, the one whose tolerance applies: the less precise floating one (a value
+    computed in bf16 and reduced in fp32 is as good as bf16)."""
+    if not (a.is_floating_point and b.is_floating_point):
+        return a
+    return max(a, b, key=lambda d: torch.finfo(d).eps)
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    """``tree`` with its floating tensors cast to ``dtype`` (differentiably)."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+                         tree)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -453,20 +469,30 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
         _same_model_on_all_ranks(model, group)
 
     # --- eager -----------------------------------------------------------------------------
+    mp = config.mp_policy if config is not None else None
     eager = copy.deepcopy(model).to(device)
     for p in eager.parameters():
         p.grad = None  # gradients the user's model holds are not this step's
+        if mp is not None and mp.param_dtype is not None and p.is_floating_point():
+            p.data = p.data.to(mp.param_dtype)  # FSDP2's mixed precision, unsharded
     init_params = {f: p.detach().clone() for f, p in eager.named_parameters()}
     init_buffers = {f: b.detach().clone() for f, b in eager.named_buffers()}
     e_in = _fresh(example_inputs)
+    if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+        e_in = _cast_floating(e_in, mp.param_dtype)
     args, kwargs = _split(e_in)
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
         e_out = eager(*args, **kwargs)
+    if mp is not None and mp.output_dtype is not None:
+        e_out = _cast_floating(e_out, mp.output_dtype)
     tangents = _tangents(e_out, loss_fn)
     _backward(e_out, tangents)
     trainable = [(f, p) for f, p in eager.named_parameters() if p.requires_grad]
-    local_grads = {f: (p.grad.detach().clone() if p.grad is not None else None)
+    # gradients are reduced in the reduce dtype, as the compiled step reduces them
+    reduce = mp.reduce_dtype or mp.param_dtype if mp is not None else None
+    local_grads = {f: (p.grad.detach().to(reduce or p.grad.dtype, copy=True)
+                       if p.grad is not None else None)
                    for f, p in trainable}
     eager_grads = _average(local_grads, dict(trainable), group, world)
 
@@ -695,7 +721,7 @@ def _localise(eager_model, sharded, init_params, init_buffers, example_inputs, t
         if ref is None or not isinstance(val, torch.Tensor):
             continue
         delta, mag = _max_delta(ref, val), _max_abs(ref)
-        ok, _ = _within(delta, mag, ref.dtype, atol, rtol)
+        ok, _ = _within(delta, mag, _coarser(ref.dtype, val.dtype), atol, rtol)
         if not ok and capture_diff is None:
             capture_diff = Difference(
                 stage="capture", node=node.name, graph="joint", op=_op_name(node),

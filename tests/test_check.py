@@ -85,6 +85,22 @@ def test_gpt_passes_and_the_graphs_agree_node_by_node():
     assert "OK" in text and "blocks.1.fc.weight" in text and "atol 1e-05, rtol 0.0001" in text
 
 
+def test_mixed_precision_is_compared_with_eager_under_the_same_policy():
+    """The reference is the model with its parameters in param_dtype, outputs cast to
+    output_dtype and gradients reduced in reduce_dtype, as FSDP2 computes: the GPT matches it
+    exactly, node by node, and each gradient is judged at bf16's tolerance."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                              output_dtype=torch.float32)
+    torch.manual_seed(0)
+    report = autoshard.check(GPT(), (torch.randint(0, 96, (2, 16)),), localise=True,
+                             config=Config(policy="module", mp_policy=mp))
+    assert report.ok and report.first_difference is None, str(report)
+    assert all(r.dtype == "bfloat16" and r.max_delta == 0 for r in report.params)
+    assert "bfloat16: atol 0.001, rtol 0.02" in str(report)
+
+
 def test_mlp_passes_with_the_default_config_and_a_user_loss():
     model, inputs = _mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
