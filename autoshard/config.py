@@ -81,7 +81,8 @@ class Config:
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
-        30 minutes). A group you created keeps the timeout you gave it.
+        30 minutes); ranks still get 10 minutes to start and meet. A group you created
+        keeps the timeout you gave it.
     """
 
     policy: str = "auto"

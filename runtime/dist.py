@@ -41,7 +41,10 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl" if cuda else "gloo"
         if present:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout_s),
+                                    rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         else:
             if not _said_single:
                 warnings.warn(
@@ -54,6 +57,22 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
                                     timeout=datetime.timedelta(seconds=timeout_s))
     device_type = "cuda" if cuda and "nccl" in str(dist.get_backend()) else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+RENDEZVOUS_S = 600  # how long ranks may take to start and meet, whatever Config.timeout is
+
+
+def _rendezvous_store(rank: int, world: int, timeout_s: float):
+    """torchrun's store (MASTER_ADDR:MASTER_PORT), as ``env://`` makes it: a client of the
+    elastic agent's store where torchrun hosts one, else hosted by rank 0. Its timeout is
+    the rendezvous's, not the collectives': with ``Config(timeout=3)`` a rank that takes
+    longer than 3 s to import and start must still find the others."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=rank == 0 and not agent,
+        timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_S)),
+        **({} if agent else {"multi_tenant": True}))
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

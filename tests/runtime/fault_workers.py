@@ -81,9 +81,13 @@ def fault_worker(rank, world, cases):
 
 
 def hang_worker(rank, world, case):
-    """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op)."""
+    """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op).
+    Inside: rank 1 also starts late, past the timeout, which bounds collectives, not the
+    ranks meeting."""
     timeout = 3.0
     if case == "inside":
+        if rank == 1:
+            time.sleep(timeout + 2)
         model = _model(timeout, stall_s=6.0 if rank == 1 else 0.0)
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
