@@ -23,8 +23,9 @@ Resharding ("auto"): every unit but the one gathered last in forward frees its p
 the forward and gathers them again in the backward. With ``reshard_after_forward="search"``, a
 candidate that fits with communication exposed is tried once more with every unit kept from
 forward to backward (no backward all-gathers) when that surely fits: its peak plus every
-resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the device first and, with no
-``Config.offload_policy``, again with the state in host memory only if nothing fits.
+resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the
+device first and, with no ``Config.offload_policy``, again with the state in host memory only
+if nothing fits.
 
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> ... -> split
                                                  -> simulate -> (time, peak) -> keep best
