@@ -141,11 +141,16 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as the graph runs it: copy engines do not overlap it yet
         return tensor_bytes(node.meta.get("val")) / profile.host_bandwidth
-    flops = _flops(node)
-    moved = tensor_bytes(node.meta.get("val")) + sum(
-        tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
-    )
+    work = node.meta.get(_WORK)
+    if work is None:  # kept with the node: its op and its values' shapes do not change
+        moved = tensor_bytes(node.meta.get("val")) + sum(
+            tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+        work = node.meta[_WORK] = (_flops(node), moved)
+    flops, moved = work
     return max(flops / (profile.matmul_flops * profile.efficiency), moved / profile.mem_bandwidth)
+
+
+_WORK = "autoshard_work"  # node.meta key: (flops, bytes moved), computed once per node
 
 
 # --- calibration ------------------------------------------------------------------------------

@@ -43,24 +43,36 @@ def _aliased_arg(node: fx.Node) -> Optional[fx.Node]:
     if target is operator.getitem:
         src = node.args[0]
         return src if isinstance(src, fx.Node) and _aliased_arg(src) is not None else None
+    slots = _ALIAS_SLOTS.get(target)
+    if slots is None:
+        slots = _ALIAS_SLOTS[target] = _alias_slots(target)
+    for i, name in slots:
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        if isinstance(val, fx.Node):
+            return val
+    return None
+
+
+_ALIAS_SLOTS: dict = {}  # op -> its arguments the output may alias, from the schema
+
+
+def _alias_slots(target) -> tuple:
+    """``((position, name), ...)`` of the arguments whose storage ``target``'s output
+    shares, in schema order (the first one given as a node is the one)."""
     if not isinstance(target, torch._ops.OpOverload):
-        return None
-    if target is torch.ops._c10d_functional.wait_tensor.default:
-        return node.args[0]  # returns the very tensor the collective writes
+        return ()
     schema = target._schema
+    if target is torch.ops._c10d_functional.wait_tensor.default:
+        return ((0, schema.arguments[0].name),)  # the very tensor the collective writes
     if not schema.returns:
-        return None
+        return ()
     ret_alias = schema.returns[0].alias_info
     if target is torch.ops.aten._unsafe_view.default:
         ret_alias = True  # shares storage in practice though the schema says it does not
     if ret_alias is None:
-        return None
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None or (ret_alias is True and i == 0):
-            val = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            if isinstance(val, fx.Node):
-                return val
-    return None
+        return ()
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if a.alias_info is not None or (ret_alias is True and i == 0))
 
 
 # ops that update some inputs in place although their schema does not say so (BatchNorm's

@@ -128,8 +128,14 @@ def auto_candidates(gm, ctx, order, options) -> list:
 
 def auto_units(gm, ctx, order, options) -> list:
     """The grouping for this attempt: the ``options["candidate"]``-th candidate whose lower
-    bound fits the budget (see the module docstring)."""
-    cands = auto_candidates(gm, ctx, order, options)
+    bound fits the budget (see the module docstring). ``options["auto_cache"]``, a dict, keeps
+    the candidates between attempts on the same graph."""
+    cache = options.get("auto_cache")  # the planner's, one per recomputation choice
+    cands = cache.get("candidates") if cache is not None else None
+    if cands is None:
+        cands = auto_candidates(gm, ctx, order, options)
+        if cache is not None:
+            cache["candidates"] = cands
     finest = next(c for c in cands if len(c[2]) == len(order))  # one unit per parameter
     fitting = [c for c in cands if c[1] <= ctx.memory_budget and c is not finest]
     if len(gm.graph.nodes) > BIG_GRAPH:

@@ -152,7 +152,7 @@ def _search(gm, ctx, options, candidates: list, best):
         record it, and keep it if it is the best so far."""
         nonlocal best
         cctx = dataclasses.replace(ctx, reshard_after_forward=reshard)
-        passes = [p for p in default_passes(config, candidate=k)
+        passes = [p for p in default_passes(config, candidate=k, auto_cache=cache)
                   if p[0] is not recompute_activations_pass]  # done already, per choice
         out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
         pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.sim_static_bytes,
@@ -176,6 +176,7 @@ def _search(gm, ctx, options, candidates: list, best):
         return a[0].total < b[0].total if a_fits else a[0].peak_bytes < b[0].peak_bytes
 
     for i, (label, modes) in enumerate(choices):
+        cache = {}  # the unit candidates, computed once per choice
         base = clone_graph(gm)
         if modes is not None:
             base = run_passes(base, dataclasses.replace(ctx),
