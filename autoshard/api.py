@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat
+from autoshard import _compat, depth
 from autoshard.config import offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan
@@ -166,9 +166,11 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None, may_offload=True):
+                 aliases=None, progress=None, may_offload=True, from_shallow=False):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
+    ``from_shallow``: build a deep stack of identical blocks from a few traced ones
+    (``autoshard.depth``) instead of tracing them all.
 
     The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
     recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
@@ -178,13 +180,24 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say = progress or (lambda msg: None)
     mp = config.mp_policy
     specs = param_specs(model, mp, mesh_shape=(world_size,), offload=offloads(config))
-    say(f"capturing the training step ({len(specs)} parameters)")
-    cap = capture(
-        model, forward, specs, dict(model.named_buffers()), args, kwargs,
-        device=device, with_grad=torch.is_grad_enabled(),
-        input_dtype=mp.param_dtype if mp is not None and mp.cast_forward_inputs else None,
-        output_dtype=mp.output_dtype if mp is not None else None,
-    )
+
+    def trace(specs):
+        return capture(
+            model, forward, specs, dict(model.named_buffers()), args, kwargs,
+            device=device, with_grad=torch.is_grad_enabled(),
+            input_dtype=mp.param_dtype if mp is not None and mp.cast_forward_inputs else None,
+            output_dtype=mp.output_dtype if mp is not None else None,
+        )
+
+    stack = depth.block_stack(model) if from_shallow else None
+    cap = None
+    if stack is not None:
+        say(f"capturing the training step with {depth.SHALLOW} and {depth.SHALLOW + 1} of "
+            f"the {stack[1]} blocks of {stack[0]}, to build all {stack[1]} from")
+        cap = depth.capture_deep(model, *stack, specs, trace, say)
+    if cap is None:
+        say(f"capturing the training step ({len(specs)} parameters)")
+        cap = trace(specs)
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
     budget = config.memory_budget or profile.memory
@@ -308,7 +321,7 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
         args, kwargs = _split_inputs(inputs)
         return compile_step(model, type(model).forward, args, kwargs, world_size=world_size,
                             group_name="plan", device=device, config=cfg,
-                            progress=progress)[2]
+                            progress=progress, from_shallow=True)[2]
 
     p = one(example_inputs, config)
     if make_inputs is not None:
