@@ -132,11 +132,17 @@ def tensor_bytes(v) -> int:
     return 0
 
 
+# ops that only allocate: their memory is written by the op that fills it
+_NO_WORK = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.new_empty.default}
+
+
 def node_time(node: fx.Node, profile: DeviceProfile) -> float:
     """Predicted seconds of one compute node (0 for views, placeholders and comm steps)."""
     if node.op != "call_function" or meta.is_collective_issue(node) or meta.is_wait(node):
         return 0.0
-    if meta.is_free(node) or _aliased_arg(node) is not None:
+    if meta.is_free(node) or _aliased_arg(node) is not None or node.target in _NO_WORK:
+        return 0.0
+    if not isinstance(node.target, torch._ops.OpOverload):  # getitem: picks an output
         return 0.0
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as the graph runs it: copy engines do not overlap it yet
