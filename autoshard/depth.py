@@ -178,11 +178,7 @@ def unroll(small, path: str, depth: int, specs: list):
         raise NotRegular(f"the repeated block reads {n.name} of block {b} ({region})")
 
     def emit(n, j):
-        if n.op == "placeholder":
-            out = new.placeholder(n.name)
-        else:
-            out = new.node_copy(n, lambda x: copy_of(x, j))
-        out.meta = dict(n.meta)
+        out = _compat.node_copy(new, n, lambda x: copy_of(x, j))
         if j is not None and j != copies[0]:  # a value of its own: make_fx (splice) traces
             out.meta["val"] = _fresh(n.meta.get("val"))  # one tensor given twice as one
         tags = dict(meta.tags(n))
@@ -266,11 +262,7 @@ def _fresh(v):
     """A fake tensor like ``v`` (shape, strides, dtype, device) that is not ``v``."""
     if isinstance(v, (list, tuple)):
         return type(v)(_fresh(x) for x in v)
-    if not isinstance(v, torch.Tensor):
-        return v
-    with v.fake_mode:
-        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device,
-                                   requires_grad=v.requires_grad)
+    return _compat.fake_like(v) if isinstance(v, torch.Tensor) else v
 
 
 def _at(fqn: str, path: str, b: int, deep: int) -> str:

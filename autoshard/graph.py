@@ -120,6 +120,24 @@ def writes_input(n: fx.Node) -> bool:
     return bool(written_inputs(n))
 
 
+def param_derived(gm: fx.GraphModule, kept=frozenset()) -> dict:
+    """Forward nodes computed from parameters (and buffers) alone, at least one of them not in
+    ``kept`` (``t(w)``, casts, views), in graph order: as dict keys."""
+    derived = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not meta.is_forward(n):
+            continue
+        ins = n.all_input_nodes
+        if not ins or writes_input(n):
+            continue
+        if all(meta.is_param(a) or meta.is_buffer(a) or a in derived for a in ins) and any(
+            (meta.is_param(a) and meta.tag(a, meta.FQN) not in kept) or a in derived
+            for a in ins
+        ):
+            derived[n] = True
+    return derived
+
+
 def alias_base(node: fx.Node) -> fx.Node:
     """The node that owns the storage ``node`` reads (itself unless it is a view)."""
     seen = set()
@@ -214,8 +232,8 @@ def splice(
                 mapped = [env[x] if isinstance(x, fx.Node) else x for x in flat]
                 out = tree_unflatten(mapped, spec)
             else:
-                new = gm.graph.node_copy(n, lambda x: env[x])
-                new.meta = {"val": n.meta.get("val")}
+                new = _compat.node_copy(gm.graph, n, lambda x: env[x],
+                                        meta={"val": n.meta.get("val")})
                 t = tag(n) if callable(tag) else tag
                 if t:
                     meta.tags(new).update(t)
@@ -267,11 +285,7 @@ def clone_graph(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     env = {}
     for n in gm.graph.nodes:
-        if n.op == "output":
-            new = graph.output(fx.node.map_arg(n.args[0], lambda a: env[a]))
-        else:
-            new = graph.node_copy(n, lambda a: env[a])
-        new.meta = dict(n.meta)
+        new = _compat.node_copy(graph, n, lambda a: env[a])
         if meta.KEY in n.meta:
             new.meta[meta.KEY] = dict(n.meta[meta.KEY])
         env[n] = new
@@ -297,8 +311,7 @@ def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:
         if n not in place:
             continue
         with graph.inserting_before(place[n]):
-            c = graph.node_copy(n, lambda a: copies.get(a, a))
-        c.meta = dict(n.meta)
+            c = _compat.node_copy(graph, n, lambda a: copies.get(a, a))
         c.meta[meta.KEY] = {**meta.tags(n), meta.REGION: meta.BWD,
                             meta.RECOMPUTED: n.name}
         copies[n] = c

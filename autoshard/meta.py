@@ -65,7 +65,8 @@ def tags(node: fx.Node) -> dict:
 
 
 def tag(node: fx.Node, name: str, default: Any = None) -> Any:
-    return node.meta.get(KEY, {}).get(name, default)
+    tags = node.meta.get(KEY)
+    return default if tags is None else tags.get(name, default)
 
 
 def role(node: fx.Node) -> Optional[str]:
