@@ -137,27 +137,25 @@ class _Sim:
                 self.tc += dur
                 self.busy += dur
 
-    def run(self, gm: fx.GraphModule, gname: str, sids: dict, hold_outputs: bool = True):
-        """Run one graph; ``sids`` maps its placeholders to storages already held (None for
-        static ones). Returns the storage held for each returned value (one reference per
-        returned position), or nothing when ``hold_outputs`` is False."""
+    def run(self, nodes: list, outputs: list, gname: str, sids: dict,
+            hold_outputs: bool = True, uncounted=()):
+        """Run ``nodes`` (a graph's, in order, without its output node) returning
+        ``outputs``; ``sids`` maps the values they read from elsewhere (placeholders, or a
+        forward's saved values) to storages already held (None for static ones),
+        ``uncounted`` are nodes whose values are not counted. Returns the storage held for
+        each returned value (one reference per returned position), or nothing when
+        ``hold_outputs`` is False (what only the output reads dies as soon as it is made)."""
         mem = self.mem
-        nodes = list(gm.graph.nodes)
-        out = nodes[-1]
         last = {}
         for i, n in enumerate(nodes):
-            if n is out and not hold_outputs:
-                break  # what only the output reads dies as soon as it is made
             for a in n.all_input_nodes:
                 last[a] = i
-        returned = set(out.all_input_nodes) if hold_outputs else set()
+        returned = {a for a in outputs if isinstance(a, fx.Node)} if hold_outputs else set()
         for i, n in enumerate(nodes):
             if n.op == "placeholder":
-                if sids.get(n) is not None and not n.users:
+                if sids.get(n) is not None and n not in last and n not in returned:
                     mem.release(sids[n])
                 continue
-            if n.op == "output":
-                break
             self.step_time(n, gname)
             while self.scratch and self.scratch[0][0] <= self.tc:
                 mem.release(self.scratch.pop(0)[1])
@@ -171,7 +169,7 @@ class _Sim:
                     mem.free(sids[t])
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 src = _aliased_arg(n)
-                sids[n] = sids.get(src) if src is not None else n
+                sids[n] = sids.get(src) if src is not None else (None if n in uncounted else n)
                 if sids[n] is not None:  # a gradient shard copied out lands in host memory
                     mem.acquire(sids[n], _size(n), host=meta.tag(n, meta.COMM) == meta.D2H)
             self.timeline.append([self.tc, mem.total, gname, n.name])
@@ -187,7 +185,7 @@ class _Sim:
         self.close_group()
         if not hold_outputs:
             return []
-        held = [sids.get(a) if isinstance(a, fx.Node) else None for a in out.args[0]]
+        held = [sids.get(a) if isinstance(a, fx.Node) else None for a in outputs]
         for sid in held:
             if sid is not None:
                 mem.acquire(sid, 0)
@@ -210,21 +208,54 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, static_bytes: int
     """``static_bytes``: what each rank holds throughout the step on the device (parameter
     shards, optimizer state, buffers, inputs), ``host_bytes`` in host memory (offloaded shards
     and optimizer state); the forward's first ``n_user_outputs`` outputs are the user's."""
+    def body(gm):
+        nodes = list(gm.graph.nodes)
+        return nodes[:-1], list(nodes[-1].args[0])
+
+    fwd_nodes, fwd_out = body(fwd)
+    bwd_part = None
+    if bwd is not None:
+        nodes, out = body(bwd)
+        phs = [n for n in nodes if n.op == "placeholder"]
+        n_saved = len(phs) - sum(meta.is_tangent(p) for p in phs)
+        bwd_part = (nodes, out, phs[:n_saved])
+    return _simulate(fwd_nodes, fwd_out, bwd_part, profile, static_bytes, n_user_outputs,
+                     host_bytes)
+
+
+def simulate_joint(joint: fx.GraphModule, profile: DeviceProfile, static_bytes: int,
+                   host_bytes: int = 0) -> Prediction:
+    """``simulate`` of the program ``autoshard.passes.split`` would make of ``joint``, without
+    making it (the same prediction: the same nodes in the same order with the same saved
+    values)."""
+    from autoshard.passes.split import partition
+
+    part = partition(joint)
+    n_user = sum(part.roles[i][meta.ROLE] == meta.OUT_FWD for i in part.fwd_idx)
+    bwd = (part.bwd, part.bwd_outputs(), part.saved) if part.bwd else None
+    return _simulate(part.fwd, part.fwd_outputs(), bwd, profile, static_bytes, n_user,
+                     host_bytes)
+
+
+def _simulate(fwd_nodes, fwd_out, bwd, profile, static_bytes, n_user_outputs, host_bytes):
+    """``bwd``: None, or (its nodes, its outputs, the values standing for the forward's saved
+    ones, in the order the forward returns them after its user outputs and buffers)."""
     sim = _Sim(profile, static_bytes, host_bytes)
-    held = sim.run(fwd, "fwd", {n: None for n in fwd.graph.nodes if n.op == "placeholder"})
+    held = sim.run(fwd_nodes, fwd_out, "fwd",
+                   {n: None for n in fwd_nodes if n.op == "placeholder"})
     user, rest = held[:n_user_outputs], held[n_user_outputs:]
     if bwd is not None:
-        phs = [n for n in bwd.graph.nodes if n.op == "placeholder"]
-        tangents = [p for p in phs if meta.is_tangent(p)]
-        n_saved = len(phs) - len(tangents)
+        nodes, out, saved = bwd
+        n_saved = len(saved)
         for sid in rest[: len(rest) - n_saved]:  # mutated buffers: copied in, then dropped
             if sid is not None:
                 sim.mem.release(sid)
-        sids = dict(zip(phs[:n_saved], rest[len(rest) - n_saved:]))
-        for p in tangents:  # made by the loss's backward
-            sids[p] = ("tangent", p.name)
-            sim.mem.acquire(sids[p], _size(p))
-        sim.run(bwd, "bwd", sids)
+        sids = dict(zip(saved, rest[len(rest) - n_saved:]))
+        for p in nodes:  # made by the loss's backward
+            if meta.is_tangent(p):
+                sids[p] = ("tangent", p.name)
+                sim.mem.acquire(sids[p], _size(p))
+        sim.run(nodes, out, "bwd", sids)
     for sid in user:
         if sid is not None:
             sim.mem.release(sid)
@@ -234,11 +265,23 @@ def simulate(fwd: fx.GraphModule, bwd, profile: DeviceProfile, static_bytes: int
 def activation_peak(joint: fx.GraphModule) -> int:
     """Peak bytes of everything but the parameters over the joint graph (before collectives):
     what a step holds besides the model state and the gathered units."""
+    return activations(joint)[0]
+
+
+def activations(joint: fx.GraphModule) -> tuple:
+    """``(peak, live)``: the activation peak (``activation_peak``) and, per node name, the
+    activation bytes live while the node runs (its output included). Values computed from
+    parameters alone are not counted: the step recomputes them where the backward reads
+    them (``autoshard.passes.collectives``), so what is counted is live in any plan."""
+    from autoshard.graph import param_derived
+
     sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:
         if meta.is_tangent(n):
             sids[n] = n
             sim.mem.acquire(n, _size(n))
-    sim.run(joint, "joint", sids, hold_outputs=False)
-    return sim.peak
+    nodes = list(joint.graph.nodes)
+    sim.run(nodes[:-1], list(nodes[-1].args[0]), "joint", sids, hold_outputs=False,
+            uncounted=param_derived(joint))
+    return sim.peak, {name: live for _, live, _, name in sim.timeline}

@@ -68,8 +68,11 @@ def _op_counts(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_each: bool = False):
-    """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph."""
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_each: bool = False,
+               lint: bool = True):
+    """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph;
+    ``lint``: check the graph's wiring after each (the planner's candidates skip it unless
+    verifying: the plan it returns is checked by the pass that chose it)."""
     level = debug_level()
     verify_each = verify_each or level > 0 or os.environ.get("AUTOSHARD_VERIFY") == "1"
     for i, (fn, options) in enumerate(passes):
@@ -77,7 +80,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_eac
         n_before = len(gm.graph.nodes)
         t0 = time.perf_counter()
         gm = fn(gm, ctx, options=options or {})
-        gm.graph.lint()
+        if lint or verify_each:
+            gm.graph.lint()
         if getattr(fn, "reorder_only", False) and len(gm.graph.nodes) != n_before:
             raise AssertionError(f"{fn.__name__} is reorder-only but changed the node count")
         if verify_each:
@@ -95,12 +99,15 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_eac
     return gm
 
 
-def default_passes(config, **unit_options) -> list:
-    units = {
-        "units": config.units, "policy": config.policy, "module_classes": config.module_classes,
-        "module_pattern": config.module_pattern, "min_unit_numel": config.min_unit_numel,
-        **unit_options,
-    }
+def unit_options(config) -> dict:
+    """``assign_units_pass``'s options from a Config."""
+    return {"units": config.units, "policy": config.policy,
+            "module_classes": config.module_classes, "module_pattern": config.module_pattern,
+            "min_unit_numel": config.min_unit_numel}
+
+
+def default_passes(config, **unit_extra) -> list:
+    units = {**unit_options(config), **unit_extra}
     # recomputation first: it decides the activation memory the unit choice works with
     passes = [(recompute_activations_pass, {})] if config.recompute else []
     passes.append((assign_units_pass, units))

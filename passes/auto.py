@@ -10,8 +10,10 @@ an exact dynamic program over contiguous groups of parameters in order of first 
 The candidates are these DP groupings for a ladder of caps (half the model, a quarter, ...)
 plus the fixed policies' groupings (module, size, per-parameter, whole-model: some are not
 contiguous in use order, like a module policy's root unit). Candidates whose lower bound on
-peak memory (model state plus the larger of the activation peak and the largest unit) exceeds
-the budget are dropped; the rest are tried fastest first through the full pipeline and its
+peak memory exceeds the budget are dropped: the model state plus the largest of the activation
+peak and, per unit, its gathered bytes with the activations live at its first forward read
+(all its parameters are gathered then), or twice its gathered bytes for a unit of several
+parameters over several ranks (unpacking copies out of the buffer); the rest are tried fastest first through the full pipeline and its
 memory simulation (``autoshard.passes.plan``), and the fastest that fits wins. So "auto" is never
 predicted slower than a fixed policy that fits, and what it picks is checked, not estimated.
 Complexity: O(P * K) segment evaluations per cap for P parameters and at most K parameters per
@@ -23,6 +25,8 @@ unit (O(P^2) for the largest cap), each O(dtypes) with prefix sums; for graphs o
 from __future__ import annotations
 
 import math
+
+import torch.fx as fx
 
 from autoshard.cost import collective_time
 from autoshard.spec import group_size
@@ -92,11 +96,32 @@ def _dp(order, seg: _Segments, cap: int) -> list:
 
 
 def auto_candidates(gm, ctx, order, options) -> list:
-    """Candidate groupings, fastest first: ``[(seconds, lower bound bytes, groups)]``."""
-    from autoshard.passes.units import _module_groups, _size_groups
-    from autoshard.simulate import activation_peak
+    """Candidate groupings, fastest first: ``[(seconds, lower bound bytes, groups)]``. The
+    groupings are kept in ``options["auto_cache"]["groupings"]`` when given (they depend on
+    the parameters' order of first use, not on the graph's activations); the graph's
+    ``autoshard.simulate.activations`` are read from ``["activations"]`` when there."""
+    from autoshard.simulate import activations
 
     specs = {p.fqn: p for p in ctx.captured.params}
+    known = options.get("auto_cache", {}).get("groupings", {})
+    if tuple(order) not in known:
+        known[tuple(order)] = _groupings(ctx, order, specs, options)
+    act, live = options.get("auto_cache", {}).get("activations") or activations(gm)
+    first = _first_forward_use(gm, live)
+    out = []
+    for groups in known[tuple(order)]:
+        t = sum(group_cost(g, specs, ctx.profile) for _, g in groups)
+        bound = max(_unit_floor(g, specs, first) for _, g in groups)
+        out.append((t, ctx.static_bytes + max(act, bound), groups))
+    out.sort(key=lambda c: (c[0], -len(c[2])))
+    return out
+
+
+def _groupings(ctx, order, specs, options) -> list:
+    """Every candidate grouping of the parameters ``order`` (in first-use order), once each:
+    the fixed policies' and the DP's for each cap."""
+    from autoshard.passes.units import _module_groups, _size_groups
+
     profile = ctx.profile
     seg = _Segments(order, specs, profile)
     total = seg.size[-1]
@@ -112,35 +137,117 @@ def auto_candidates(gm, ctx, order, options) -> list:
     for cap in sorted(caps, reverse=True):
         groups = _dp(order, seg, cap)
         groupings.append([(f"group{k}", g) for k, g in enumerate(groups)])
-    act = activation_peak(gm)
     out, seen = [], set()
     for groups in groupings:
         key = tuple(tuple(g) for _, g in groups)
-        if key in seen:
-            continue
-        seen.add(key)
-        t = sum(group_cost(g, specs, profile) for _, g in groups)
-        biggest = max(unit_bytes(g, specs) for _, g in groups)
-        out.append((t, ctx.static_bytes + max(act, biggest), groups))
-    out.sort(key=lambda c: (c[0], -len(c[2])))
+        if key not in seen:
+            seen.add(key)
+            out.append(groups)
     return out
 
 
-def auto_units(gm, ctx, order, options) -> list:
-    """The grouping for this attempt: the ``options["candidate"]``-th candidate whose lower
-    bound fits the budget (see the module docstring). ``options["auto_cache"]``, a dict, keeps
-    the candidates between attempts on the same graph."""
-    cache = options.get("auto_cache")  # the planner's, one per recomputation choice
-    cands = cache.get("candidates") if cache is not None else None
-    if cands is None:
-        cands = auto_candidates(gm, ctx, order, options)
-        if cache is not None:
-            cache["candidates"] = cands
+def _first_forward_use(gm, live: dict) -> dict:
+    """Per parameter FQN, ``(position, activation bytes live)`` at its first forward read
+    (``live``: per node name, ``autoshard.simulate.activations``); None if none."""
+    from autoshard import meta
+
+    out = {}
+    for i, n in enumerate(gm.graph.nodes):
+        if meta.is_param(n):
+            out[meta.tag(n, meta.FQN)] = None
+        for a in n.all_input_nodes if meta.is_forward(n) else ():
+            if meta.is_param(a) and out.get(meta.tag(a, meta.FQN)) is None:
+                out[meta.tag(a, meta.FQN)] = (i, live.get(n.name, 0))
+    return out
+
+
+def _unit_floor(fqns, specs, first: dict) -> int:
+    """Bytes that one unit's parameters surely need at once besides the model state: all of
+    them are gathered when the first is read, beside the activations live then; and a unit
+    of several parameters over several ranks is unpacked by copying out of its buffer, so
+    buffer and copies are live together (per dtype)."""
+    reads = [first[f] for f in fqns if first.get(f) is not None]
+    floor = unit_bytes(fqns, specs) + (min(reads)[1] if reads else 0)
+    by_dtype = {}
+    for f in fqns:
+        if specs[f].sharded and specs[f].shards > 1:
+            by_dtype.setdefault(specs[f].compute_dtype, []).append(f)
+    for group in by_dtype.values():
+        if len(group) > 1:
+            floor = max(floor, 2 * unit_bytes(group, specs))
+    return floor
+
+
+def tries(gm, ctx, options, order=None) -> list:
+    """The candidates the planner tries on this graph, in order: those whose lower bound fits
+    the budget, fastest first (at most ``MAX_TRIES - 1`` for graphs over ``BIG_GRAPH`` nodes),
+    then one unit per parameter, the least memory a plan needs. ``[(seconds, bound, groups)]``,
+    kept in ``options["auto_cache"]`` (a dict, one per graph) when given."""
+    cache = options.get("auto_cache")
+    if cache is not None and "tries" in cache:
+        return cache["tries"]
+    if order is None:
+        from autoshard import meta
+        from autoshard.passes.units import _first_use_order
+
+        order = [meta.tag(n, meta.FQN) for n in _first_use_order(gm)]
+    cands = auto_candidates(gm, ctx, order, options)
     finest = next(c for c in cands if len(c[2]) == len(order))  # one unit per parameter
     fitting = [c for c in cands if c[1] <= ctx.memory_budget and c is not finest]
     if len(gm.graph.nodes) > BIG_GRAPH:
         fitting = fitting[: MAX_TRIES - 1]
-    fitting.append(finest)  # the least memory any plan needs: always tried last
+    fitting.append(finest)
+    if cache is not None:
+        cache["tries"] = fitting
+    return fitting
+
+
+def copy_floor(groups, specs, profile, read, reshard) -> float:
+    """Seconds a grouping surely adds to the step's compute: an all-gather of several
+    parameters over several ranks is unpacked by copying each out of the buffer (in the
+    forward, and again in the backward for a unit resharded after the forward: ``reshard`` as
+    ``Config.reshard_after_forward``, "auto" keeping one unit), and a reduce-scatter of
+    several gradients packs them by copying into one (each a read and a write at memory
+    bandwidth, as ``autoshard.cost.node_time`` counts a copy). ``read``: the parameters the
+    forward reads (the others are not gathered there)."""
+    moved, unpacks = 0, []
+    for _, fqns in groups:
+        many = [specs[f] for f in fqns
+                if f in read and specs[f].sharded and specs[f].shards > 1]
+        gathers, reduces = {}, {}
+        for s in many:
+            gathers.setdefault(s.compute_dtype, []).append(s.gathered_bytes())
+            if s.requires_grad:
+                reduces.setdefault((s.reduce_dtype, s.dtype), []).append(s.reduced_bytes)
+        unpacks.append(sum(2 * sum(b) for b in gathers.values() if len(b) > 1))
+        moved += sum(2 * sum(b) for b in reduces.values() if len(b) > 1)
+    moved += sum(unpacks)
+    if reshard is not False:  # the backward's all-gathers
+        moved += sum(unpacks) - (max(unpacks, default=0) if reshard == "auto" else 0)
+    return moved / profile.mem_bandwidth
+
+
+def gradient_copies(gm, specs, profile) -> float:
+    """Seconds every plan spends copying gradients into reduce-scatter layout, whatever its
+    units: a gradient that is not contiguous (a weight's, computed transposed) or whose rows
+    are padded to a multiple of the ranks is copied before it is sent."""
+    from autoshard import meta
+
+    out = meta.output_node(gm)
+    moved = 0
+    for v, r in zip(out.args[0], meta.tags(out)[meta.OUTPUTS]):
+        spec = specs.get(r.get(meta.FQN)) if r[meta.ROLE] == meta.OUT_GRAD else None
+        val = v.meta.get("val") if isinstance(v, fx.Node) else None
+        if spec is None or not spec.sharded or spec.shards == 1 or val is None:
+            continue
+        if not val.is_contiguous() or spec.layout.padded_rows != spec.shape[0]:
+            moved += 2 * spec.reduced_bytes
+    return moved / profile.mem_bandwidth
+
+
+def auto_units(gm, ctx, order, options) -> list:
+    """The grouping for this attempt: the ``options["candidate"]``-th of ``tries``."""
+    fitting = tries(gm, ctx, options, order)
     k = options.get("candidate", 0)
     ctx.auto_tries_left = len(fitting) - k - 1
     return fitting[k][2]

@@ -12,10 +12,10 @@ from autoshard.graph import (
     alias_closure,
     copy_into_backward,
     insert_free,
+    param_derived,
     positions,
     splice,
     storage_roots,
-    writes_input,
 )
 
 # the out= form: it reaches the backend's plain all-gather (``_allgather_base``, what FSDP2
@@ -60,18 +60,7 @@ def _recompute_param_derived(gm: fx.GraphModule, kept: set) -> None:
     backward that reads them, so no gathered parameter or view of one is saved across; those
     computed from ``kept`` parameters (gathered across anyway) alone stay."""
     graph = gm.graph
-    derived = {}
-    for n in graph.nodes:
-        if n.op != "call_function" or not meta.is_forward(n):
-            continue
-        ins = n.all_input_nodes
-        if not ins or writes_input(n):
-            continue
-        if all(meta.is_param(a) or meta.is_buffer(a) or a in derived for a in ins) and any(
-            (meta.is_param(a) and meta.tag(a, meta.FQN) not in kept) or a in derived
-            for a in ins
-        ):
-            derived[n] = True
+    derived = param_derived(gm, kept)
     if not derived:
         return
     copy_into_backward(gm, list(derived))

@@ -88,6 +88,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     chosen (the caller says what it needs). Does nothing else to ``gm``.
     """
     from autoshard.config import offloads
+    from autoshard.passes.split import split_pass
 
     config = options["config"]
     settings = [True] if offloads(config) else [False]
@@ -100,6 +101,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         best = _search(gm, _with_offload(ctx, offload, config, options), options, candidates,
                        best)
     pred, out, chosen = best
+    split_pass(out, chosen, options={})
     chosen_at = next(i for i, c in enumerate(candidates) if c.pop("best", False))
     for i, c in enumerate(candidates):
         c["chosen"] = i == chosen_at
@@ -132,10 +134,13 @@ def _with_offload(ctx, offload: bool, config, options):
 def _search(gm, ctx, options, candidates: list, best):
     """Every recomputation choice and unit candidate for one placement of the state; appends
     to ``candidates`` and returns the better of ``best`` and what it found."""
-    from autoshard.passes import default_passes, recompute_activations_pass, run_passes
+    from autoshard import meta
+    from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
+                                  split_pass, unit_options)
+    from autoshard.passes.auto import copy_floor, gradient_copies, tries
     from autoshard.passes.units import repeated_blocks
     from autoshard.cost import node_time
-    from autoshard.simulate import activation_peak, simulate
+    from autoshard.simulate import activations, simulate_joint
 
     config, verify = options["config"], options.get("verify", False)
     blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
@@ -145,18 +150,20 @@ def _search(gm, ctx, options, candidates: list, best):
     budget = ctx.memory_budget
     offload = ctx.offload
 
-    gathered = {p.fqn: p.gathered_bytes() for p in ctx.captured.params}
+    specs = {p.fqn: p for p in ctx.captured.params}
+    gathered = {f: p.gathered_bytes() for f, p in specs.items()}
 
     def evaluate(base, label, modes, k, reshard):
         """Run unit candidate ``k`` with ``reshard`` through the pipeline and simulate it;
         record it, and keep it if it is the best so far."""
         nonlocal best
         cctx = dataclasses.replace(ctx, reshard_after_forward=reshard)
+        # recomputation is done already, per choice; the chosen plan alone is split
         passes = [p for p in default_passes(config, candidate=k, auto_cache=cache)
-                  if p[0] is not recompute_activations_pass]  # done already, per choice
-        out = run_passes(clone_graph(base), cctx, passes, verify_each=verify)
-        pred = simulate(cctx.split.fwd, cctx.split.bwd, ctx.profile, ctx.sim_static_bytes,
-                        _user_outputs(cctx), ctx.state["host"] - ctx.state["host_grads"])
+                  if p[0] not in (recompute_activations_pass, split_pass)]
+        out = run_passes(clone_graph(base), cctx, passes, verify_each=verify, lint=False)
+        pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
+                              ctx.state["host"] - ctx.state["host_grads"])
         cctx.prediction, cctx.recompute = pred, (label, modes)
         candidates.append({"recompute": label, "offload": offload, "units": len(cctx.units),
                            "reshard": RESHARD[reshard], "step_s": pred.total,
@@ -175,15 +182,41 @@ def _search(gm, ctx, options, candidates: list, best):
             return a_fits
         return a[0].total < b[0].total if a_fits else a[0].peak_bytes < b[0].peak_bytes
 
+    bases, floors, acts = {}, {}, {}
+
+    def prepare(i):
+        """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
+        if i not in bases:
+            base = clone_graph(gm)
+            if choices[i][1] is not None:
+                base = run_passes(base, dataclasses.replace(ctx),
+                                  [(recompute_activations_pass, {"blocks": choices[i][1]})],
+                                  verify_each=verify)
+            acts[i] = activations(base)
+            bases[i], floors[i] = base, ctx.static_bytes + acts[i][0]
+        return bases[i], floors[i]
+
+    start = 0  # the first choice whose activations fit; each recomputes more than the one
+    if big:  # before, so its floor is lower: bisected on a big graph
+        lo, hi = 0, len(choices) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if prepare(mid)[1] > budget else (lo, mid)
+        start = lo
+    groupings = {}  # the unit groupings (autoshard.passes.auto), the same for every choice
     for i, (label, modes) in enumerate(choices):
-        cache = {}  # the unit candidates, computed once per choice
-        base = clone_graph(gm)
-        if modes is not None:
-            base = run_passes(base, dataclasses.replace(ctx),
-                              [(recompute_activations_pass, {"blocks": modes})],
-                              verify_each=verify)
+        if i < start and i not in floors:
+            j = min(k for k in floors if k > i and floors[k] > budget)
+            candidates.append({"recompute": label, "offload": offload, "units": None,
+                               "step_s": None, "peak_bytes": floors[j], "fits": False,
+                               "note": f"recomputes less than {choices[j][0]}, whose "
+                                       "activations alone exceed the budget"})
+            continue
+        base, floor = prepare(i)
+        del bases[i]
+        # and per choice, its activations and unit candidates, computed once
+        cache = {"groupings": groupings, "activations": acts.pop(i)}
         last_choice = i == len(choices) - 1
-        floor = ctx.static_bytes + activation_peak(base)
         if not last_choice and floor > budget:
             candidates.append({"recompute": label, "offload": offload, "units": None,
                                "step_s": None, "peak_bytes": floor, "fits": False,
@@ -196,8 +229,30 @@ def _search(gm, ctx, options, candidates: list, best):
                                "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
                                        "slower than the chosen plan"})
             continue
-        k = 0
-        while True:
+        if searching_units:
+            cands = tries(base, ctx, {**unit_options(config), "auto_cache": cache})
+        tried = set()
+        compute += gradient_copies(base, specs, ctx.profile)
+        read = {meta.tag(p, meta.FQN) for p in base.graph.nodes
+                if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
+
+        def attempt(k):
+            """Candidate ``k`` through the pipeline: whether it fits, or None when its compute
+            and copies alone are slower than the best plan that fits (not run)."""
+            tried.add(k)
+            if best is not None and best[0].peak_bytes <= budget:
+                floor_s = compute + (copy_floor(cands[k][2], specs, ctx.profile, read,
+                                                ctx.reshard_after_forward)
+                                     if searching_units else 0.0)
+                if floor_s >= best[0].total:
+                    candidates.append({
+                        "recompute": label, "offload": offload,
+                        "units": len(cands[k][2]) if searching_units else None,
+                        "step_s": None,
+                        "peak_bytes": cands[k][1] if searching_units else floor, "fits": None,
+                        "note": f"its compute and copies alone ({floor_s * 1e3:.1f} ms) are "
+                                "slower than the chosen plan"})
+                    return None
             cctx, pred = evaluate(base, label, modes, k, ctx.reshard_after_forward)
             fits = pred.peak_bytes <= budget
             # every unit kept from forward to backward saves the backward's all-gathers; tried
@@ -207,13 +262,21 @@ def _search(gm, ctx, options, candidates: list, best):
             if (fits and config.reshard_after_forward == "search" and pred.exposed_comm > 0
                     and 0 < held and pred.peak_bytes + held <= budget):
                 evaluate(base, label, modes, k, False)
-            if not searching_units or cctx.auto_tries_left == 0 or (fits and big):
-                break
-            k += 1
+            return fits
+
+        if not searching_units:
+            attempt(0)
+        elif big:  # the first that fits, by bisection: fastest first is most memory first
+            lo, hi = 0, len(cands) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if attempt(mid) is False:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo not in tried:
+                attempt(lo)
+        else:
+            for k in range(len(cands)):
+                attempt(k)
     return best
-
-
-def _user_outputs(ctx) -> int:
-    from autoshard import meta
-
-    return sum(r[meta.ROLE] == meta.OUT_FWD for r in ctx.split.fwd_roles)

@@ -24,9 +24,43 @@ class SplitProgram:
 
 def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:
     for n in nodes:
-        new = graph.node_copy(n, lambda a: env[a])
-        new.meta = n.meta
+        new = _compat.node_copy(graph, n, lambda a: env[a], meta=n.meta)
         env[n] = new
+
+
+@dataclasses.dataclass
+class Partition:
+    """The joint graph's nodes as the split runs them: ``fwd`` and ``bwd`` (in joint order,
+    placeholders included, the output node not), ``saved`` (forward nodes a backward node
+    reads, in joint order), the output ``values`` and their ``roles``, and which of them the
+    forward returns (``fwd_idx``: user outputs and mutated buffers) and the backward
+    (``bwd_idx``)."""
+
+    fwd: list
+    bwd: list
+    saved: list
+    values: list
+    roles: list
+    fwd_idx: list
+    bwd_idx: list
+
+    def fwd_outputs(self) -> list:
+        return [self.values[i] for i in self.fwd_idx] + self.saved
+
+    def bwd_outputs(self) -> list:
+        return [self.values[i] for i in self.bwd_idx]
+
+
+def partition(gm: fx.GraphModule) -> Partition:
+    out = meta.output_node(gm)
+    roles = meta.tags(out)[meta.OUTPUTS]
+    fwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_forward(n)]
+    bwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_backward(n)]
+    bwd_set = set(bwd)
+    fwd_idx = [i for i, r in enumerate(roles) if r[meta.ROLE] in (meta.OUT_FWD, meta.OUT_BUFFER)]
+    return Partition(fwd, bwd, [n for n in fwd if any(u in bwd_set for u in n.users)],
+                     list(out.args[0]), roles, fwd_idx,
+                     [i for i in range(len(roles)) if i not in set(fwd_idx)])
 
 
 def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
@@ -38,13 +72,10 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     list, in joint order); the backward graph runs every ``bwd`` node in joint order. The joint
     graph itself is returned unchanged. With no backward region, ``ctx.split.bwd`` is None.
     """
-    out = meta.output_node(gm)
-    roles = meta.tags(out)[meta.OUTPUTS]
-    values = list(out.args[0])
-    fwd_nodes = [n for n in gm.graph.nodes if n.op != "output" and meta.is_forward(n)]
-    bwd_nodes = [n for n in gm.graph.nodes if n.op != "output" and meta.is_backward(n)]
-    bwd_set = set(bwd_nodes)
-    saved = [n for n in fwd_nodes if any(u in bwd_set for u in n.users)]
+    part = partition(gm)
+    roles, values = part.roles, part.values
+    fwd_nodes, bwd_nodes, saved = part.fwd, part.bwd, part.saved
+    fwd_idx, bwd_idx = part.fwd_idx, part.bwd_idx
 
     fwd_graph, env = fx.Graph(), {}
     for n in fwd_nodes:
@@ -52,11 +83,9 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
             env[n] = fwd_graph.placeholder(n.name)
             env[n].meta = n.meta
     _copy_into(fwd_graph, [n for n in fwd_nodes if n.op != "placeholder"], env)
-    fwd_idx = [i for i, r in enumerate(roles) if r[meta.ROLE] in (meta.OUT_FWD, meta.OUT_BUFFER)]
     fwd_graph.output([env[values[i]] for i in fwd_idx] + [env[n] for n in saved])
 
     bwd = None
-    bwd_idx = [i for i in range(len(roles)) if i not in set(fwd_idx)]
     tangents = [n for n in bwd_nodes if meta.is_tangent(n)]
     if bwd_nodes:
         bwd_graph, benv = fx.Graph(), {}
