@@ -166,7 +166,7 @@ class ShardedModule(torch.nn.Module):
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None, may_offload=True, from_shallow=False):
+                 aliases=None, progress=None, from_shallow=False):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
     ``from_shallow``: build a deep stack of identical blocks from a few traced ones
@@ -174,8 +174,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
 
     The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
     recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
-    ``Config.offload_policy`` and ``may_offload``, it then tries the model state in host
-    memory. If none fits, AutoshardError says the smallest budget that would.
+    ``Config.offload_policy``, it then tries the model state in host memory. If none fits, AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
@@ -215,7 +214,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     )
     say("planning units, recomputation and collectives; predicting time and memory")
     gm = run_passes(cap.gm, ctx, [(plan_step_pass, {
-        "config": config, "verify": config.verify, "may_offload": may_offload,
+        "config": config, "verify": config.verify,
         "other_static_bytes": buffers + inputs})])
     pred, split, state = ctx.prediction, ctx.split, ctx.state
     cap.gm = gm
@@ -295,7 +294,9 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
          seq: Optional[int] = None, progress=None) -> Plan:
     """The plan autoshard would run for ``model`` on ``world_size`` ranks, computed in this
     process on fake tensors: no process group, no parameter memory (the model may live on the
-    meta device).
+    meta device). A stack of 12 or more identical blocks is traced 5 and 6 blocks deep and
+    the full graph built from those (``autoshard.depth``, which checks itself and otherwise
+    traces the whole model).
 
     make_inputs: ``fn(batch, seq) -> inputs``; with it (and ``batch``, ``seq``) the plan also
     gets memory and time as sympy expressions in batch and seq, fitted from traces at

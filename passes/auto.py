@@ -13,13 +13,14 @@ contiguous in use order, like a module policy's root unit). Candidates whose low
 peak memory exceeds the budget are dropped: the model state plus the largest of the activation
 peak and, per unit, its gathered bytes with the activations live at its first forward read
 (all its parameters are gathered then), or twice its gathered bytes for a unit of several
-parameters over several ranks (unpacking copies out of the buffer); the rest are tried fastest first through the full pipeline and its
-memory simulation (``autoshard.passes.plan``), and the fastest that fits wins. So "auto" is never
-predicted slower than a fixed policy that fits, and what it picks is checked, not estimated.
-Complexity: O(P * K) segment evaluations per cap for P parameters and at most K parameters per
-unit (O(P^2) for the largest cap), each O(dtypes) with prefix sums; for graphs over
-``BIG_GRAPH`` nodes at most ``MAX_TRIES`` full pipelines, then the smallest-memory candidate
-(there the guarantee holds among the candidates tried).
+parameters over several ranks (unpacking copies out of the buffer). The rest are tried
+fastest first through the full pipeline and its memory simulation (``autoshard.passes.plan``),
+and the fastest that fits wins. So "auto" is never predicted slower than a fixed policy that
+fits, and what it picks is checked, not estimated. Complexity: O(P * K) segment evaluations
+per cap for P parameters and at most K parameters per unit (O(P^2) for the largest cap), each
+O(dtypes) with prefix sums, once per plan; for graphs over ``BIG_GRAPH`` nodes at most
+``MAX_TRIES`` candidates, then the smallest-memory one, bisected (there the guarantee holds
+among the candidates tried).
 """
 
 from __future__ import annotations

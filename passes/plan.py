@@ -3,21 +3,26 @@
 A plan is a choice of units (which parameters are gathered together), of recomputation
 (which activations cross from forward to backward, per repeated block), of resharding (which
 units free their gathered parameters after the forward) and of offload (whether the sharded
-state lives in host memory). This pass runs the
-rest of the pipeline once per candidate on a copy of the captured graph, predicts each result's
-step time and peak memory (``autoshard.simulate``) and keeps the fastest that fits the memory
-budget; every candidate tried, with its prediction, is recorded for the plan to show.
+state lives in host memory). This pass runs the rest of the pipeline once per candidate on a
+copy of the captured graph, predicts each result's step time and peak memory
+(``autoshard.simulate``) and keeps the fastest that fits the memory budget; every candidate
+tried, with its prediction, is recorded for the plan to show.
 
 Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
 keep what eager saves, the min cut, then the first 1/4, 1/2, 3/4 and all of the repeated blocks
 recomputed whole (the rest by the min cut). Any k blocks save the same bytes, since every
 block's saved activations are live when the backward starts; the first ones are taken. Per
 choice, the unit candidates of the "auto" policy (``autoshard.passes.auto``), fastest first, or
-the one grouping a fixed policy gives. A choice whose activation peak alone already exceeds the
-budget is skipped without a pipeline; so is a unit candidate whose lower bound does, and, once
-a plan fits, a choice whose compute alone takes longer than that plan's step (its step can only
-be longer). Within a choice, graphs over ``BIG_GRAPH`` nodes stop at the first unit candidate
-that fits (the order is fastest first); smaller ones try them all.
+the one grouping a fixed policy gives. Skipped without a pipeline, with the reason recorded:
+a choice whose activation peak alone already exceeds the budget; a unit candidate whose lower
+bound on memory does (``autoshard.passes.auto``); once a plan fits, a choice whose compute
+alone takes longer than that plan's step, and a unit candidate whose compute plus the copies
+its grouping surely makes (``copy_floor``, ``gradient_copies``) does. On graphs over
+``BIG_GRAPH`` nodes the first choice whose activations fit, and within a choice the first unit
+candidate that fits, are found by bisection (peaks fall along both orders), so there the
+guarantee holds among the candidates tried; smaller graphs try every choice and candidate.
+Each candidate is predicted on its joint graph (``autoshard.simulate.simulate_joint``, the
+same prediction as its split program's); only the chosen one is split.
 
 Resharding ("auto"): every unit but the one gathered last in forward frees its parameters after
 the forward and gathers them again in the backward. With ``reshard_after_forward="search"``, a
@@ -27,8 +32,8 @@ resharded unit's gathered bytes is within the budget. Offload: the whole search 
 device first and, with no ``Config.offload_policy``, again with the state in host memory only
 if nothing fits.
 
-    captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> ... -> split
-                                                 -> simulate -> (time, peak) -> keep best
+    captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
+                              -> simulate_joint -> (time, peak) -> keep best -> split
 """
 
 from __future__ import annotations
@@ -79,8 +84,8 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
     Needs: the captured joint graph (untouched: every candidate works on a copy) and in
     ``ctx`` the profile and budget. Options: ``config`` (the Config), ``other_static_bytes``
-    (buffers and inputs, held all step), ``verify``, ``may_offload`` (default True: with no
-    ``Config.offload_policy``, offload is tried when nothing fits on the device).
+    (buffers and inputs, held all step), ``verify``. With no ``Config.offload_policy``,
+    offload is tried when nothing fits on the device.
     Guarantees: ``ctx`` is the chosen candidate's (units, split program, parameter
     descriptions), ``ctx.prediction`` its Prediction, ``ctx.recompute`` its recomputation
     (label, modes), ``ctx.state`` its model state (``autoshard.spec.model_state_bytes``),
@@ -92,7 +97,7 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
     config = options["config"]
     settings = [True] if offloads(config) else [False]
-    if config.offload_policy is None and options.get("may_offload", True):
+    if config.offload_policy is None:
         settings.append(True)  # only when nothing fits on the device
     candidates, best = [], None
     for offload in settings:
