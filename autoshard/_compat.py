@@ -207,3 +207,12 @@ def node_copy(graph, node, arg_transform, meta=None):
         new._update_args_kwargs(args, kwargs)
     object.__setattr__(new, "meta", copy.copy(node.meta) if meta is None else meta)
     return new
+
+
+def new_node(graph, target, args, kwargs, name=None):
+    """``graph.call_function(target, args, kwargs)`` without the per-node argument scan (see
+    ``node_copy``)."""
+    new = graph.create_node("call_function", target, (), {}, name)
+    if args or kwargs:
+        new._update_args_kwargs(args, kwargs)
+    return new
