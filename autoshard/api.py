@@ -174,7 +174,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
 
     The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
     recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
-    ``Config.offload_policy``, it then tries the model state in host memory. If none fits, AutoshardError says the smallest budget that would.
+    ``Config.offload_policy``, it then tries the model state in host memory. If none fits,
+    AutoshardError says the smallest budget that would.
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
