@@ -122,8 +122,8 @@ def unroll(small, path: str, depth: int, specs: list):
     fs, bs = starts[meta.FWD], starts[meta.BWD]
     if sorted(fs) != list(range(a)) or (bs and sorted(bs) != list(range(a))):
         raise NotRegular("not every block has forward (and backward) nodes")
-    if any(fs[i] >= fs[i + 1] for i in range(a - 1)) or any(
-            bs[i] <= bs[i + 1] for i in range(a - 1)) or (bs and bs[a - 1] <= fs[a - 1]):
+    if any(fs[i] >= fs[i + 1] for i in range(a - 1)) or bs and (any(
+            bs[i] <= bs[i + 1] for i in range(a - 1)) or bs[a - 1] <= fs[a - 1]):
         raise NotRegular("the blocks do not run one after another")
     # the nodes of blocks 1..3: forward from a block's first node to the next block's first,
     # backward from its first to the previous block's first (glue between blocks included)
@@ -137,7 +137,7 @@ def unroll(small, path: str, depth: int, specs: list):
                 seg[n] = (b, region, k)
     for n in nodes:
         b = block_of(n)
-        if n.op != "placeholder" and b in (1, 2, 3) and seg.get(n, (b,))[0] != b:
+        if n.op != "placeholder" and b in range(1, a - 1) and seg.get(n, (b,))[0] != b:
             raise NotRegular(f"{n.name} of block {b} runs outside its block's span")
         if n in seg and b not in (None, seg[n][0]):
             raise NotRegular(f"{n.name} of block {b} runs inside block {seg[n][0]}'s span")

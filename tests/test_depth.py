@@ -77,3 +77,14 @@ def test_checkpointed_blocks_are_traced_whole():
     specs = param_specs(model, None, mesh_shape=(2,))
     assert depth.capture_deep(model, "blocks", 12, specs, trace, said.append) is None
     assert "checkpointed" in said[0]
+
+
+def test_a_step_without_gradients_is_built_too():
+    model = GPT(layers=12)
+    x = torch.zeros(2, 16, dtype=torch.long)
+    specs = param_specs(model, None, mesh_shape=(2,))
+    with torch.no_grad():
+        trace = _capturer(model, (x,), {})
+        built = depth.capture_deep(model, "blocks", 12, specs, trace)
+        assert built is not None and not built.has_backward
+        assert depth.difference(built, trace(specs)) == ""
