@@ -92,8 +92,8 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     ``ctx.candidates`` every candidate tried; when none fits, the one with the least peak is
     chosen (the caller says what it needs). Does nothing else to ``gm``.
     """
+    from autoshard import passes
     from autoshard.config import offloads
-    from autoshard.passes.split import split_pass
 
     config = options["config"]
     settings = [True] if offloads(config) else [False]
@@ -106,7 +106,8 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         best = _search(gm, _with_offload(ctx, offload, config, options), options, candidates,
                        best)
     pred, out, chosen = best
-    split_pass(out, chosen, options={})
+    out = passes.run_passes(out, chosen, [(passes.split_pass, {})],
+                            verify_each=options.get("verify", False))
     chosen_at = next(i for i, c in enumerate(candidates) if c.pop("best", False))
     for i, c in enumerate(candidates):
         c["chosen"] = i == chosen_at
