@@ -262,17 +262,13 @@ def _simulate(fwd_nodes, fwd_out, bwd, profile, static_bytes, n_user_outputs, ho
     return sim.prediction()
 
 
-def activation_peak(joint: fx.GraphModule) -> int:
-    """Peak bytes of everything but the parameters over the joint graph (before collectives):
-    what a step holds besides the model state and the gathered units."""
-    return activations(joint)[0]
-
-
 def activations(joint: fx.GraphModule) -> tuple:
-    """``(peak, live)``: the activation peak (``activation_peak``) and, per node name, the
-    activation bytes live while the node runs (its output included). Values computed from
-    parameters alone are not counted: the step recomputes them where the backward reads
-    them (``autoshard.passes.collectives``), so what is counted is live in any plan."""
+    """``(peak, live)``: the peak bytes of everything but the parameters over the joint graph
+    (before collectives: what a step holds besides the model state and the gathered units)
+    and, per node name, the activation bytes live while the node runs (its output included).
+    Values computed from parameters alone are not counted: the step recomputes them where the
+    backward reads them (``autoshard.passes.collectives``), so what is counted is live in any
+    plan."""
     from autoshard.graph import param_derived
 
     sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 0)

@@ -43,7 +43,6 @@ class PassContext:
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     sim_static_bytes: int = 0  # of those, what the simulator holds from the step's start
     units: Optional[list] = None  # list[Unit], set by assign_units
-    auto_tries_left: int = 0  # "auto": how many more unit candidates plan_step may try
     prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split

@@ -248,7 +248,4 @@ def gradient_copies(gm, specs, profile) -> float:
 
 def auto_units(gm, ctx, order, options) -> list:
     """The grouping for this attempt: the ``options["candidate"]``-th of ``tries``."""
-    fitting = tries(gm, ctx, options, order)
-    k = options.get("candidate", 0)
-    ctx.auto_tries_left = len(fitting) - k - 1
-    return fitting[k][2]
+    return tries(gm, ctx, options, order)[options.get("candidate", 0)][2]
