@@ -14,7 +14,7 @@ from autoshard.errors import AutoshardError
 from autoshard import _compat, depth
 from autoshard.config import offloads
 from autoshard.cost import get_profile
-from autoshard.plans import Plan, _fmt_bytes, make_plan
+from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label
 from autoshard.spec import param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.passes.plan import RESHARD
@@ -226,6 +226,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
         host_state_bytes=state["host"],
         recompute=ctx.recompute, candidates=ctx.candidates, offload=ctx.offload,
+        offload_params=ctx.offload_params,
         reshard=RESHARD[ctx.reshard_after_forward],
     )
     if searched and pred.peak_bytes > budget:
@@ -235,7 +236,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
             f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
             f"recomputation, {len(ctx.units)} units"
-            + (", the model state in host memory" if ctx.offload else "")
+            + (f", the model state in host memory (offload: "
+               f"{offload_label(True, ctx.offload_params)})" if ctx.offload else "")
             + f") needs {_fmt_bytes(pred.peak_bytes)}. "
             "Raise Config.memory_budget to at least that, shard over more ranks, use a "
             "smaller batch" + (", or Config(recompute='auto') to recompute activations"

@@ -77,7 +77,15 @@ class Config:
         parameter, its gradient shard and its optimizer state in host memory, as FSDP2 does:
         each shard is copied to the device before its all-gather and each gradient shard back
         to the host after its reduce-scatter (explicit graph nodes), so the optimizer steps on
-        the host. Scalars stay on the device. ``OffloadPolicy()`` or None (default): none.
+        the host. Scalars stay on the device. ``OffloadPolicy()`` or None (default): none;
+        with None the planner offloads when nothing fits on the device.
+    offload_params: with the state offloaded, the fraction of units resharded after the
+        forward (the first in forward order) whose shards are copied to the device again
+        for the backward's all-gather. The other units hold the forward's copy (in the
+        compute dtype) on the device until then: one copy per shard per step, the optimizer
+        state and its step on the host, as ZeRO-Offload does. 1.0: every all-gather copies
+        its shards in, as FSDP2's CPUOffloadPolicy does; 0.0: none again. None (default):
+        the planner takes the least of 0, 1/4, 1/2, 3/4 and 1 whose plan fits.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -104,6 +112,7 @@ class Config:
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: object = None
     offload_policy: object = None
+    offload_params: Optional[float] = None
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -134,6 +143,13 @@ class Config:
                              f"datetime.timedelta, got {self.timeout!r}")
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
+        if self.offload_params is not None and (
+                isinstance(self.offload_params, bool)
+                or not isinstance(self.offload_params, (int, float))
+                or not 0 <= self.offload_params <= 1):
+            raise ValueError(f"Config.offload_params must be a fraction from 0 to 1 (of the "
+                             f"offloaded units whose shards are copied in again for the "
+                             f"backward) or None, got {self.offload_params!r}")
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from fractions import Fraction
 from typing import Optional
 
 from tabulate import tabulate
@@ -37,6 +38,8 @@ class UnitInfo:
     numel: int
     bytes: int  # as gathered: padded to a multiple of the ranks, in the compute dtype
     kept: bool = False  # gathered from forward to backward, not resharded after forward
+    # resharded, its shards (in host memory) copied in once and held from forward to backward
+    held: bool = False
 
 
 @dataclasses.dataclass
@@ -74,6 +77,9 @@ class Plan:
     # chosen
     candidates: list = dataclasses.field(default_factory=list)
     offload: bool = False  # parameter shards, gradient shards and optimizer state on the host
+    # with offload: the fraction of resharded units whose shards are copied in again for the
+    # backward (PassContext.offload_params; the others hold the forward's copy)
+    offload_params: Optional[float] = None
     # which units free their gathered parameters after the forward: "every unit", "all but
     # the last" (gathered last in forward), "none"
     reshard: str = ""
@@ -98,7 +104,7 @@ class Plan:
 
     def candidates_table(self) -> str:
         yes_no = {True: "yes", False: "no"}
-        rows = [(c["recompute"], yes_no[c.get("offload", False)],
+        rows = [(c["recompute"], offload_label(c.get("offload"), c.get("offload_params")),
                  c["units"] if c["units"] is not None else "-", c.get("reshard", "-"),
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
                  _fmt_bytes(c["peak_bytes"]), yes_no.get(c["fits"], "-"),
@@ -109,7 +115,8 @@ class Plan:
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
-                 "kept" if u.kept else "resharded") for u in self.units]
+                 "kept" if u.kept else "resharded, shards held" if u.held else "resharded")
+                for u in self.units]
         return tabulate(rows, headers=["unit", "name", "params", "numel", "bytes",
                                        "after forward"])
 
@@ -146,7 +153,8 @@ class Plan:
              else "none (one rank)"),
             ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
-            *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"]))]
+            *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),
+               ("  offload", offload_label(self.offload, self.offload_params))]
               if p.get("host_state_bytes") else []),
             ("  memory budget", _fmt_bytes(self.memory_budget)),
         ]
@@ -274,17 +282,33 @@ def read_schedule(graphs) -> list:
     return entries
 
 
+def offload_label(offload: bool, params: Optional[float] = None) -> str:
+    """The offload column: "no"; "state" (shards, gradient shards and optimizer state on the
+    host, each shard copied in once per step); "state + params" (copied in for every
+    all-gather, as FSDP2's CPUOffloadPolicy); "state + params 1/2" (for that fraction of the
+    units)."""
+    if not offload:
+        return "no"
+    if params is None or params >= 1:
+        return "state + params"
+    if params <= 0:
+        return "state"
+    return f"state + params {Fraction(params).limit_denominator(64)}"
+
+
 def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
               budget: int = 0, policy: str = "", model_state_bytes: int = 0,
-              host_state_bytes: int = 0, offload: bool = False, reshard: str = "",
+              host_state_bytes: int = 0, offload: bool = False,
+              offload_params: Optional[float] = None, reshard: str = "",
               recompute=("", None), candidates=()) -> Plan:
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
-        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep))
+        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
-                recompute=recompute[0], recompute_blocks=recompute[1], offload=offload,
+                recompute=recompute[0], recompute_blocks=recompute[1],
+                offload=offload, offload_params=offload_params if offload else None,
                 reshard=reshard,
                 candidates=[dict(c) for c in candidates])
     if profile is not None:

@@ -38,6 +38,12 @@ class PassContext:
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
     reshard_after_forward: Any = "auto"  # True, False or "auto" (Config's)
+    # with the sharded state on the host: the fraction of resharded units (the first in
+    # forward order) whose shards are copied in from the host again for the backward; the
+    # others hold the forward's copy on the device until their backward all-gather (1.0:
+    # every gather copies, as FSDP2's CPUOffloadPolicy; 0.0: each shard is copied in once per
+    # step and only the optimizer state and its step stay on the host)
+    offload_params: float = 1.0
     profile: Any = None  # autoshard.cost.DeviceProfile, for cost-based decisions
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs

@@ -76,7 +76,10 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Needs: ``ctx.units`` and parameter placeholders tagged with ``unit`` (assign_units),
     regions and output roles (capture).
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
-    and one before its first backward use (unless ``Unit.keep``: then the forward's serves),
+    and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
+    a ``Unit.held`` unit's sends the forward's send buffer again, with no copy from the host
+    and no packing; ``ctx.offload_params`` chooses those among the units with offloaded
+    shards),
     one reduce_scatter+wait after the last of its gradients is complete; an
     ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
     gradient and send buffer; a collective's input is freed after its wait, not its issue.
@@ -105,14 +108,18 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         elif specs[f].dtype != v.dtype:  # read unsharded, in the compute dtype
             _cast_unsharded(gm, n, specs[f].dtype)
 
+    _choose_held(ctx.units, specs, ctx.offload_params)
     roots = {}  # storage root -> unit index
     pos = positions(graph)  # original nodes keep their relative order through the splices
     for unit in ctx.units:
-        for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
-            fqns = [f for f in unit.fqns if specs[f].sharded]
-            for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
-                new = _gather(gm, pos, unit.index, region, [specs[f] for f in group_fqns], phs,
-                              group, unit.keep, dtype, device)
+        fqns = [f for f in unit.fqns if specs[f].sharded]
+        for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
+            held = None  # the forward's send buffer, when the unit holds it for the backward
+            for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
+                new, sent = _gather(gm, pos, unit.index, region,
+                                    [specs[f] for f in group_fqns], phs, group, unit.keep,
+                                    dtype, device, held)
+                held = sent if unit.held else None
                 roots.update((r, unit.index) for r in _freed_roots(new))
 
     out = meta.output_node(gm)
@@ -174,10 +181,20 @@ def _cast_unsharded(gm, ph, storage_dtype):
         u.replace_input_with(ph, cast)
 
 
-def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
+def _choose_held(units, specs, fraction: float) -> None:
+    """Mark the units that hold their shards' device copy from the forward to the backward:
+    of the resharded units with shards in host memory, all but the first ``fraction``."""
+    hosted = [u for u in units if not u.keep and any(
+        specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
+    for i, u in enumerate(hosted):
+        u.held = i >= round(fraction * len(hosted))
+
+
+def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None):
     """all-gather the parameters ``specs`` describe (shards cast to ``dtype``, their compute
     dtype; an offloaded shard first copied from the host to ``device``) before their first
-    use in ``region``; returns new nodes."""
+    use in ``region``; ``held``: the send buffer an earlier gather packed, sent again as it is
+    (no copy, no packing). Returns (new nodes, the send buffer)."""
     fqns, N = [s.fqn for s in specs], group_size(specs)
     hosted = [s.device == "host" for s in specs]
     users = {
@@ -187,19 +204,23 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
         if not meta.is_comm(u) and (keep or meta.tag(u, meta.REGION) == region)
     }
     if not users:
-        return []
+        return [], held
     first = min(users, key=pos.__getitem__)
     lays = [s.layout for s in specs]
 
     def issue(*shards):
-        # non_blocking: the step's gradient copies back are blocking, so every copy in has
-        # completed before the backward returns and the optimizer writes the host shards
-        shards = [_TO_COPY(s, device=device, non_blocking=True) if h else s
-                  for s, h in zip(shards, hosted)]
-        flat = [s.reshape(-1).to(dtype) for s in shards]
-        flat = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if held is None:
+            # non_blocking: the step's gradient copies back are blocking, so every copy in
+            # has completed before the backward returns and the optimizer writes the host
+            # shards
+            shards = [_TO_COPY(s, device=device, non_blocking=True) if h else s
+                      for s, h in zip(shards, hosted)]
+            flat = [s.reshape(-1).to(dtype) for s in shards]
+            flat = torch.cat(flat) if len(flat) > 1 else flat[0]
+        else:
+            flat = shards[0]
         buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
-        return _AG(flat, N, group, out=buf)
+        return _AG(flat, N, group, out=buf), flat
 
     def unpack(buf):
         cols, off, fulls = buf.view(N, -1), 0, []
@@ -212,7 +233,9 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
     key = ("ag", N, group, dtype, str(device), tuple(hosted), tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK,
                      copy_kind=meta.H2D)
-    handle, n1 = splice(gm, issue, [phs[f] for f in fqns], first, tag, key=key + ("issue",))
+    sources = [phs[f] for f in fqns] if held is None else [held]
+    (handle, sent), n1 = splice(gm, issue, sources, first, tag,
+                                key=key + ("issue", held is None))
     waited, n2 = splice(gm, _WAIT, [handle], first, _plain_tags(meta.AG_WAIT, unit, region),
                         key=("wait",))
     fulls, n3 = splice(gm, unpack, [waited], first, _plain_tags(meta.AG_UNPACK, unit, region),
@@ -220,7 +243,7 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device):
     for f, full in zip(fqns, fulls):
         for u in users:
             u.replace_input_with(phs[f], full)
-    return n1 + n2 + n3
+    return n1 + n2 + n3, sent
 
 
 def _reduce(gm, pos, unit, grads, specs, group, reduce_dtype, storage_dtype):

@@ -30,7 +30,9 @@ candidate that fits with communication exposed is tried once more with every uni
 forward to backward (no backward all-gathers) when that surely fits: its peak plus every
 resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the
 device first and, with no ``Config.offload_policy``, again with the state in host memory only
-if nothing fits.
+if nothing fits. Offloaded, it runs per fraction of resharded units that copy their shards in
+again for the backward (``OFFLOAD_PARAMS``; the others hold the forward's copy on the
+device): none first, then all, then the least that fits between, by bisection.
 
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
                               -> simulate_joint -> (time, peak) -> keep best -> split
@@ -46,6 +48,9 @@ from autoshard.graph import clone_graph
 from autoshard.passes.auto import BIG_GRAPH
 
 LADDER = (0.25, 0.5, 0.75, 1.0)
+# with the state on the host, the fractions of units copying their shards in twice tried
+# (PassContext.offload_params), fastest first
+OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
 # which units free their gathered parameters after the forward (Config.reshard_after_forward)
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 
@@ -96,15 +101,31 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     from autoshard.config import offloads
 
     config = options["config"]
-    settings = [True] if offloads(config) else [False]
-    if config.offload_policy is None:
-        settings.append(True)  # only when nothing fits on the device
-    candidates, best = [], None
-    for offload in settings:
-        if best is not None and best[0].peak_bytes <= ctx.memory_budget:
-            break
-        best = _search(gm, _with_offload(ctx, offload, config, options), options, candidates,
-                       best)
+    candidates, best, shared = [], None, {}
+
+    def search(offload: bool, params: float) -> bool:
+        """One search with the state on the host (``offload``) or the device; whether some
+        candidate of it fits."""
+        nonlocal best
+        n = len(candidates)
+        best = _search(gm, _placed(ctx, offload, params, config, options), options,
+                       candidates, best, shared)
+        return any(c["fits"] for c in candidates[n:])
+
+    forced = offloads(config)
+    if not forced:
+        search(False, 1.0)
+    if forced or (config.offload_policy is None and not any(c["fits"] for c in candidates)):
+        # the fewest units copying their shards in twice that fits: peaks fall along the
+        # ladder, so the first fraction is tried, then the last (if it does not fit, none
+        # does), then the least between that fits by bisection
+        ladder = OFFLOAD_PARAMS if config.offload_params is None else (config.offload_params,)
+        if not search(True, ladder[0]) and len(ladder) > 1:
+            lo, hi = 1, len(ladder) - 1
+            if search(True, ladder[hi]):
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if search(True, ladder[mid]) else (mid + 1, hi)
     pred, out, chosen = best
     out = passes.run_passes(out, chosen, [(passes.split_pass, {})],
                             verify_each=options.get("verify", False))
@@ -117,9 +138,10 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     return out
 
 
-def _with_offload(ctx, offload: bool, config, options):
-    """``ctx`` with every sharded parameter kept on the host (``offload``) or the device, and
-    the bytes held all step that follow."""
+def _placed(ctx, offload: bool, params: float, config, options):
+    """``ctx`` with every sharded parameter kept on the host (``offload``, with
+    ``offload_params`` as ``params``) or the device, and the bytes held all step that
+    follow."""
     from autoshard.config import OPTIMIZER_STATES
     from autoshard.spec import home, model_state_bytes
 
@@ -131,15 +153,16 @@ def _with_offload(ctx, offload: bool, config, options):
         ctx = dataclasses.replace(ctx)
     state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     other = options.get("other_static_bytes", 0)
-    ctx.state, ctx.offload = state, offload
+    ctx.state, ctx.offload, ctx.offload_params = state, offload, params
     ctx.static_bytes = state["params"] + state["grads"] + state["optimizer"] + other
     ctx.sim_static_bytes = state["params"] + state["optimizer"] + other
     return ctx
 
 
-def _search(gm, ctx, options, candidates: list, best):
+def _search(gm, ctx, options, candidates: list, best, shared: dict):
     """Every recomputation choice and unit candidate for one placement of the state; appends
-    to ``candidates`` and returns the better of ``best`` and what it found."""
+    to ``candidates`` and returns the better of ``best`` and what it found. ``shared``: what
+    every search computes alike (each choice's graph and activations, the unit groupings)."""
     from autoshard import meta
     from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
                                   split_pass, unit_options)
@@ -154,7 +177,9 @@ def _search(gm, ctx, options, candidates: list, best):
     searching_units = config.policy == "auto" and config.units is None
     big = len(gm.graph.nodes) > BIG_GRAPH
     budget = ctx.memory_budget
-    offload = ctx.offload
+    # where the state is, as every candidate of this search records it
+    where = {"offload": ctx.offload,
+             "offload_params": ctx.offload_params if ctx.offload else None}
 
     specs = {p.fqn: p for p in ctx.captured.params}
     gathered = {f: p.gathered_bytes() for f, p in specs.items()}
@@ -171,7 +196,7 @@ def _search(gm, ctx, options, candidates: list, best):
         pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
                               ctx.state["host"] - ctx.state["host_grads"])
         cctx.prediction, cctx.recompute = pred, (label, modes)
-        candidates.append({"recompute": label, "offload": offload, "units": len(cctx.units),
+        candidates.append({"recompute": label, **where, "units": len(cctx.units),
                            "reshard": RESHARD[reshard], "step_s": pred.total,
                            "peak_bytes": pred.peak_bytes, "fits": pred.peak_bytes <= budget,
                            "note": ""})
@@ -188,7 +213,9 @@ def _search(gm, ctx, options, candidates: list, best):
             return a_fits
         return a[0].total < b[0].total if a_fits else a[0].peak_bytes < b[0].peak_bytes
 
-    bases, floors, acts = {}, {}, {}
+    bases = shared.setdefault("bases", {})
+    acts = shared.setdefault("activations", {})
+    floors = {}
 
     def prepare(i):
         """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
@@ -199,7 +226,8 @@ def _search(gm, ctx, options, candidates: list, best):
                                   [(recompute_activations_pass, {"blocks": choices[i][1]})],
                                   verify_each=verify)
             acts[i] = activations(base)
-            bases[i], floors[i] = base, ctx.static_bytes + acts[i][0]
+            bases[i] = base
+        floors[i] = ctx.static_bytes + acts[i][0]
         return bases[i], floors[i]
 
     start = 0  # the first choice whose activations fit; each recomputes more than the one
@@ -209,28 +237,28 @@ def _search(gm, ctx, options, candidates: list, best):
             mid = (lo + hi) // 2
             lo, hi = (mid + 1, hi) if prepare(mid)[1] > budget else (lo, mid)
         start = lo
-    groupings = {}  # the unit groupings (autoshard.passes.auto), the same for every choice
+    # the unit groupings (autoshard.passes.auto), the same for every choice
+    groupings = shared.setdefault("groupings", {})
     for i, (label, modes) in enumerate(choices):
         if i < start and i not in floors:
             j = min(k for k in floors if k > i and floors[k] > budget)
-            candidates.append({"recompute": label, "offload": offload, "units": None,
+            candidates.append({"recompute": label, **where, "units": None,
                                "step_s": None, "peak_bytes": floors[j], "fits": False,
                                "note": f"recomputes less than {choices[j][0]}, whose "
                                        "activations alone exceed the budget"})
             continue
         base, floor = prepare(i)
-        del bases[i]
         # and per choice, its activations and unit candidates, computed once
-        cache = {"groupings": groupings, "activations": acts.pop(i)}
+        cache = {"groupings": groupings, "activations": acts[i]}
         last_choice = i == len(choices) - 1
         if not last_choice and floor > budget:
-            candidates.append({"recompute": label, "offload": offload, "units": None,
+            candidates.append({"recompute": label, **where, "units": None,
                                "step_s": None, "peak_bytes": floor, "fits": False,
                                "note": "activations alone exceed the budget"})
             continue
         compute = sum(node_time(n, ctx.profile) for n in base.graph.nodes)
         if best is not None and best[0].peak_bytes <= budget and compute >= best[0].total:
-            candidates.append({"recompute": label, "offload": offload, "units": None,
+            candidates.append({"recompute": label, **where, "units": None,
                                "step_s": None, "peak_bytes": floor, "fits": None,
                                "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
                                        "slower than the chosen plan"})
@@ -252,7 +280,7 @@ def _search(gm, ctx, options, candidates: list, best):
                                      if searching_units else 0.0)
                 if floor_s >= best[0].total:
                     candidates.append({
-                        "recompute": label, "offload": offload,
+                        "recompute": label, **where,
                         "units": len(cands[k][2]) if searching_units else None,
                         "step_s": None,
                         "peak_bytes": cands[k][1] if searching_units else floor, "fits": None,

@@ -21,6 +21,9 @@ class Unit:
     name: str  # module path of the block, or "root"
     fqns: list
     keep: bool = False  # gathered from forward to backward (not resharded after forward)
+    # its shards, in host memory, are copied to the device once for the forward's all-gather
+    # and held there for the backward's (set by insert_collectives from ctx.offload_params)
+    held: bool = False
 
 
 def repeated_blocks(model: torch.nn.Module) -> list:

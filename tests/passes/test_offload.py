@@ -9,28 +9,29 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 import autoshard
 from autoshard import meta
-from autoshard.cost import PROFILES, tensor_bytes
+from autoshard.cost import PROFILES, node_time, tensor_bytes
 from autoshard.models import GPT
 
 INPUTS = (torch.randint(0, 96, (8, 32)),)
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _plan(offload, **config):
+def _plan(offload, layers=2, **config):
     """``offload``: True (CPUOffloadPolicy), False (OffloadPolicy(): none), None (the
     planner's choice)."""
     from torch.distributed.fsdp import OffloadPolicy
 
     policy = None if offload is None else CPUOffloadPolicy() if offload else OffloadPolicy()
-    return autoshard.plan(GPT(seq=32), INPUTS, world_size=2, config=autoshard.Config(
-        policy="module", prefetch=False, device_profile="h100", verify=True,
-        offload_policy=policy, **config))
+    return autoshard.plan(GPT(seq=32, layers=layers), INPUTS, world_size=2,
+                          config=autoshard.Config(policy="module", prefetch=False,
+                                                  device_profile="h100", verify=True,
+                                                  offload_policy=policy, **config))
 
 
-def _sharded_compiled(offload, **config):
+def _sharded_compiled(offload, layers=2, **config):
     from autoshard.api import compile_step
 
-    model = GPT(seq=32)
+    model = GPT(seq=32, layers=layers)
     cfg = autoshard.Config(policy="module", prefetch=False, device_profile="h100",
                            verify=True, offload_policy=CPUOffloadPolicy() if offload else None,
                            **config)
@@ -42,7 +43,7 @@ def _sharded_compiled(offload, **config):
 
 @pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
 def test_every_shard_goes_through_a_copy_to_the_device_and_every_gradient_back(mp):
-    ctx, plan = _sharded_compiled(True, mp_policy=mp)
+    ctx, plan = _sharded_compiled(True, mp_policy=mp, offload_params=1.0)
     specs = {p.fqn: p for p in ctx.captured.params}
     for gm in (ctx.split.fwd, ctx.split.bwd):
         for ph in gm.graph.nodes:
@@ -66,14 +67,14 @@ def test_every_shard_goes_through_a_copy_to_the_device_and_every_gradient_back(m
 
 
 def test_the_plan_holds_the_model_state_on_the_host_and_prices_the_copies():
-    on, off = _plan(False), _plan(True)
+    on, off = _plan(False), _plan(True, offload_params=1.0)
     state = on.predicted["model_state_bytes"]
     assert off.predicted["model_state_bytes"] == 0
     assert off.predicted["host_state_bytes"] == state
     assert "offloaded to host memory" in off.summary_table()
     # the device holds the gathered units and activations, not the shards, gradient shards
     # and AdamW state; what it holds instead is one unit's shards copied in before packing
-    ctx, _ = _sharded_compiled(True)
+    ctx, _ = _sharded_compiled(True, offload_params=1.0)
     copies = [n for gm in (ctx.split.fwd, ctx.split.bwd) for n in gm.graph.nodes
               if meta.tag(n, meta.COMM) in (meta.H2D, meta.D2H)]
     staged = max(sum(tensor_bytes(n.meta["val"]) for n in copies
@@ -112,3 +113,61 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device():
         policy="module", prefetch=False, device_profile="h100", memory_budget=budget))
     with pytest.raises(autoshard.AutoshardError, match=r"offload_policy=.*CPUOffloadPolicy"):
         model(*INPUTS)
+
+
+def _copies_in(ctx, region=None):
+    return [n for gm in (ctx.split.fwd, ctx.split.bwd) for n in gm.graph.nodes
+            if meta.tag(n, meta.COMM) == meta.H2D
+            and (region is None or meta.tag(n, meta.REGION) == region)]
+
+
+@pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
+def test_a_unit_holding_its_shards_copies_them_in_once_per_step(mp):
+    held, again = (_sharded_compiled(True, layers=4, mp_policy=mp, offload_params=f)
+                   for f in (0.0, 1.0))
+    (hctx, hplan), (actx, aplan) = held, again
+    resharded = [u.index for u in hctx.units if not u.keep]
+    assert [u.index for u in hctx.units if u.held] == resharded and len(resharded) == 4
+    assert not any(u.held for u in actx.units)
+    assert [u.held for u in hplan.units] == [u.held for u in hctx.units]
+    # held: no copy in the backward; its all-gathers send the buffer the forward packed,
+    # handed over as a saved value, in the compute dtype
+    assert not _copies_in(hctx, meta.BWD) and _copies_in(actx, meta.BWD)
+    assert len(_copies_in(hctx)) == len(_copies_in(actx, meta.FWD))
+    sent = [n.args[0] for n in hctx.split.bwd.graph.nodes
+            if meta.tag(n, meta.COMM) == meta.AG_ISSUE]
+    assert len(sent) == len(resharded)
+    dtype = torch.float32 if mp is None else torch.bfloat16
+    assert all(s.op == "placeholder" and s.meta["val"].dtype == dtype for s in sent)
+    # the step saves those copies' time (and their packing again) and holds their bytes
+    # instead
+    packs = [n for n in actx.split.bwd.graph.nodes
+             if meta.tag(n, meta.COMM) in (meta.H2D, meta.AG_PACK)]
+    assert any(meta.tag(n, meta.COMM) == meta.H2D for n in packs)
+    saved = aplan.predicted["step_s"] - hplan.predicted["step_s"]
+    assert saved == pytest.approx(sum(node_time(n, PROFILES["h100"]) for n in packs),
+                                  rel=0.02)
+    extra = hplan.predicted["peak_bytes"] - aplan.predicted["peak_bytes"]
+    assert 0 < extra <= sum(tensor_bytes(s.meta["val"]) for s in sent)
+    assert aplan.predicted["host_state_bytes"] == hplan.predicted["host_state_bytes"]
+
+
+def test_the_planner_copies_in_again_only_as_many_units_as_it_must():
+    peaks = {f: _plan(True, layers=4, offload_params=f).predicted["peak_bytes"]
+             for f in (0.0, 0.25, 1.0)}
+    assert peaks[0.0] > peaks[0.25] > peaks[1.0]
+    # the least that fits is chosen: all held first, then all copied again, then bisection
+    tight = _plan(True, layers=4, memory_budget=peaks[0.25])
+    assert tight.offload and tight.offload_params == 0.25
+    assert tight.predicted["peak_bytes"] == peaks[0.25]
+    tried = [(c["offload_params"], c["fits"]) for c in tight.candidates]
+    assert tried == [(0.0, False), (1.0, True), (0.5, True), (0.25, True)]
+    assert sum(u.held for u in tight.units) == 3
+    assert "state + params 1/4" in tight.candidates_table()
+    assert "state + params 1/4" in tight.summary_table()
+    again = autoshard.Plan.from_json(tight.to_json())
+    assert again.offload_params == 0.25 and [u.held for u in again.units] == [
+        u.held for u in tight.units]
+    # roomy: every resharded unit holds its shards
+    assert _plan(True, layers=4).offload_params == 0.0
+

@@ -109,7 +109,9 @@ def parity_worker(rank, world, names):
     return results
 
 
-# CPUOffloadPolicy: the same programs with every shard copied in and every gradient shard out
+# CPUOffloadPolicy: the same programs with every shard copied in and every gradient shard out;
+# half the resharded units copy their shards in again for the backward, the others hold the
+# forward's copy
 OFFLOAD_NAMES = ["gpt", "hf_llama"]
 
 
@@ -117,11 +119,13 @@ def offload_worker(rank, world, name):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = autoshard(build(name), config=Config(
-        policy="module", offload_policy=CPUOffloadPolicy(pin_memory=False), verify=True))
+        policy="module", offload_policy=CPUOffloadPolicy(pin_memory=False), offload_params=0.5,
+        verify=True))
     losses, _ = _train(model, name, rank, world)
     homes = {p.to_local().device.type for p in model.parameters()}
     full = model.full_state_dict()  # every rank takes part in gathering it
-    return {"losses": losses, "params": full if rank == 0 else None, "homes": homes}
+    return {"losses": losses, "params": full if rank == 0 else None, "homes": homes,
+            "held": [u.held for u in model.plan.units if not u.kept]}
 
 
 # bf16 parameters and compute, fp32 reduce-scatter, fp32 outputs (the usual FSDP2 setup)

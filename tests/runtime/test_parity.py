@@ -86,10 +86,12 @@ def test_mixed_precision_matches_fsdp2(world_results, name):
 @pytest.mark.parametrize("name", OFFLOAD_NAMES)
 def test_offload_trains_exactly_as_on_the_device(world_results, name):
     """CPUOffloadPolicy only adds copies: the same numbers, bit for bit, as the same policy
-    without it (on this machine the host is the device; the copies still run, as nodes)."""
+    without it (on this machine the host is the device; the copies still run, as nodes),
+    whether a unit copies its shards in again for the backward or holds the forward's copy."""
     world, results = world_results
     ours, plain = results[0][f"offload:{name}"], results[0][name]
     assert all(r[f"offload:{name}"]["homes"] == {"cpu"} for r in results)
+    assert set(ours["held"]) == {True, False}, ours["held"]
     assert ours["losses"] == plain["losses"], f"{name} world {world}"
     for k, v in plain["params"].items():
         assert torch.equal(ours["params"][k], v), f"{name} world {world}: {k}"
