@@ -30,9 +30,10 @@ candidate that fits with communication exposed is tried once more with every uni
 forward to backward (no backward all-gathers) when that surely fits: its peak plus every
 resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the
 device first and, with no ``Config.offload_policy``, again with the state in host memory only
-if nothing fits. Offloaded, it runs per fraction of resharded units that copy their shards in
-again for the backward (``OFFLOAD_PARAMS``; the others hold the forward's copy on the
-device): none first, then all, then the least that fits between, by bisection.
+if nothing fits. Offloaded, each unit candidate is tried with none of the resharded units
+copying their shards in again for the backward (all hold the forward's copy on the device);
+if that does not fit, with all of them, then with the least of ``OFFLOAD_PARAMS`` between
+that fits, by bisection (for one grouping, fewer copies is faster and takes more memory).
 
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
                               -> simulate_joint -> (time, peak) -> keep best -> split
@@ -103,29 +104,16 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     config = options["config"]
     candidates, best, shared = [], None, {}
 
-    def search(offload: bool, params: float) -> bool:
-        """One search with the state on the host (``offload``) or the device; whether some
-        candidate of it fits."""
+    def search(offload: bool) -> None:
         nonlocal best
-        n = len(candidates)
-        best = _search(gm, _placed(ctx, offload, params, config, options), options,
-                       candidates, best, shared)
-        return any(c["fits"] for c in candidates[n:])
+        best = _search(gm, _placed(ctx, offload, config, options), options, candidates, best,
+                       shared)
 
     forced = offloads(config)
     if not forced:
-        search(False, 1.0)
+        search(False)
     if forced or (config.offload_policy is None and not any(c["fits"] for c in candidates)):
-        # the fewest units copying their shards in twice that fits: peaks fall along the
-        # ladder, so the first fraction is tried, then the last (if it does not fit, none
-        # does), then the least between that fits by bisection
-        ladder = OFFLOAD_PARAMS if config.offload_params is None else (config.offload_params,)
-        if not search(True, ladder[0]) and len(ladder) > 1:
-            lo, hi = 1, len(ladder) - 1
-            if search(True, ladder[hi]):
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    lo, hi = (lo, mid) if search(True, ladder[mid]) else (mid + 1, hi)
+        search(True)
     pred, out, chosen = best
     out = passes.run_passes(out, chosen, [(passes.split_pass, {})],
                             verify_each=options.get("verify", False))
@@ -138,10 +126,9 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     return out
 
 
-def _placed(ctx, offload: bool, params: float, config, options):
-    """``ctx`` with every sharded parameter kept on the host (``offload``, with
-    ``offload_params`` as ``params``) or the device, and the bytes held all step that
-    follow."""
+def _placed(ctx, offload: bool, config, options):
+    """``ctx`` with every sharded parameter kept on the host (``offload``) or the device, and
+    the bytes held all step that follow."""
     from autoshard.config import OPTIMIZER_STATES
     from autoshard.spec import home, model_state_bytes
 
@@ -153,7 +140,7 @@ def _placed(ctx, offload: bool, params: float, config, options):
         ctx = dataclasses.replace(ctx)
     state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     other = options.get("other_static_bytes", 0)
-    ctx.state, ctx.offload, ctx.offload_params = state, offload, params
+    ctx.state, ctx.offload = state, offload
     ctx.static_bytes = state["params"] + state["grads"] + state["optimizer"] + other
     ctx.sim_static_bytes = state["params"] + state["optimizer"] + other
     return ctx
@@ -177,18 +164,21 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
     searching_units = config.policy == "auto" and config.units is None
     big = len(gm.graph.nodes) > BIG_GRAPH
     budget = ctx.memory_budget
-    # where the state is, as every candidate of this search records it
-    where = {"offload": ctx.offload,
-             "offload_params": ctx.offload_params if ctx.offload else None}
+    # offloaded, the fractions of units copying their shards in twice to try per candidate
+    ladder = ((config.offload_params,) if config.offload_params is not None
+              else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
+    # as every candidate of this search records it
+    where = {"offload": ctx.offload, "offload_params": None}
 
     specs = {p.fqn: p for p in ctx.captured.params}
     gathered = {f: p.gathered_bytes() for f, p in specs.items()}
 
-    def evaluate(base, label, modes, k, reshard):
-        """Run unit candidate ``k`` with ``reshard`` through the pipeline and simulate it;
-        record it, and keep it if it is the best so far."""
+    def evaluate(base, label, modes, k, reshard, params):
+        """Run unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``
+        through the pipeline and simulate it; record it, and keep it if it is the best so
+        far."""
         nonlocal best
-        cctx = dataclasses.replace(ctx, reshard_after_forward=reshard)
+        cctx = dataclasses.replace(ctx, reshard_after_forward=reshard, offload_params=params)
         # recomputation is done already, per choice; the chosen plan alone is split
         passes = [p for p in default_passes(config, candidate=k, auto_cache=cache)
                   if p[0] not in (recompute_activations_pass, split_pass)]
@@ -196,7 +186,9 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
                               ctx.state["host"] - ctx.state["host_grads"])
         cctx.prediction, cctx.recompute = pred, (label, modes)
-        candidates.append({"recompute": label, **where, "units": len(cctx.units),
+        candidates.append({"recompute": label, **where,
+                           "offload_params": params if ctx.offload else None,
+                           "units": len(cctx.units),
                            "reshard": RESHARD[reshard], "step_s": pred.total,
                            "peak_bytes": pred.peak_bytes, "fits": pred.peak_bytes <= budget,
                            "note": ""})
@@ -270,6 +262,9 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         read = {meta.tag(p, meta.FQN) for p in base.graph.nodes
                 if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
 
+        def run(k, params):
+            return evaluate(base, label, modes, k, ctx.reshard_after_forward, params)
+
         def attempt(k):
             """Candidate ``k`` through the pipeline: whether it fits, or None when its compute
             and copies alone are slower than the best plan that fits (not run)."""
@@ -287,15 +282,29 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                         "note": f"its compute and copies alone ({floor_s * 1e3:.1f} ms) are "
                                 "slower than the chosen plan"})
                     return None
-            cctx, pred = evaluate(base, label, modes, k, ctx.reshard_after_forward)
+            cctx, pred = run(k, ladder[0])
             fits = pred.peak_bytes <= budget
+            if not fits and len(ladder) > 1:
+                # offloaded: the fewest units copying their shards in twice that fits; peaks
+                # fall along the ladder, so the last is tried (if it does not fit, none
+                # does), then the least that fits between, by bisection
+                last = run(k, ladder[-1])
+                if last[1].peak_bytes <= budget:
+                    (cctx, pred), fits, lo, hi = last, True, 1, len(ladder) - 1
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        got = run(k, ladder[mid])
+                        if got[1].peak_bytes <= budget:
+                            (cctx, pred), hi = got, mid
+                        else:
+                            lo = mid + 1
             # every unit kept from forward to backward saves the backward's all-gathers; tried
             # when its bound (the peak plus every resharded unit held) surely fits and some
             # communication is exposed
             held = sum(gathered[f] for u in cctx.units if not u.keep for f in u.fqns)
             if (fits and config.reshard_after_forward == "search" and pred.exposed_comm > 0
                     and 0 < held and pred.peak_bytes + held <= budget):
-                evaluate(base, label, modes, k, False)
+                evaluate(base, label, modes, k, False, cctx.offload_params)
             return fits
 
         if not searching_units:
