@@ -174,18 +174,26 @@ def graph_module(root, graph):
 
 
 def fake_like(v):
-    """A new fake tensor with ``v``'s shape, strides, dtype, device and requires_grad, built
-    directly (seven times faster than ``torch.empty_strided`` under the fake mode)."""
+    """A new fake tensor with ``v``'s shape, strides, dtype, device and requires_grad (see
+    ``fake_empty``)."""
+    out = fake_empty(v.fake_mode, v.shape, v.dtype, v.device, v.stride())
+    return out.requires_grad_(v.requires_grad) if v.requires_grad else out
+
+
+def fake_empty(fake_mode, shape, dtype, device, stride=None):
+    """A new fake tensor of ``fake_mode`` (contiguous unless ``stride`` is given), built
+    directly: seven times faster than ``torch.empty_strided`` under the fake mode."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if stride is None:
+        stride = torch.empty(shape, device="meta").stride()
     try:
-        out = FakeTensor(v.fake_mode, torch.empty_strided(v.shape, v.stride(), dtype=v.dtype,
-                                                          device="meta"), v.device)
+        return FakeTensor(fake_mode, torch.empty_strided(shape, stride, dtype=dtype,
+                                                         device="meta"), device)
     except TypeError:  # pragma: no cover - another torch's constructor
-        with v.fake_mode:
-            out = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
-    return out.requires_grad_(v.requires_grad) if v.requires_grad else out
+        with fake_mode:
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def node_copy(graph, node, arg_transform, meta=None):

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
+from autoshard._compat import fake_empty
 from autoshard.spec import ShardLayout, group_size  # noqa: F401 (re-exported)
 from autoshard.graph import (
     alias_base,
@@ -103,8 +104,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype,
             # on the host when it is offloaded
             home = HOST if specs[f].device == "host" else v.device
-            with v.fake_mode:
-                n.meta["val"] = torch.empty(lay.local_shape, dtype=specs[f].dtype, device=home)
+            n.meta["val"] = fake_empty(v.fake_mode, lay.local_shape, specs[f].dtype, home)
         elif specs[f].dtype != v.dtype:  # read unsharded, in the compute dtype
             _cast_unsharded(gm, n, specs[f].dtype)
 
@@ -170,8 +170,7 @@ def _cast_unsharded(gm, ph, storage_dtype):
     """An unsharded (0-d) parameter is read without a gather: its placeholder now holds the
     stored value, and one cast gives every reader the compute dtype they were traced with."""
     v = ph.meta["val"]
-    with v.fake_mode:
-        ph.meta["val"] = torch.empty((), dtype=storage_dtype, device=v.device)
+    ph.meta["val"] = fake_empty(v.fake_mode, (), storage_dtype, v.device)
     users = list(ph.users)
     with gm.graph.inserting_after(ph):
         cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (ph,), {"dtype": v.dtype})
