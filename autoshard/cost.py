@@ -137,7 +137,21 @@ _NO_WORK = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.new_em
 
 
 def node_time(node: fx.Node, profile: DeviceProfile) -> float:
-    """Predicted seconds of one compute node (0 for views, placeholders and comm steps)."""
+    """Predicted seconds of one compute node (0 for views, placeholders and comm steps).
+    Kept with the node per profile: its op, tags and values' shapes do not change (a copy of
+    the node shares the entry, as it shares the rest of ``meta``)."""
+    known = node.meta.get(_TIME)
+    if known is None:
+        known = node.meta[_TIME] = {}
+    hit = known.get(id(profile))
+    if hit is not None and hit[0] is profile:  # the profile itself is held: ids stay unique
+        return hit[1]
+    t = _node_time(node, profile)
+    known[id(profile)] = (profile, t)
+    return t
+
+
+def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
     if node.op != "call_function" or meta.is_collective_issue(node) or meta.is_wait(node):
         return 0.0
     if meta.is_free(node) or _aliased_arg(node) is not None or node.target in _NO_WORK:
@@ -157,6 +171,7 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
 
 
 _WORK = "autoshard_work"  # node.meta key: (flops, bytes moved), computed once per node
+_TIME = "autoshard_time"  # node.meta key: {id(profile): (profile, seconds)}
 
 
 # --- calibration ------------------------------------------------------------------------------

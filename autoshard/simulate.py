@@ -39,6 +39,10 @@ class Prediction:
     both_peak_bytes: int = 0
 
 
+_NO_TAGS: dict = {}
+_WAITS = (meta.AG_WAIT, meta.RS_WAIT)
+
+
 def _size(n: fx.Node) -> int:
     v = n.meta.get("val")
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
@@ -99,8 +103,8 @@ class _Sim:
             self.events.append(self.group)
         self.group = None
 
-    def step_time(self, n: fx.Node, gname: str):
-        kind = meta.tag(n, meta.COMM)
+    def step_time(self, n: fx.Node, gname: str, kind):
+        """Advance the clocks over ``n``; ``kind``: its ``meta.COMM`` tag."""
         if kind in meta.COLLECTIVE_ISSUES:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
             world = meta.group_size(n)
@@ -129,10 +133,11 @@ class _Sim:
         else:
             dur = node_time(n, self.profile)
             if dur:
-                name = f"{gname}:{meta.tag(n, meta.MODULE) or '-'}"
-                if self.group is None or self.group[1] != name:
+                key = (gname, meta.tag(n, meta.MODULE) or "-")
+                if self.group is None or self.group_key != key:
                     self.close_group()
-                    self.group = ["compute", name, self.tc, 0.0, meta.tag(n, meta.UNIT)]
+                    self.group = ["compute", "%s:%s" % key, self.tc, 0.0, meta.tag(n, meta.UNIT)]
+                    self.group_key = key
                 self.group[3] += dur
                 self.tc += dur
                 self.busy += dur
@@ -156,22 +161,23 @@ class _Sim:
                 if sids.get(n) is not None and n not in last and n not in returned:
                     mem.release(sids[n])
                 continue
-            self.step_time(n, gname)
+            kind = n.meta.get(meta.KEY, _NO_TAGS).get(meta.COMM)
+            self.step_time(n, gname, kind)
             while self.scratch and self.scratch[0][0] <= self.tc:
                 mem.release(self.scratch.pop(0)[1])
-            if meta.is_collective_issue(n) and sids.get(n.args[0]) is not None:
+            if kind in meta.COLLECTIVE_ISSUES and sids.get(n.args[0]) is not None:
                 self.held_inputs[n] = sids[n.args[0]]  # the backend holds its input
                 mem.acquire(self.held_inputs[n], 0)
-            elif meta.is_wait(n) and n.args[0] in self.held_inputs:
+            elif kind in _WAITS and n.args[0] in self.held_inputs:
                 mem.release(self.held_inputs.pop(n.args[0]))
-            if meta.is_free(n):
+            if kind == meta.FREE:
                 for t in n.args[0]:
                     mem.free(sids[t])
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 src = _aliased_arg(n)
                 sids[n] = sids.get(src) if src is not None else (None if n in uncounted else n)
                 if sids[n] is not None:  # a gradient shard copied out lands in host memory
-                    mem.acquire(sids[n], _size(n), host=meta.tag(n, meta.COMM) == meta.D2H)
+                    mem.acquire(sids[n], _size(n), host=kind == meta.D2H)
             self.timeline.append([self.tc, mem.total, gname, n.name])
             if mem.total > self.peak:
                 self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
