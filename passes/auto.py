@@ -105,13 +105,13 @@ def auto_candidates(gm, ctx, order, options) -> list:
 
     specs = {p.fqn: p for p in ctx.captured.params}
     known = options.get("auto_cache", {}).get("groupings", {})
-    if tuple(order) not in known:
-        known[tuple(order)] = _groupings(ctx, order, specs, options)
+    if tuple(order) not in known:  # with their collectives' time, the same for every graph
+        known[tuple(order)] = [(sum(group_cost(g, specs, ctx.profile) for _, g in groups),
+                                groups) for groups in _groupings(ctx, order, specs, options)]
     act, live = options.get("auto_cache", {}).get("activations") or activations(gm)
     first = _first_forward_use(gm, live)
     out = []
-    for groups in known[tuple(order)]:
-        t = sum(group_cost(g, specs, ctx.profile) for _, g in groups)
+    for t, groups in known[tuple(order)]:
         bound = max(_unit_floor(g, specs, first) for _, g in groups)
         out.append((t, ctx.static_bytes + max(act, bound), groups))
     out.sort(key=lambda c: (c[0], -len(c[2])))
