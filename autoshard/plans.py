@@ -107,7 +107,8 @@ class Plan:
         rows = [(c["recompute"], offload_label(c.get("offload"), c.get("offload_params")),
                  c["units"] if c["units"] is not None else "-", c.get("reshard", "-"),
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
-                 _fmt_bytes(c["peak_bytes"]), yes_no.get(c["fits"], "-"),
+                 _fmt_bytes(c["peak_bytes"]) if c["peak_bytes"] is not None else "-",
+                 yes_no.get(c["fits"], "-"),
                  "chosen" if c.get("chosen") else c.get("note", ""))
                 for c in self.candidates]
         return tabulate(rows, headers=["recompute", "offload", "units", "resharded",

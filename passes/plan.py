@@ -19,8 +19,10 @@ bound on memory does (``autoshard.passes.auto``); once a plan fits, a choice who
 alone takes longer than that plan's step, and a unit candidate whose compute plus the copies
 its grouping surely makes (``copy_floor``, ``gradient_copies``) does. On graphs over
 ``BIG_GRAPH`` nodes the first choice whose activations fit, and within a choice the first unit
-candidate that fits, are found by bisection (peaks fall along both orders), so there the
-guarantee holds among the candidates tried; smaller graphs try every choice and candidate.
+candidate that fits, are found by bisection (peaks fall along both orders), and once every
+plan of a choice is ruled out as slower, the choices after it (which recompute more) are not
+built; so there the guarantee holds among the candidates tried. Smaller graphs try every
+choice and candidate.
 Each candidate is predicted on its joint graph (``autoshard.simulate.simulate_joint``, the
 same prediction as its split program's); only the chosen one is split.
 
@@ -42,6 +44,7 @@ that fits, by bisection (for one grouping, fewer copies is faster and takes more
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import torch.fx as fx
 
@@ -52,6 +55,8 @@ LADDER = (0.25, 0.5, 0.75, 1.0)
 # with the state on the host, the fractions of units copying their shards in twice tried
 # (PassContext.offload_params), fastest first
 OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# candidate pipelines between two runs of Python's cyclic garbage collector (see _Garbage)
+COLLECT_EVERY = 8
 # which units free their gathered parameters after the forward (Config.reshard_after_forward)
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 
@@ -98,11 +103,38 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     ``ctx.candidates`` every candidate tried; when none fits, the one with the least peak is
     chosen (the caller says what it needs). Does nothing else to ``gm``.
     """
+    with _Garbage() as garbage:
+        return _plan_step(gm, ctx, options, garbage)
+
+
+class _Garbage:
+    """Python's cyclic garbage collector, paused while the planner searches and run once
+    every ``COLLECT_EVERY`` candidates instead. Each candidate builds graphs of up to 10^5
+    nodes and drops them; fx nodes and their graph form cycles, which survive into the
+    oldest generation, so the collector ran full collections over every live graph again and
+    again: a third of the time planning GPT-175B. Restored as it was on the way out."""
+
+    def __enter__(self):
+        self.enabled, self.count = gc.isenabled(), 0
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            gc.enable()
+
+    def candidate_done(self) -> None:
+        self.count += 1
+        if self.count % COLLECT_EVERY == 0:
+            gc.collect()
+
+
+def _plan_step(gm, ctx, options, garbage):
     from autoshard import passes
     from autoshard.config import offloads
 
     config = options["config"]
-    candidates, best, shared = [], None, {}
+    candidates, best, shared = [], None, {"garbage": garbage}
 
     def search(offload: bool) -> None:
         nonlocal best
@@ -197,6 +229,7 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                 c.pop("best", None)
             best = (pred, out, cctx)
             candidates[-1]["best"] = True
+        shared["garbage"].candidate_done()
         return cctx, pred
 
     def better(a, b):  # fits first, then fastest; among the unfit, the least memory
@@ -231,7 +264,14 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         start = lo
     # the unit groupings (autoshard.passes.auto), the same for every choice
     groupings = shared.setdefault("groupings", {})
+    slower = None  # on a big graph, a choice whose plans were all slower than the chosen one
     for i, (label, modes) in enumerate(choices):
+        if slower is not None:  # each choice recomputes more than the one before
+            candidates.append({"recompute": label, **where, "units": None, "step_s": None,
+                               "peak_bytes": None, "fits": None,
+                               "note": f"recomputes more than {slower}, whose plans are all "
+                                       "slower than the chosen one"})
+            continue
         if i < start and i not in floors:
             j = min(k for k in floors if k > i and floors[k] > budget)
             candidates.append({"recompute": label, **where, "units": None,
@@ -254,6 +294,7 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                                "step_s": None, "peak_bytes": floor, "fits": None,
                                "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
                                        "slower than the chosen plan"})
+            slower = label if big else None
             continue
         if searching_units:
             cands = tries(base, ctx, {**unit_options(config), "auto_cache": cache})
@@ -308,18 +349,20 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
             return fits
 
         if not searching_units:
-            attempt(0)
+            outcomes = [attempt(0)]
         elif big:  # the first that fits, by bisection: fastest first is most memory first
-            lo, hi = 0, len(cands) - 1
+            lo, hi, outcomes = 0, len(cands) - 1, []
             while lo < hi:
                 mid = (lo + hi) // 2
-                if attempt(mid) is False:
+                outcomes.append(attempt(mid))
+                if outcomes[-1] is False:
                     lo = mid + 1
                 else:
                     hi = mid
             if lo not in tried:
-                attempt(lo)
+                outcomes.append(attempt(lo))
         else:
-            for k in range(len(cands)):
-                attempt(k)
+            outcomes = [attempt(k) for k in range(len(cands))]
+        if big and all(o is None for o in outcomes):
+            slower = label
     return best

@@ -77,3 +77,51 @@ def test_resharding_search_keeps_every_unit_where_that_is_faster_and_surely_fits
     tight = _plan(reshard_after_forward="search",
                   memory_budget=auto.predicted["peak_bytes"] + held - 1)
     assert tight.reshard == "all but the last" and len(tight.candidates) == 1
+
+
+def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monkeypatch):
+    """Over BIG_GRAPH nodes, once every plan of a recomputation choice is slower than the
+    chosen one by its lower bound, the choices after it (which recompute more) are not built;
+    here (communication free) the first choice fits, so every later one is slower."""
+    import dataclasses
+
+    import autoshard.passes.plan as plan_mod
+    from autoshard.cost import PROFILES
+
+    free = dataclasses.replace(PROFILES["h100"], name="free", alpha=0.0, beta=0.0)
+
+    def search():
+        return autoshard.plan(GPT(seq=32), INPUTS, world_size=2, config=autoshard.Config(
+            policy="module", recompute="auto", device_profile=free))
+
+    roomy = search()
+    monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)
+    big = search()
+    assert big.predicted == roomy.predicted and big.recompute == roomy.recompute == "none"
+    notes = [c["note"] for c in big.candidates]
+    assert notes[1].startswith("its compute alone") and big.candidates[1]["recompute"] == "min-cut"
+    assert len(notes) == len(roomy.candidates)
+    assert notes[2:] and all(n == "recomputes more than min-cut, whose plans are all slower "
+                                  "than the chosen one" for n in notes[2:])
+    assert "recomputes more than min-cut" in big.candidates_table()
+
+
+def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    import gc
+
+    import autoshard.passes.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "COLLECT_EVERY", 1)  # a collection after every candidate
+    states, real = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: states.append(gc.isenabled()) or real(*a))
+    assert gc.isenabled()
+    try:
+        plan = _plan(recompute="auto")
+        assert gc.isenabled()
+        gc.disable()
+        _plan(recompute="auto")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    ran = sum(c["step_s"] is not None for c in plan.candidates)
+    assert ran > 1 and len(states) == 2 * ran and not any(states)
