@@ -84,8 +84,10 @@ class Config:
         for the backward's all-gather. The other units hold the forward's copy (in the
         compute dtype) on the device until then: one copy per shard per step, the optimizer
         state and its step on the host, as ZeRO-Offload does. 1.0: every all-gather copies
-        its shards in, as FSDP2's CPUOffloadPolicy does; 0.0: none again. None (default):
-        the planner takes the least of 0, 1/4, 1/2, 3/4 and 1 whose plan fits.
+        its shards in, as FSDP2's CPUOffloadPolicy does; 0.0: none again; rounded to whole
+        units. None (default): per candidate grouping the planner takes the least of 0, 1/4,
+        1/2, 3/4 and 1 whose plan fits (by bisection, as peaks fall along them). Read only
+        when the state is offloaded.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is

@@ -287,10 +287,12 @@ def offload_label(offload: bool, params: Optional[float] = None) -> str:
     """The offload column: "no"; "state" (shards, gradient shards and optimizer state on the
     host, each shard copied in once per step); "state + params" (copied in for every
     all-gather, as FSDP2's CPUOffloadPolicy); "state + params 1/2" (for that fraction of the
-    units)."""
+    units); "yes" for a candidate ruled out before its units were chosen."""
     if not offload:
         return "no"
-    if params is None or params >= 1:
+    if params is None:
+        return "yes"
+    if params >= 1:
         return "state + params"
     if params <= 0:
         return "state"

@@ -78,9 +78,9 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     regions and output roles (capture).
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
     and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
-    a ``Unit.held`` unit's sends the forward's send buffer again, with no copy from the host
-    and no packing; ``ctx.offload_params`` chooses those among the units with offloaded
-    shards),
+    the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
+    with no copy from the host and no packing; ``ctx.offload_params`` chooses those among
+    ``offloaded_units``),
     one reduce_scatter+wait after the last of its gradients is complete; an
     ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
     gradient and send buffer; a collective's input is freed after its wait, not its issue.
@@ -180,13 +180,20 @@ def _cast_unsharded(gm, ph, storage_dtype):
         u.replace_input_with(ph, cast)
 
 
+def offloaded_units(units, specs: dict) -> list:
+    """The units resharded after the forward whose shards are in host memory: each copies
+    them in again for the backward's all-gather or holds the forward's copy."""
+    return [u for u in units if not u.keep and any(
+        specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
+
+
 def _choose_held(units, specs, fraction: float) -> None:
     """Mark the units that hold their shards' device copy from the forward to the backward:
-    of the resharded units with shards in host memory, all but the first ``fraction``."""
-    hosted = [u for u in units if not u.keep and any(
-        specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
+    of ``offloaded_units``, all but the first ``fraction``."""
+    hosted = offloaded_units(units, specs)
+    again = round(fraction * len(hosted))
     for i, u in enumerate(hosted):
-        u.held = i >= round(fraction * len(hosted))
+        u.held = i >= again
 
 
 def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None):

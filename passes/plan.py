@@ -125,7 +125,7 @@ class _Garbage:
 
     def candidate_done(self) -> None:
         self.count += 1
-        if self.count % COLLECT_EVERY == 0:
+        if self.enabled and self.count % COLLECT_EVERY == 0:  # the caller may want none
             gc.collect()
 
 
@@ -186,6 +186,7 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
     from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
                                   split_pass, unit_options)
     from autoshard.passes.auto import copy_floor, gradient_copies, tries
+    from autoshard.passes.collectives import offloaded_units
     from autoshard.passes.units import repeated_blocks
     from autoshard.cost import node_time
     from autoshard.simulate import activations, simulate_joint
@@ -201,6 +202,9 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
               else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
     # as every candidate of this search records it
     where = {"offload": ctx.offload, "offload_params": None}
+    # a search with the state on the host follows this one if nothing fits: it reuses the
+    # choices' graphs
+    reusable = not ctx.offload and config.offload_policy is None
 
     specs = {p.fqn: p for p in ctx.captured.params}
     gathered = {f: p.gathered_bytes() for f, p in specs.items()}
@@ -215,11 +219,15 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         passes = [p for p in default_passes(config, candidate=k, auto_cache=cache)
                   if p[0] not in (recompute_activations_pass, split_pass)]
         out = run_passes(clone_graph(base), cctx, passes, verify_each=verify, lint=False)
+        if ctx.offload:  # the fraction that took effect: a whole number of units copy again
+            hosted = offloaded_units(cctx.units, specs)
+            cctx.offload_params = (sum(not u.held for u in hosted) / len(hosted) if hosted
+                                   else 0.0)
         pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
                               ctx.state["host"] - ctx.state["host_grads"])
         cctx.prediction, cctx.recompute = pred, (label, modes)
         candidates.append({"recompute": label, **where,
-                           "offload_params": params if ctx.offload else None,
+                           "offload_params": cctx.offload_params if ctx.offload else None,
                            "units": len(cctx.units),
                            "reshard": RESHARD[reshard], "step_s": pred.total,
                            "peak_bytes": pred.peak_bytes, "fits": pred.peak_bytes <= budget,
@@ -280,6 +288,9 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                                        "activations alone exceed the budget"})
             continue
         base, floor = prepare(i)
+        if not reusable or (best is not None and best[0].peak_bytes <= budget):
+            for j in [j for j in bases if j <= i]:  # no later search reads them
+                del bases[j]
         # and per choice, its activations and unit candidates, computed once
         cache = {"groupings": groupings, "activations": acts[i]}
         last_choice = i == len(choices) - 1
@@ -325,16 +336,19 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                     return None
             cctx, pred = run(k, ladder[0])
             fits = pred.peak_bytes <= budget
-            if not fits and len(ladder) > 1:
-                # offloaded: the fewest units copying their shards in twice that fits; peaks
-                # fall along the ladder, so the last is tried (if it does not fit, none
-                # does), then the least that fits between, by bisection
-                last = run(k, ladder[-1])
+            n = len(offloaded_units(cctx.units, specs)) if ctx.offload else 0
+            # offloaded: the fewest units copying their shards in twice that fits, among the
+            # ladder's fractions of these n units (each count once); peaks fall along it, so
+            # the last is tried (if it does not fit, none does), then the least that fits
+            # between, by bisection
+            steps = sorted({round(f * n) for f in ladder}) if n else [0]
+            if not fits and len(steps) > 1:
+                last = run(k, steps[-1] / n)
                 if last[1].peak_bytes <= budget:
-                    (cctx, pred), fits, lo, hi = last, True, 1, len(ladder) - 1
+                    (cctx, pred), fits, lo, hi = last, True, 1, len(steps) - 1
                     while lo < hi:
                         mid = (lo + hi) // 2
-                        got = run(k, ladder[mid])
+                        got = run(k, steps[mid] / n)
                         if got[1].peak_bytes <= budget:
                             (cctx, pred), hi = got, mid
                         else:

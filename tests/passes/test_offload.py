@@ -171,3 +171,13 @@ def test_the_planner_copies_in_again_only_as_many_units_as_it_must():
     # roomy: every resharded unit holds its shards
     assert _plan(True, layers=4).offload_params == 0.0
 
+
+
+def test_each_number_of_units_copying_again_is_tried_once():
+    """With two offloaded units the ladder's 1/4 and 3/4 round to 0 and 2 units: the planner
+    tries 0, 2 and 1 of them, once each, and records the fraction that took effect."""
+    peak = _plan(True, offload_params=1.0).predicted["peak_bytes"]
+    plan = _plan(True, memory_budget=peak)
+    tried = [c["offload_params"] for c in plan.candidates]
+    assert len(tried) == len(set(tried)) and set(tried) <= {0.0, 0.5, 1.0}
+    assert tried[:2] == [0.0, 1.0] and plan.predicted["peak_bytes"] <= peak
