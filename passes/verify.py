@@ -82,10 +82,12 @@ def _check_gathers(gm):
     g = to_nx(gm.graph)
     waits = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_WAIT]
     g.remove_nodes_from(waits)
+    pos = positions(gm.graph)
     for p in gm.graph.nodes:
         if not meta.is_param(p) or not p.meta["val"].dim():
             continue
-        for d in nx.descendants(g, p):
+        # in graph order: the first node that goes wrong is named, the same on every run
+        for d in sorted(nx.descendants(g, p), key=pos.__getitem__):
             if d.op == "output":
                 _fail(f"parameter shard {p.name} is returned without being gathered")
             if meta.tag(d, meta.COMM) not in (meta.H2D, meta.AG_PACK, meta.AG_ISSUE,
