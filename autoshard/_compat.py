@@ -196,6 +196,59 @@ def fake_empty(fake_mode, shape, dtype, device, stride=None):
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
+def fake_run(fake_mode, func, args, kwargs):
+    """``func(*args, **kwargs)`` on fake tensors of ``fake_mode``, run by the op's meta kernel
+    directly and its tensors made fake on their arguments' device, as the fake mode does for
+    an op with no rule of its own: a fifth of the cost for the view and copy ops that pack and
+    unpack collective buffers, most of it the fake mode's caching and argument checks. Returns
+    None (the caller dispatches as usual) when unsure: an argument that is not a fake tensor
+    of this mode, tensors on several devices or none, a device given, a symbolic size, an op
+    the fake mode has a rule for (constructors, data-dependent outputs; its rules for views
+    serve symbolic sizes), or an error."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    if _has_fake_rule(func) or "device" in kwargs:  # the fake mode moves it
+        return None
+    leaves = tree_leaves((args, kwargs))
+    tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
+    if (not tensors or len({t.fake_device for t in tensors if isinstance(t, FakeTensor)}) != 1
+            or any(not isinstance(t, FakeTensor) or t.fake_mode is not fake_mode
+                   or t._has_symbolic_sizes_strides for t in tensors)
+            or any(isinstance(a, torch.SymInt) for a in leaves)):
+        return None
+    try:
+        with in_kernel_invocation_manager(fake_mode):
+            out = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the fake mode's own dispatch decides
+        return None
+    device = tensors[0].fake_device
+    return tree_map(lambda o: FakeTensor(fake_mode, o, device)
+                    if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) else o, out)
+
+
+def _has_fake_rule(func) -> bool:
+    """Whether the fake mode computes ``func`` its own way, or it returns something other
+    than tensors (``prim.device`` in a kernel would say meta)."""
+    import torch
+    from torch._subclasses import fake_impls
+
+    if func not in _FAKE_RULES:
+        tensors = (torch._C.TensorType.get(), torch._C.ListType.ofTensors())
+        _FAKE_RULES[func] = (
+            not func._schema.returns
+            or any(r.type not in tensors for r in func._schema.returns)
+            or str(func) not in _STATIC_VIEWS and any(
+                check(func) for check, _ in fake_impls.op_implementations_checks))
+    return _FAKE_RULES[func]
+
+
+_FAKE_RULES: dict = {}
+_STATIC_VIEWS = {f"aten.{n}" for n in ("view.default", "_unsafe_view.default", "slice.Tensor",
+                                       "select.int")}
+
+
 def node_copy(graph, node, arg_transform, meta=None):
     """``graph.node_copy(node, arg_transform)``, its ``meta`` set to ``meta`` (default: a
     shallow copy of ``node.meta``), at a third of the cost. torch 2.13 walks every argument

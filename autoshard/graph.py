@@ -198,9 +198,9 @@ class _Recorder(_compat.TorchDispatchMode):
     """Appends every aten op run under it to ``graph``, mapping tensors to nodes by identity
     (``env``), as make_fx records them."""
 
-    def __init__(self, graph: fx.Graph, env: dict):
+    def __init__(self, graph: fx.Graph, env: dict, fake_mode):
         super().__init__()
-        self.graph, self.env = graph, env
+        self.graph, self.env, self.fake_mode = graph, env, fake_mode
 
     def node_of(self, x):
         if isinstance(x, torch.Tensor):
@@ -211,7 +211,9 @@ class _Recorder(_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = _compat.fake_run(self.fake_mode, func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
         if not isinstance(out, (torch.Tensor, tuple, list)):  # prim.device and the like
             return out
         if func is torch.ops.aten.detach.default:  # autograd's, around an out= argument
@@ -244,7 +246,7 @@ def record(fn: Callable, vals: Sequence) -> fx.GraphModule:
         ph = graph.placeholder(f"arg{i}")
         ph.meta["val"] = v
         env[id(v)] = ph
-    recorder = _Recorder(graph, env)
+    recorder = _Recorder(graph, env, vals[0].fake_mode)
     with vals[0].fake_mode, recorder:
         out = fn(*vals)
     graph.output(tree_map(recorder.node_of, out))

@@ -47,3 +47,55 @@ def test_recorded_packing_is_make_fx_packing(name, monkeypatch):
     traced = _program(*CONFIGS[name])
     for a, b in ((recorded.fwd, traced.fwd), (recorded.bwd, traced.bwd)):
         assert depth.difference(_as_captured(a), _as_captured(b)) == ""
+
+
+def _packing(buf, grad, host):  # the ops the collectives pass packs and unpacks with
+    cols = buf.view(4, -1)
+    a = cols[:, 0:6].reshape(8, 3)[:7]
+    b = cols[:, 6:10].reshape(-1)
+    g = torch.nn.functional.pad(grad.t().to(torch.float32), [0, 0, 0, 1])
+    moved = torch.ops.aten._to_copy.default(host, device=buf.device, non_blocking=True)
+    moved = moved.reshape(-1).to(torch.bfloat16)
+    flat = torch.cat([moved, b.to(torch.bfloat16)])
+    out = torch.empty((4 * flat.numel(),), dtype=flat.dtype, device=flat.device)
+    return a, b, g.reshape(4, -1), flat, out, buf[4:16].view(3, 4).expand(2, 3, 4)
+
+
+def _described(gm):
+    out = []
+    for n in gm.graph.nodes:
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        out.append((n.op, str(n.target), str(n.args), str(n.kwargs), [
+            (type(v).__name__, tuple(v.shape), v.stride(), v.storage_offset(), v.dtype,
+             v.device) for v in vals if isinstance(v, torch.Tensor)]))
+    return out
+
+
+def test_values_from_meta_kernels_are_the_fake_modes(monkeypatch):
+    """record computes most fake values with the op's meta kernel (``_compat.fake_run``);
+    every value equals the fake mode's own (shape, strides, offset, dtype, device), and the
+    ops it leaves to the fake mode (a copy given a device, a constructor) are recorded the
+    same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoshard import _compat
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    cpu = torch.device("cpu")
+    vals = [_compat.fake_empty(mode, (40,), torch.float32, cpu),
+            _compat.fake_empty(mode, (3, 7), torch.bfloat16, cpu),
+            _compat.fake_empty(mode, (2, 5), torch.float32, cpu)]
+    ran = []
+    fake_run = _compat.fake_run
+
+    def counted(*args):
+        out = fake_run(*args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_compat, "fake_run", counted)
+    fast = _described(graph.record(_packing, vals))
+    assert sum(ran) >= 10 and not all(ran)  # most ops, not the copy across devices
+    monkeypatch.setattr(_compat, "fake_run", lambda *args: None)
+    assert fast == _described(graph.record(_packing, vals))
