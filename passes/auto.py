@@ -25,6 +25,7 @@ among the candidates tried).
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch.fx as fx
@@ -72,6 +73,25 @@ class _Segments:
                 c += collective_time(r, self.world, self.profile)
         return c
 
+    def costs(self, i: int, js) -> list:
+        """``[cost(j, i) for j in js]``, the same floats (the same operations in the same
+        order, ``collective_time`` written out), a third of the time: the DP's inner loop."""
+        if self.world <= 1:
+            return [self.cost(j, i) for j in js]
+        n, p = self.world, self.profile
+        fixed, slope, beta = (n - 1) * p.alpha, (n - 1) / n, p.beta
+        terms = [(times, sums[i], sums) for d in self.dtypes
+                 for times, sums in ((2, self.ag[d]), (1, self.rs[d])) if sums[-1]]
+        out = []
+        for j in js:
+            c = 0.0
+            for times, end, sums in terms:
+                x = end - sums[j]
+                if x:
+                    c += times * (fixed + slope * x * beta)
+            out.append(c)
+        return out
+
 
 def group_cost(fqns, specs, profile) -> float:
     """Predicted exposed seconds of one unit's collectives per step."""
@@ -83,10 +103,11 @@ def _dp(order, seg: _Segments, cap: int) -> list:
     best = [0.0] + [math.inf] * n
     cut = [0] * (n + 1)
     for i in range(1, n + 1):
-        for j in range(i - 1, -1, -1):
-            if seg.size[i] - seg.size[j] > cap and j < i - 1:
-                break
-            c = best[j] + seg.cost(j, i)
+        # the groups ending at i within the cap, nearest start first (one parameter always)
+        lo = min(bisect.bisect_left(seg.size, seg.size[i] - cap, 0, i), i - 1)
+        js = range(i - 1, lo - 1, -1)
+        for j, c in zip(js, seg.costs(i, js)):
+            c = best[j] + c
             if c < best[i]:
                 best[i], cut[i] = c, j
     groups, i = [], n

@@ -95,3 +95,24 @@ def test_size_policy_makes_units_of_at_least_the_minimum():
     plan = _plan(model, inputs, policy="size")
     assert all(u.numel >= 20000 for u in plan.units)
     assert len(plan.units) > 1
+
+
+@pytest.mark.parametrize("world", [1, 3, 512])
+def test_segment_costs_are_the_single_costs(world):
+    """The DP's batched segment costs equal ``cost`` float for float (its choices follow
+    them, ties included): mixed dtypes, a frozen and an unsharded parameter."""
+    from autoshard.cost import get_profile
+    from autoshard.passes.auto import _Segments
+    from autoshard.spec import ParamSpec
+
+    shapes = [(96, 64), (64,), (), (7, 5), (300, 8), (1,)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,
+              torch.float32]
+    specs = {f"p{k}": ParamSpec(f"p{k}", shape, torch.float32, k != 3, compute_dtype=dtype,
+                                reduce_dtype=torch.float32, mesh_shape=(world,))
+             for k, (shape, dtype) in enumerate(zip(shapes, dtypes))}
+    seg = _Segments(list(specs), specs, get_profile("h100"))
+    for i in range(1, len(specs) + 1):
+        js = range(i - 1, -1, -1)
+        assert seg.costs(i, js) == [seg.cost(j, i) for j in js]
+    assert seg.cost(0, len(specs)) > 0
