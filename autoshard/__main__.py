@@ -159,5 +159,18 @@ def main(argv=None) -> int:
     return _plan(args)
 
 
+def cli() -> None:
+    """The command's entry: ``main``, and after a plan an exit that leaves the planner's
+    objects to the operating system (its output flushed first): tearing down the 10^6 graph
+    objects that planning GPT-175B leaves took 2 s of the command's time."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv[:1] == ["plan"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
