@@ -206,10 +206,15 @@ def fake_run(fake_mode, func, args, kwargs):
     the fake mode has a rule for (constructors, data-dependent outputs; its rules for views
     serve symbolic sizes), or an error."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
     from torch.utils._pytree import tree_leaves, tree_map
 
-    if _has_fake_rule(func) or "device" in kwargs:  # the fake mode moves it
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+        ruled = _has_fake_rule(func)
+    except (ImportError, AttributeError):  # pragma: no cover - another torch's internals
+        return None
+    if ruled or "device" in kwargs:  # the fake mode moves it
         return None
     leaves = tree_leaves((args, kwargs))
     tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
