@@ -64,22 +64,14 @@ class _Segments:
             self.size[k + 1] = self.size[k] + b
 
     def cost(self, j: int, i: int) -> float:
-        c = 0.0
-        for d in self.dtypes:
-            a, r = self.ag[d][i] - self.ag[d][j], self.rs[d][i] - self.rs[d][j]
-            if a:
-                c += 2 * collective_time(a, self.world, self.profile)
-            if r:
-                c += collective_time(r, self.world, self.profile)
-        return c
+        return self.costs(i, (j,))[0]
 
     def costs(self, i: int, js) -> list:
-        """``[cost(j, i) for j in js]``, the same floats (the same operations in the same
-        order, ``collective_time`` written out), a third of the time: the DP's inner loop."""
-        if self.world <= 1:
-            return [self.cost(j, i) for j in js]
+        """``[cost(j, i) for j in js]``: per dtype, two all-gathers and a reduce-scatter of
+        the segment's bytes, ``collective_time`` written out (the same floats) for the DP's
+        inner loop."""
         n, p = self.world, self.profile
-        fixed, slope, beta = (n - 1) * p.alpha, (n - 1) / n, p.beta
+        fixed, slope = ((n - 1) * p.alpha, (n - 1) / n) if n > 1 else (p.alpha, 0.0)
         terms = [(times, sums[i], sums) for d in self.dtypes
                  for times, sums in ((2, self.ag[d]), (1, self.rs[d])) if sums[-1]]
         out = []
@@ -88,7 +80,7 @@ class _Segments:
             for times, end, sums in terms:
                 x = end - sums[j]
                 if x:
-                    c += times * (fixed + slope * x * beta)
+                    c += times * (fixed + slope * x * p.beta)
             out.append(c)
         return out
 

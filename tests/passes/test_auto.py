@@ -98,10 +98,10 @@ def test_size_policy_makes_units_of_at_least_the_minimum():
 
 
 @pytest.mark.parametrize("world", [1, 3, 512])
-def test_segment_costs_are_the_single_costs(world):
-    """The DP's batched segment costs equal ``cost`` float for float (its choices follow
-    them, ties included): mixed dtypes, a frozen and an unsharded parameter."""
-    from autoshard.cost import get_profile
+def test_segment_costs_are_the_cost_models(world):
+    """The DP's segment costs equal the cost model's collective times float for float (its
+    choices follow them, ties included): mixed dtypes, a frozen and an unsharded parameter."""
+    from autoshard.cost import collective_time, get_profile
     from autoshard.passes.auto import _Segments
     from autoshard.spec import ParamSpec
 
@@ -111,8 +111,20 @@ def test_segment_costs_are_the_single_costs(world):
     specs = {f"p{k}": ParamSpec(f"p{k}", shape, torch.float32, k != 3, compute_dtype=dtype,
                                 reduce_dtype=torch.float32, mesh_shape=(world,))
              for k, (shape, dtype) in enumerate(zip(shapes, dtypes))}
-    seg = _Segments(list(specs), specs, get_profile("h100"))
+    profile = get_profile("h100")
+    seg = _Segments(list(specs), specs, profile)
+
+    def cost(j, i):  # collective_time per dtype, as the cost model prices one unit
+        c = 0.0
+        for d in seg.dtypes:
+            a, r = seg.ag[d][i] - seg.ag[d][j], seg.rs[d][i] - seg.rs[d][j]
+            if a:
+                c += 2 * collective_time(a, world, profile)
+            if r:
+                c += collective_time(r, world, profile)
+        return c
+
     for i in range(1, len(specs) + 1):
         js = range(i - 1, -1, -1)
-        assert seg.costs(i, js) == [seg.cost(j, i) for j in js]
-    assert seg.cost(0, len(specs)) > 0
+        assert seg.costs(i, js) == [cost(j, i) for j in js]
+    assert seg.cost(0, len(specs)) == cost(0, len(specs)) > 0
