@@ -46,7 +46,8 @@ def _plan(args) -> int:
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
                     device_profile=args.device_profile, mp_policy=_mp_policy(args),
                     recompute=RECOMPUTE[args.recompute],
-                    offload_policy=CPUOffloadPolicy() if args.offload else None)
+                    offload_policy=CPUOffloadPolicy() if args.offload or args.offload_state
+                    else None, offload_state=args.offload_state)
     if args.symbolic:
         plan = autoshard.plan(model, world_size=args.world_size, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
     pl.add_argument("--offload", action="store_true",
                     help="keep parameter shards, gradient shards and optimizer state in host "
                     "memory (CPUOffloadPolicy): the optimizer steps on the host")
+    pl.add_argument("--offload-state", type=float, default=None, metavar="FRACTION",
+                    help="with --offload (implied), keep only this fraction of that state in "
+                    "host memory, the last parameters' (Config.offload_state)")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
     pl.add_argument("--json", help="write the plan as JSON here")
     pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")

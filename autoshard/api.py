@@ -14,7 +14,7 @@ from autoshard.errors import AutoshardError
 from autoshard import _compat, depth
 from autoshard.config import offloads
 from autoshard.cost import get_profile
-from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label
+from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
 from autoshard.spec import param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.passes.plan import RESHARD
@@ -220,7 +220,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     pred, split, state = ctx.prediction, ctx.split, ctx.state
     cap.gm = gm
     plan = make_plan(
-        world_size, ctx.units, {p.fqn: p for p in specs}, [split.fwd, split.bwd],
+        world_size, ctx.units, {p.fqn: p for p in ctx.captured.params}, [split.fwd, split.bwd],
         prediction=pred, profile=profile, budget=budget,
         policy="pinned" if config.units is not None else config.policy,
         model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
@@ -237,7 +237,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
             f"recomputation, {len(ctx.units)} units"
             + (f", the model state in host memory (offload: "
-               f"{offload_label(True, ctx.offload_params)})" if ctx.offload else "")
+               f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
             + f") needs {_fmt_bytes(pred.peak_bytes)}. "
             "Raise Config.memory_budget to at least that, shard over more ranks, use a "
             "smaller batch" + (", or Config(recompute='auto') to recompute activations"
@@ -255,14 +255,17 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
     )
     if plan.offload and not offloads(st.config):
         fits = plan.predicted["peak_bytes"] <= plan.memory_budget
+        part = (f", offload_state={share(plan.offload)}"
+                if plan.offload < 1 else "")
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(plan.memory_budget)} per rank with "
-            f"the model state on the device; with it in host memory "
-            f"({_fmt_bytes(plan.predicted['host_state_bytes'])}) one "
+            f"the model state on the device; with "
+            f"{'it' if plan.offload >= 1 else 'the last ' + share(plan.offload) + ' of it'} "
+            f"in host memory ({_fmt_bytes(plan.predicted['host_state_bytes'])}) one "
             f"{'fits' if fits else 'comes closest'} (peak "
             f"{_fmt_bytes(plan.predicted['peak_bytes'])}). Shards are placed when the model "
             "is wrapped: pass autoshard(model, config=Config(offload_policy="
-            "torch.distributed.fsdp.CPUOffloadPolicy())).")
+            f"torch.distributed.fsdp.CPUOffloadPolicy(){part})).")
     # the same signature can still compile differently (a rank-dependent model): compare
     st.agreement(f"step {st.agreement.step}: compiled program",
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
@@ -446,7 +449,8 @@ def autoshard(
 
     # every new tensor is built before anything changes; then swapped in, undone on failure
     staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn,
-                          offload=config.offload_policy if offloads(config) else None)
+                          offload=config.offload_policy if offloads(config) else None,
+                          offload_state=offloads(config))
     cls = type(model)
     undo = staged.commit()
     try:

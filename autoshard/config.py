@@ -78,7 +78,13 @@ class Config:
         each shard is copied to the device before its all-gather and each gradient shard back
         to the host after its reduce-scatter (explicit graph nodes), so the optimizer steps on
         the host. Scalars stay on the device. ``OffloadPolicy()`` or None (default): none;
-        with None the planner offloads when nothing fits on the device.
+        with None the planner offloads when nothing fits on the device, as little of the
+        state as fits (``offload_state``), and says what to pass.
+    offload_state: with ``CPUOffloadPolicy``, the fraction of the sharded state kept in host
+        memory, by elements, the last parameters in the model's order first (their copies
+        come where compute hides them); the rest, with its optimizer step, stays on the
+        device, as ZeRO-Offload's partial offload does. None (default): all of it, as FSDP2.
+        The planner, offloading on its own, takes the least of 1/4, 1/2, 3/4 and 1 that fits.
     offload_params: with the state offloaded, the fraction of units resharded after the
         forward (the first in forward order) whose shards are copied to the device again
         for the backward's all-gather. The other units hold the forward's copy (in the
@@ -114,6 +120,7 @@ class Config:
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: object = None
     offload_policy: object = None
+    offload_state: Optional[float] = None
     offload_params: Optional[float] = None
 
     def __post_init__(self):
@@ -145,6 +152,17 @@ class Config:
                              f"datetime.timedelta, got {self.timeout!r}")
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
+        if self.offload_state is not None and (
+                isinstance(self.offload_state, bool)
+                or not isinstance(self.offload_state, (int, float))
+                or not 0 < self.offload_state <= 1):
+            raise ValueError(f"Config.offload_state must be a fraction above 0 and at most 1 "
+                             f"(of the sharded state kept in host memory) or None, got "
+                             f"{self.offload_state!r}")
+        if self.offload_state is not None and not offloads(self):
+            raise ValueError("Config.offload_state says how much of the state to keep in host "
+                             "memory; it needs offload_policy=torch.distributed.fsdp."
+                             "CPUOffloadPolicy() to keep any there")
         if self.offload_params is not None and (
                 isinstance(self.offload_params, bool)
                 or not isinstance(self.offload_params, (int, float))
@@ -208,11 +226,13 @@ def _offload_policy(policy) -> None:
                         f"{policy!r}")
 
 
-def offloads(config) -> bool:
-    """Whether ``config`` keeps the sharded state in host memory."""
+def offloads(config) -> float:
+    """The fraction of the sharded state ``config`` keeps in host memory (0.0: none)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    return isinstance(config.offload_policy, CPUOffloadPolicy)
+    if not isinstance(config.offload_policy, CPUOffloadPolicy):
+        return 0.0
+    return 1.0 if config.offload_state is None else float(config.offload_state)
 
 
 def _recompute_blocks(modes: dict) -> None:

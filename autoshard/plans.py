@@ -40,6 +40,9 @@ class UnitInfo:
     kept: bool = False  # gathered from forward to backward, not resharded after forward
     # resharded, its shards (in host memory) copied in once and held from forward to backward
     held: bool = False
+    # the fraction of its elements whose shards, gradient shards and optimizer state are in
+    # host memory (Plan.offload)
+    hosted: float = 0.0
 
 
 @dataclasses.dataclass
@@ -76,7 +79,9 @@ class Plan:
     # every plan the planner predicted: recompute, offload, units, step_s, peak_bytes, fits,
     # chosen
     candidates: list = dataclasses.field(default_factory=list)
-    offload: bool = False  # parameter shards, gradient shards and optimizer state on the host
+    # the fraction of the sharded state (parameter shards, gradient shards, optimizer state)
+    # in host memory, the last parameters' (autoshard.spec.hosted): 0.0 none, 1.0 all
+    offload: float = 0.0
     # with offload: the fraction of resharded units whose shards are copied in again for the
     # backward (PassContext.offload_params; the others hold the forward's copy)
     offload_params: Optional[float] = None
@@ -117,9 +122,10 @@ class Plan:
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
                  "kept" if u.kept else "resharded, shards held" if u.held else "resharded")
+                + ((_home(u.hosted),) if self.offload else ())
                 for u in self.units]
         return tabulate(rows, headers=["unit", "name", "params", "numel", "bytes",
-                                       "after forward"])
+                                       "after forward"] + (["state"] if self.offload else []))
 
     def schedule_table(self, ops: Optional[set] = None) -> str:
         names = {u.index: u.name for u in self.units}
@@ -283,32 +289,42 @@ def read_schedule(graphs) -> list:
     return entries
 
 
-def offload_label(offload: bool, params: Optional[float] = None) -> str:
+def _home(hosted: float) -> str:
+    """Where a unit's sharded state is: "host", "device" or "host 40%" (of its elements)."""
+    return "host" if hosted >= 1 else "device" if hosted <= 0 else f"host {hosted:.0%}"
+
+
+def share(fraction: float) -> str:
+    """A fraction as people write it: "1/4"."""
+    return str(Fraction(fraction).limit_denominator(64))
+
+
+def offload_label(state: float, params: Optional[float] = None) -> str:
     """The offload column: "no"; "state" (shards, gradient shards and optimizer state on the
-    host, each shard copied in once per step); "state + params" (copied in for every
-    all-gather, as FSDP2's CPUOffloadPolicy); "state + params 1/2" (for that fraction of the
-    units); "yes" for a candidate ruled out before its units were chosen."""
-    if not offload:
+    host, each shard copied in once per step), "state 1/2" (that fraction of it, the last
+    parameters'); then "+ params" (copied in for every all-gather, as FSDP2's
+    CPUOffloadPolicy) or "+ params 1/2" (for that fraction of the offloaded units); no
+    "+ params" part either for a candidate ruled out before its units were chosen."""
+    if not state:
         return "no"
-    if params is None:
-        return "yes"
-    if params >= 1:
-        return "state + params"
-    if params <= 0:
-        return "state"
-    return f"state + params {Fraction(params).limit_denominator(64)}"
+    label = "state" if state >= 1 else f"state {share(state)}"
+    if params is None or params <= 0:
+        return label
+    return label + (" + params" if params >= 1 else f" + params {share(params)}")
 
 
 def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
               budget: int = 0, policy: str = "", model_state_bytes: int = 0,
-              host_state_bytes: int = 0, offload: bool = False,
+              host_state_bytes: int = 0, offload: float = 0.0,
               offload_params: Optional[float] = None, reshard: str = "",
               recompute=("", None), candidates=()) -> Plan:
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
-        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held))
+        host = sum(_numel(specs[f].shape) for f in u.fqns if specs[f].device == "host")
+        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held,
+                              host / numel if numel else 0.0))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1],
                 offload=offload, offload_params=offload_params if offload else None,

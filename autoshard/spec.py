@@ -145,24 +145,38 @@ def group_size(specs) -> int:
     return sizes.pop() if sizes else 1
 
 
-def home(shape, offload: bool) -> str:
-    """Where a parameter's shard lives: on the host when offloading, except a scalar (read
-    whole by the step, never gathered), which stays on the device."""
-    return "host" if offload and len(shape) > 0 else "device"
+def hosted(params, fraction: float) -> set:
+    """The parameters whose shard, gradient shard and optimizer state live in host memory
+    when ``fraction`` of the sharded state is offloaded. ``params``: ``[(fqn, shape)]`` in
+    the model's order. The last parameters are taken first, whole, until ``fraction`` of the
+    elements is covered: their copies in come late in the forward and their gradients' copies
+    out early in the backward, where compute hides them. 1.0: every one but the scalars (read
+    whole by the step, never gathered), which stay on the device; 0.0: none."""
+    sizes = [(f, math.prod(shape)) for f, shape in params if len(shape) > 0]
+    goal, out, covered = fraction * sum(n for _, n in sizes), set(), 0
+    for f, n in reversed(sizes):
+        if covered >= goal:
+            break
+        out.add(f)
+        covered += n
+    return out
 
 
 def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
-                offload: bool = False) -> list:
+                offload: float = 0.0) -> list:
     """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``;
     ``mp_policy``: a MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies
-    it; ``offload``: shards kept in host memory (see ``home``)."""
+    it; ``offload``: the fraction of the sharded state kept in host memory (``hosted``)."""
+    named = list(model.named_parameters())
+    host = hosted([(f, p.shape) for f, p in named], offload)
     specs = []
-    for fqn, p in model.named_parameters():
+    for fqn, p in named:
         compute = reduce = None
         if mp_policy is not None and p.dtype.is_floating_point:
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
-                               mesh_shape=tuple(mesh_shape), device=home(p.shape, offload)))
+                               mesh_shape=tuple(mesh_shape),
+                               device="host" if fqn in host else "device"))
     return specs
 
 

@@ -53,11 +53,11 @@ class PassContext:
     collectives_inserted: bool = False
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
     # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes),
-    # whether it keeps the sharded state on the host, that state's bytes
+    # the fraction of the sharded state it keeps on the host, that state's bytes
     # (autoshard.spec.model_state_bytes), and every candidate tried with its prediction
     prediction: Any = None
     recompute: Any = None
-    offload: bool = False
+    offload: float = 0.0
     state: Optional[dict] = None
     candidates: list = dataclasses.field(default_factory=list)
 

@@ -31,8 +31,14 @@ the forward and gathers them again in the backward. With ``reshard_after_forward
 candidate that fits with communication exposed is tried once more with every unit kept from
 forward to backward (no backward all-gathers) when that surely fits: its peak plus every
 resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the
-device first and, with no ``Config.offload_policy``, again with the state in host memory only
-if nothing fits. Offloaded, each unit candidate is tried with none of the resharded units
+device first and, with no ``Config.offload_policy``, only if nothing fits, again with all of
+the sharded state in host memory; if a plan fits then, again for the least of
+``OFFLOAD_STATE`` that fits, by bisection (the state of the last parameters first,
+``autoshard.spec.hosted``; peaks fall as more is offloaded). A fraction is not searched when
+the least peak tried with all of the state on the host, plus the optimizer state it brings back
+onto the device (held all step), exceeds the budget. Among plans equally fast, the one with
+less state on the host is kept. Offloaded, each unit candidate is tried with none of
+the resharded units
 copying their shards in again for the backward (all hold the forward's copy on the device);
 if that does not fit, with all of them, then with the least of ``OFFLOAD_PARAMS`` between
 that fits, by bisection (for one grouping, fewer copies is faster and takes more memory).
@@ -49,9 +55,13 @@ import gc
 import torch.fx as fx
 
 from autoshard.graph import clone_graph
+from autoshard.plans import _fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 
 LADDER = (0.25, 0.5, 0.75, 1.0)
+# with no Config.offload_policy and nothing fitting on the device, the fractions of the
+# sharded state in host memory tried (PassContext.offload), least first
+OFFLOAD_STATE = (0.25, 0.5, 0.75, 1.0)
 # with the state on the host, the fractions of units copying their shards in twice tried
 # (PassContext.offload_params), fastest first
 OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -133,19 +143,51 @@ def _plan_step(gm, ctx, options, garbage):
     from autoshard import passes
     from autoshard.config import offloads
 
-    config = options["config"]
+    config, budget = options["config"], ctx.memory_budget
     candidates, best, shared = [], None, {"garbage": garbage}
 
-    def search(offload: bool) -> None:
+    searched = {}  # the parameters on the host -> whether a plan fits
+
+    def search(offload: float, reuse) -> bool:
+        """Search with ``offload`` of the state on the host (once per placement: on a small
+        model two fractions can place alike); whether a plan fits then. ``reuse``: whether a
+        later search reads the choices' graphs (None: none; "unfit": one does if no plan
+        fits; "all")."""
         nonlocal best
-        best = _search(gm, _placed(ctx, offload, config, options), options, candidates, best,
-                       shared)
+        placed = _placed(ctx, offload, config, options)
+        key = frozenset(s.fqn for s in placed.captured.params if s.device == "host")
+        if key in searched:
+            return searched[key]
+        # brought back onto the device, optimizer state is held all step: every plan tried
+        # with all of the state on the host needs that much more, at least
+        back = placed.state["optimizer"] - shared.get("all_hosted", (0, 0))[1]
+        if "all_hosted" in shared and shared["all_hosted"][0] + back > budget:
+            candidates.append({
+                "recompute": "-", "offload": offload, "offload_params": None, "units": None,
+                "step_s": None, "peak_bytes": shared["all_hosted"][0] + back, "fits": False,
+                "note": f"the least peak with all of the state on the host plus the "
+                        f"{_fmt_bytes(back)} of optimizer state this brings back exceeds "
+                        "the budget"})
+            searched[key] = False
+            return False
+        shared["reuse"] = reuse
+        best = _search(gm, placed, options, candidates, best, shared)
+        searched[key] = any(c["fits"] and c["offload"] == offload for c in candidates)
+        if offload == 1.0:
+            shared["all_hosted"] = (min(c["peak_bytes"] for c in candidates
+                                        if c["offload"] == 1.0 and c["step_s"] is not None),
+                                    placed.state["optimizer"])
+        return searched[key]
 
     forced = offloads(config)
-    if not forced:
-        search(False)
-    if forced or (config.offload_policy is None and not any(c["fits"] for c in candidates)):
-        search(True)
+    planner = config.offload_policy is None  # may offload when nothing fits on the device
+    if forced:
+        search(forced, None)
+    elif not search(0.0, "unfit" if planner else None) and planner and search(1.0, "all"):
+        lo, hi = 0, len(OFFLOAD_STATE) - 1  # OFFLOAD_STATE[-1] fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if search(OFFLOAD_STATE[mid], "all") else (mid + 1, hi)
     pred, out, chosen = best
     out = passes.run_passes(out, chosen, [(passes.split_pass, {})],
                             verify_each=options.get("verify", False))
@@ -158,15 +200,17 @@ def _plan_step(gm, ctx, options, garbage):
     return out
 
 
-def _placed(ctx, offload: bool, config, options):
-    """``ctx`` with every sharded parameter kept on the host (``offload``) or the device, and
-    the bytes held all step that follow."""
+def _placed(ctx, offload: float, config, options):
+    """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
+    the device, and the bytes held all step that follow."""
     from autoshard.config import OPTIMIZER_STATES
-    from autoshard.spec import home, model_state_bytes
+    from autoshard.spec import hosted, model_state_bytes
 
     specs = ctx.captured.params
-    if any(s.device != home(s.shape, offload) for s in specs):
-        specs = [dataclasses.replace(s, device=home(s.shape, offload)) for s in specs]
+    host = hosted([(s.fqn, s.shape) for s in specs], offload)
+    if any((s.device == "host") != (s.fqn in host) for s in specs):
+        specs = [dataclasses.replace(s, device="host" if s.fqn in host else "device")
+                 for s in specs]
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
     else:
         ctx = dataclasses.replace(ctx)
@@ -202,9 +246,8 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
               else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
     # as every candidate of this search records it
     where = {"offload": ctx.offload, "offload_params": None}
-    # a search with the state on the host follows this one if nothing fits: it reuses the
-    # choices' graphs
-    reusable = not ctx.offload and config.offload_policy is None
+    # whether a later search reads the choices' graphs (see _plan_step)
+    reuse = shared["reuse"]
 
     specs = {p.fqn: p for p in ctx.captured.params}
     gathered = {f: p.gathered_bytes() for f, p in specs.items()}
@@ -240,11 +283,14 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         shared["garbage"].candidate_done()
         return cctx, pred
 
-    def better(a, b):  # fits first, then fastest; among the unfit, the least memory
+    def better(a, b):  # fits first, then fastest, then the least state on the host; among
+        # the unfit, the least memory
         a_fits, b_fits = a[0].peak_bytes <= budget, b[0].peak_bytes <= budget
         if a_fits != b_fits:
             return a_fits
-        return a[0].total < b[0].total if a_fits else a[0].peak_bytes < b[0].peak_bytes
+        if not a_fits:
+            return a[0].peak_bytes < b[0].peak_bytes
+        return (a[0].total, a[2].state["host"]) < (b[0].total, b[2].state["host"])
 
     bases = shared.setdefault("bases", {})
     acts = shared.setdefault("activations", {})
@@ -288,7 +334,8 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
                                        "activations alone exceed the budget"})
             continue
         base, floor = prepare(i)
-        if not reusable or (best is not None and best[0].peak_bytes <= budget):
+        if reuse is None or (reuse == "unfit" and best is not None
+                             and best[0].peak_bytes <= budget):
             for j in [j for j in bases if j <= i]:  # no later search reads them
                 del bases[j]
         # and per choice, its activations and unit candidates, computed once

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map_only
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError
-from autoshard.spec import ShardLayout, home, placements_for
+from autoshard.spec import ShardLayout, hosted, placements_for
 from autoshard.runtime import optim
 
 
@@ -696,7 +696,8 @@ class StagedShards:
 
 
 def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
-                 param_init_fn=None, offload=None) -> StagedShards:
+                 param_init_fn=None, offload=None, offload_state: float = 1.0
+                 ) -> StagedShards:
     """Build this rank's DTensor parameters (its rows of each) and the buffers on ``device``,
     without changing ``model``; ``commit()`` swaps them in.
 
@@ -713,11 +714,14 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     same seed, the shards are bitwise the rows of the model built on ``device``. A meta
     tensor nothing initialises raises ``ValueError`` naming it.
 
-    ``offload`` (a CPUOffloadPolicy): the parameter shards (not scalars) are kept in host
-    memory, pinned when the device is a GPU and the policy asks for it.
+    ``offload`` (a CPUOffloadPolicy): the shards of ``offload_state`` of the parameters
+    (``autoshard.spec.hosted``: the last first, never scalars) are kept in host memory, pinned
+    when the device is a GPU and the policy asks for it.
     """
     rank, world = mesh.get_local_rank(), mesh.size()
     slots = _slots(model)
+    host = hosted([(s.fqn, s.tensor.shape) for s in slots.values() if s.is_param],
+                  offload_state if offload is not None else 0.0)
 
     def local(slot: _Slot, full: torch.Tensor) -> torch.Tensor:
         if not slot.is_param:
@@ -756,7 +760,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
             local_t = t.detach()[a:b].to(device, copy=True).contiguous()
         else:
             local_t = t.detach().to(device, copy=True)
-        if home(t.shape, offload is not None) == "host":
+        if slot.fqn in host:
             local_t = local_t.to("cpu")
             if device.type == "cuda" and offload.pin_memory:
                 local_t = local_t.pin_memory()

@@ -37,6 +37,9 @@ BAD = [
      "Config.mp_policy.param_dtype must be a floating dtype"),
     ({"offload_policy": "cpu"}, TypeError, "Config.offload_policy must be a torch.distributed."
                                            "fsdp CPUOffloadPolicy()"),
+    ({"offload_state": 0}, ValueError, "Config.offload_state must be a fraction above 0"),
+    ({"offload_state": 0.5}, ValueError, "it needs offload_policy=torch.distributed.fsdp."
+                                         "CPUOffloadPolicy()"),
     ({"offload_params": 1.5}, ValueError, "Config.offload_params must be a fraction from 0 to 1"),
     ({"offload_params": True}, ValueError, "Config.offload_params must be a fraction from 0 to"),
 ]

@@ -67,3 +67,20 @@ def test_one_collective_needs_one_group():
 def test_a_bad_description_names_what_is_wrong(kw, match):
     with pytest.raises(ValueError, match=match):
         ParamSpec("w", (4, 4), torch.float32, True, mesh_shape=(2,), **kw)
+
+
+def test_offloading_a_fraction_hosts_the_last_parameters_whole():
+    from autoshard.spec import hosted
+
+    params = [("a", (10, 4)), ("scale", ()), ("b", (20,)), ("c", (5, 2)), ("d", (10,))]
+    assert hosted(params, 0.0) == set()
+    assert hosted(params, 1.0) == {"a", "b", "c", "d"}  # never the scalar
+    # 80 elements: the last ones, whole, until a quarter (20) and a half (40) are covered
+    assert hosted(params, 0.25) == {"d", "c"}
+    assert hosted(params, 0.5) == {"d", "c", "b"}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    specs = param_specs(model, mesh_shape=(2,), offload=0.5)
+    assert [s.device for s in specs] == ["device", "device", "host", "host"]
+    state = model_state_bytes(specs, optimizer_states=2)
+    # the last layer's weight and bias: shards, gradient shards and two AdamW moments
+    assert state["host"] == 4 * (2 * 4 + 2) * 4 and state["host_grads"] == (2 * 4 + 2) * 4

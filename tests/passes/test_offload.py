@@ -11,18 +11,19 @@ import autoshard
 from autoshard import meta
 from autoshard.cost import PROFILES, node_time, tensor_bytes
 from autoshard.models import GPT
+from autoshard.plans import share
 
 INPUTS = (torch.randint(0, 96, (8, 32)),)
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def _plan(offload, layers=2, **config):
+def _plan(offload, layers=2, world_size=2, **config):
     """``offload``: True (CPUOffloadPolicy), False (OffloadPolicy(): none), None (the
     planner's choice)."""
     from torch.distributed.fsdp import OffloadPolicy
 
     policy = None if offload is None else CPUOffloadPolicy() if offload else OffloadPolicy()
-    return autoshard.plan(GPT(seq=32, layers=layers), INPUTS, world_size=2,
+    return autoshard.plan(GPT(seq=32, layers=layers), INPUTS, world_size=world_size,
                           config=autoshard.Config(policy="module", prefetch=False,
                                                   device_profile="h100", verify=True,
                                                   offload_policy=policy, **config))
@@ -41,19 +42,28 @@ def _sharded_compiled(offload, layers=2, **config):
     return ctx, plan
 
 
+@pytest.mark.parametrize("state", [None, 0.5], ids=["all", "half"])
 @pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
-def test_every_shard_goes_through_a_copy_to_the_device_and_every_gradient_back(mp):
-    ctx, plan = _sharded_compiled(True, mp_policy=mp, offload_params=1.0)
+def test_every_offloaded_shard_goes_through_a_copy_to_the_device_and_its_gradient_back(mp,
+                                                                                      state):
+    """All of the state on the host, or (``offload_state``) the last half of it: exactly the
+    offloaded parameters are copied in and their gradient shards out."""
+    ctx, plan = _sharded_compiled(True, mp_policy=mp, offload_params=1.0, offload_state=state)
     specs = {p.fqn: p for p in ctx.captured.params}
+    homes = {s.device for s in specs.values() if s.sharded}
+    assert homes == ({"host"} if state is None else {"host", "device"})
     for gm in (ctx.split.fwd, ctx.split.bwd):
         for ph in gm.graph.nodes:
             if not meta.is_param(ph) or not specs[meta.tag(ph, meta.FQN)].sharded:
                 continue
+            copies = [u for u in ph.users if meta.tag(u, meta.COMM) == meta.H2D]
+            if specs[meta.tag(ph, meta.FQN)].device == "device":
+                assert not copies
+                continue
             # the host shard is read only by its copies to the device (and handed on to the
             # backward)
             assert ph.meta["val"].device.type == "cpu"
-            copies = [u for u in ph.users if u.op != "output"]
-            assert copies and all(meta.tag(u, meta.COMM) == meta.H2D for u in copies)
+            assert copies and copies == [u for u in ph.users if u.op != "output"]
             for copy in copies:
                 assert copy.kwargs["device"] == torch.device("cpu")  # the step's device here
                 assert meta.tag(copy, meta.UNIT) == meta.tag(ph, meta.UNIT)
@@ -62,7 +72,8 @@ def test_every_shard_goes_through_a_copy_to_the_device_and_every_gradient_back(m
              if r[meta.ROLE] == meta.OUT_GRAD]
     assert grads
     for v, r in grads:
-        assert meta.tag(v, meta.COMM) == meta.D2H, r[meta.FQN]
+        copied = meta.tag(v, meta.COMM) == meta.D2H
+        assert copied == (specs[r[meta.FQN]].device == "host"), r[meta.FQN]
         assert v.meta["val"].dtype == specs[r[meta.FQN]].dtype  # fp32 masters' gradients
 
 
@@ -94,25 +105,58 @@ def test_no_offload_policy_plans_as_no_policy_where_the_device_has_room():
     assert _plan(False).predicted == _plan(None).predicted
 
 
-def test_the_planner_offloads_only_when_nothing_fits_on_the_device():
+def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little_as_fits():
     on, off = _plan(False), _plan(True)
     budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
     roomy = _plan(None, memory_budget=on.predicted["peak_bytes"])
     assert not roomy.offload and all(not c["offload"] for c in roomy.candidates)
     tight = _plan(None, memory_budget=budget)
-    assert tight.offload and tight.predicted["peak_bytes"] == off.predicted["peak_bytes"]
-    assert [c["offload"] for c in tight.candidates] == [False, True]
-    assert [c["fits"] for c in tight.candidates] == [False, True]
-    assert "offload" in tight.candidates_table()
-    assert autoshard.Plan.from_json(tight.to_json()).offload
+    # on the device first, then all of the state on the host, then by bisection the least
+    # fraction that fits: 1/2 does, 1/4 does not
+    tried = [c["offload"] for c in tight.candidates]
+    assert tried == sorted(tried, key=[0.0, 1.0, 0.5, 0.25].index)
+    assert {c["offload"]: c["fits"] for c in tight.candidates} == {
+        0.0: False, 1.0: True, 0.5: True, 0.25: False}
+    assert tight.offload == 0.5 and tight.predicted["peak_bytes"] <= budget
+    # 1/4 is ruled out unbuilt: its bound (the least peak with all of it on the host plus
+    # the optimizer state brought back) exceeds the budget, and bounds the real plan's peak
+    quarter = next(c for c in tight.candidates if c["offload"] == 0.25)
+    assert quarter["units"] is None and "brings back" in quarter["note"]
+    real = _plan(True, offload_state=0.25, memory_budget=budget).predicted["peak_bytes"]
+    assert budget < quarter["peak_bytes"] <= real
+    fast = min(c["step_s"] for c in tight.candidates if c["fits"])
+    assert tight.predicted["step_s"] == fast
+    # half the state's elements on the host: the last block's and the final norm's
+    assert 0 < tight.predicted["host_state_bytes"] < off.predicted["host_state_bytes"]
+    assert tight.predicted["model_state_bytes"] + tight.predicted["host_state_bytes"] == (
+        on.predicted["model_state_bytes"])
+    assert [u.hosted for u in tight.units][2] == 1.0 and tight.units[1].hosted < 1
+    assert "state 1/2" in tight.candidates_table() and "host 33%" in tight.units_table()
+    again = autoshard.Plan.from_json(tight.to_json())
+    assert again.offload == 0.5 and again.units == tight.units
     # OffloadPolicy() says "no offload": the planner keeps to the device
     kept = _plan(False, memory_budget=budget)
     assert not kept.offload and kept.predicted["peak_bytes"] > budget
-    # the runtime places shards when it wraps the model, so it asks for the policy
-    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
-        policy="module", prefetch=False, device_profile="h100", memory_budget=budget))
-    with pytest.raises(autoshard.AutoshardError, match=r"offload_policy=.*CPUOffloadPolicy"):
+
+
+@pytest.mark.filterwarnings("ignore:autoshard. no process group")
+def test_the_runtime_asks_for_the_fraction_the_planner_offloads_and_runs_its_plan():
+    """Shards are placed when the model is wrapped, so the runtime (one rank here) asks for
+    the policy and the fraction; given them, it runs that very plan."""
+    on, off = _plan(False, world_size=1), _plan(True, world_size=1)
+    budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
+    config = dict(policy="module", prefetch=False, device_profile="h100", memory_budget=budget)
+    planned = _plan(None, world_size=1, memory_budget=budget)
+    assert 0 < planned.offload < 1
+    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(**config))
+    asked = rf"CPUOffloadPolicy\(\), offload_state={share(planned.offload)}\)\)"
+    with pytest.raises(autoshard.AutoshardError, match=asked):
         model(*INPUTS)
+    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
+        **config, offload_policy=CPUOffloadPolicy(), offload_state=planned.offload))
+    model(*INPUTS)
+    assert model.plan.offload == planned.offload
+    assert model.plan.predicted == planned.predicted
 
 
 def _copies_in(ctx, region=None):

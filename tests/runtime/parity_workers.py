@@ -109,10 +109,11 @@ def parity_worker(rank, world, names):
     return results
 
 
-# CPUOffloadPolicy: the same programs with every shard copied in and every gradient shard out;
-# half the resharded units copy their shards in again for the backward, the others hold the
-# forward's copy
-OFFLOAD_NAMES = ["gpt", "hf_llama"]
+# CPUOffloadPolicy: the same programs with every offloaded shard copied in and its gradient
+# shard out; half the resharded units copy their shards in again for the backward, the others
+# hold the forward's copy. Offloaded: all of the state (None), or the last half of it
+OFFLOAD = {"gpt": None, "hf_llama": 0.5}
+OFFLOAD_NAMES = list(OFFLOAD)
 
 
 def offload_worker(rank, world, name):
@@ -120,12 +121,13 @@ def offload_worker(rank, world, name):
 
     model = autoshard(build(name), config=Config(
         policy="module", offload_policy=CPUOffloadPolicy(pin_memory=False), offload_params=0.5,
-        verify=True))
+        offload_state=OFFLOAD[name], verify=True))
     losses, _ = _train(model, name, rank, world)
     homes = {p.to_local().device.type for p in model.parameters()}
     full = model.full_state_dict()  # every rank takes part in gathering it
     return {"losses": losses, "params": full if rank == 0 else None, "homes": homes,
-            "held": [u.held for u in model.plan.units if not u.kept]}
+            "held": [u.held for u in model.plan.units if not u.kept],
+            "hosted": [u.hosted for u in model.plan.units]}
 
 
 # bf16 parameters and compute, fp32 reduce-scatter, fp32 outputs (the usual FSDP2 setup)

@@ -12,7 +12,7 @@ import torch
 
 from harness import run_ranks
 from models import CASES
-from parity_workers import EXTRA, OFFLOAD_NAMES, parity_worker, reference
+from parity_workers import EXTRA, OFFLOAD, OFFLOAD_NAMES, parity_worker, reference
 
 TOL = 1e-5
 NAMES = list(CASES)
@@ -87,11 +87,15 @@ def test_mixed_precision_matches_fsdp2(world_results, name):
 def test_offload_trains_exactly_as_on_the_device(world_results, name):
     """CPUOffloadPolicy only adds copies: the same numbers, bit for bit, as the same policy
     without it (on this machine the host is the device; the copies still run, as nodes),
-    whether a unit copies its shards in again for the backward or holds the forward's copy."""
+    whether a unit copies its shards in again for the backward or holds the forward's copy,
+    and with all of the state offloaded or part of it."""
     world, results = world_results
     ours, plain = results[0][f"offload:{name}"], results[0][name]
     assert all(r[f"offload:{name}"]["homes"] == {"cpu"} for r in results)
     assert set(ours["held"]) == {True, False}, ours["held"]
+    hosted = ours["hosted"]
+    assert (min(hosted) == 1 if OFFLOAD[name] is None else
+            min(hosted) == 0 < max(hosted) == 1), hosted
     assert ours["losses"] == plain["losses"], f"{name} world {world}"
     for k, v in plain["params"].items():
         assert torch.equal(ours["params"][k], v), f"{name} world {world}: {k}"
