@@ -255,8 +255,7 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
     )
     if plan.offload and not offloads(st.config):
         fits = plan.predicted["peak_bytes"] <= plan.memory_budget
-        part = (f", offload_state={share(plan.offload)}"
-                if plan.offload < 1 else "")
+        part = f", offload_state={share(plan.offload)}" if plan.offload < 1 else ""
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(plan.memory_budget)} per rank with "
             f"the model state on the device; with "

@@ -37,11 +37,11 @@ the sharded state in host memory; if a plan fits then, again for the least of
 ``autoshard.spec.hosted``; peaks fall as more is offloaded). A fraction is not searched when
 the least peak tried with all of the state on the host, plus the optimizer state it brings back
 onto the device (held all step), exceeds the budget. Among plans equally fast, the one with
-less state on the host is kept. Offloaded, each unit candidate is tried with none of
-the resharded units
-copying their shards in again for the backward (all hold the forward's copy on the device);
-if that does not fit, with all of them, then with the least of ``OFFLOAD_PARAMS`` between
-that fits, by bisection (for one grouping, fewer copies is faster and takes more memory).
+less state on the host is kept. Offloaded, each unit candidate is tried with none of the
+resharded units copying their shards in again for the backward (all hold the forward's copy
+on the device); if that does not fit, with all of them, then with the least of
+``OFFLOAD_PARAMS`` between that fits, by bisection (for one grouping, fewer copies is faster
+and takes more memory).
 
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
                               -> simulate_joint -> (time, peak) -> keep best -> split
