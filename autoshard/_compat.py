@@ -7,6 +7,7 @@ import contextlib
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch._ops import OpOverload  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (meta-device init)
 
 

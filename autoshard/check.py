@@ -895,22 +895,11 @@ def _check_factory(spec: str, opts: dict, rank: int) -> CheckReport:
 
 def _cli_rank(rank: int, world: int, spec: str, opts: dict, tmp: str) -> None:
     import os
-    import sys
 
-    import torch.distributed as dist
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
-                            world_size=world)
     report = _check_factory(spec, opts, rank)
     if rank == 0:
         with open(os.path.join(tmp, "report.txt"), "w") as f:
             f.write(("ok\n" if report.ok else "differs\n") + str(report))
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip the process group's C++ teardown at exit; the report is on disk
 
 
 def run_factory(spec: str, *, batch: int, seq: int, world_size: int = 1, policy=None,
@@ -924,10 +913,10 @@ def run_factory(spec: str, *, batch: int, seq: int, world_size: int = 1, policy=
     import os
     import tempfile
 
-    import torch.multiprocessing as mp
+    from autoshard.runtime.dist import spawn_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_cli_rank, args=(world_size, spec, opts, tmp), nprocs=world_size, join=True)
+        spawn_ranks(world_size, _cli_rank, spec, opts, tmp)
         with open(os.path.join(tmp, "report.txt")) as f:
             status, _, text = f.read().partition("\n")
     return text, status == "ok"

@@ -14,11 +14,10 @@ from autoshard.graph import alias_base, clone_graph
 class Program:
     """One compiled training step for one input signature."""
 
-    def __init__(self, captured, split, units, plan, world_size: int, rank: int,
+    def __init__(self, captured, split, plan, world_size: int, rank: int,
                  device_type: str = "cpu", agreement=None):
         self.captured = captured
         self.split = split
-        self.units = units
         self.plan = plan
         self.fwd = split.fwd
         # the backward takes its inputs boxed: saved activations die at their last use
@@ -102,7 +101,7 @@ class Program:
 
     def _comm_error(self, node, exc) -> AutoshardError:
         unit = meta.tag(node, meta.UNIT)
-        names = {u.index: u.name for u in self.units}
+        names = {u.index: u.name for u in self.plan.units}
         kind = {meta.AG_ISSUE: "all-gather", meta.AG_WAIT: "wait for the all-gather",
                 meta.RS_ISSUE: "reduce-scatter", meta.RS_WAIT: "wait for the reduce-scatter"}
         op = kind.get(meta.tag(node, meta.COMM), meta.tag(node, meta.COMM))
