@@ -198,6 +198,54 @@ class Config:
                 raise ValueError(f"Config.module_pattern={self.module_pattern!r} is not a "
                                  f"valid regular expression: {e}") from None
 
+    def to_dict(self) -> dict:
+        """Plain JSON data (an export's record of how it was planned); ``from_dict`` reads it.
+        Policies are written by their fields, a device profile by name or by its numbers."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        mp = self.mp_policy
+        if mp is not None:
+            d["mp_policy"] = {"param_dtype": _dtype_name(mp.param_dtype),
+                              "reduce_dtype": _dtype_name(mp.reduce_dtype),
+                              "output_dtype": _dtype_name(mp.output_dtype),
+                              "cast_forward_inputs": mp.cast_forward_inputs}
+        if self.offload_policy is not None:
+            d["offload_policy"] = {"cpu": bool(offloads(self)),
+                                   "pin_memory": getattr(self.offload_policy, "pin_memory",
+                                                         False)}
+        if self.device_profile is not None and not isinstance(self.device_profile, str):
+            d["device_profile"] = self.device_profile.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown Config fields {unknown}: written by a newer autoshard?")
+        mp = d.get("mp_policy")
+        if mp is not None:
+            d["mp_policy"] = MixedPrecisionPolicy(
+                **{k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
+                   for k, v in mp.items()})
+        off = d.get("offload_policy")
+        if off is not None:
+            d["offload_policy"] = (CPUOffloadPolicy(pin_memory=off["pin_memory"])
+                                   if off["cpu"] else OffloadPolicy())
+        prof = d.get("device_profile")
+        if isinstance(prof, dict):
+            from autoshard.cost import DeviceProfile
+
+            d["device_profile"] = DeviceProfile(**prof)
+        return cls(**d)
+
+
+def _dtype_name(dtype):
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
 
 def _mp_policy(policy) -> None:
     if policy is None:
