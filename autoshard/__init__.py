@@ -20,6 +20,7 @@ from autoshard.config import Config  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 from autoshard.check import CheckReport, check  # noqa: E402
+from autoshard.runtime.export import load  # noqa: E402
 
-__all__ = ["autoshard", "plan", "check", "CheckReport", "ShardedModule", "Config", "Plan",
+__all__ = ["autoshard", "plan", "check", "load", "CheckReport", "ShardedModule", "Config", "Plan",
            "AutoshardError"]

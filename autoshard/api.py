@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat, depth
+from autoshard import _compat, depth, meta
 from autoshard.config import offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
@@ -36,6 +36,7 @@ class _State:
     programs: dict = dataclasses.field(default_factory=dict)
     last: Optional[Program] = None
     agreement: Any = None  # runtime.dist.Agreement: ranks agree before each program runs
+    exported: Any = None  # runtime.export.Loaded, for a module loaded from an export
 
 
 class ShardedModule(torch.nn.Module):
@@ -97,6 +98,8 @@ class ShardedModule(torch.nn.Module):
 
     def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
         st = self._autoshard
+        if st.exported is not None:
+            return self._stored(args, kwargs, key)
         try:
             prog = _compile(self, st, args, kwargs)
         except AutoshardError as e:
@@ -108,8 +111,33 @@ class ShardedModule(torch.nn.Module):
                     "anything is sharded."
                 ) from e.__cause__
             raise
+        prog.described = (_describe(args, kwargs, key), key[2], key[3])
         st.programs[key] = prog
         return prog
+
+    def _stored(self, args, kwargs, key) -> Program:
+        """A loaded module's program for this call: one of the export's, or an error."""
+        st = self._autoshard
+        prog = st.exported.program(repr(key), self)
+        if prog is None:
+            calls = "\n".join(f"  {c}" for c in st.exported.calls)
+            raise AutoshardError(
+                f"this model was loaded from the export {st.exported.path}, which holds no "
+                f"program for this call:\n  {_describe(args, kwargs, key)}\nIt holds:\n"
+                f"{calls}\nCall it as one of those (the model's source, which could capture "
+                "another, is not part of an export), or export again after compiling this "
+                "call (sharded.compile(*inputs)).")
+        st.programs[key] = prog
+        return prog
+
+    def export(self, path, *, inference: bool = True) -> None:
+        """Write the compiled programs, the plan and the parameters to the directory ``path``
+        (every rank calls it); ``autoshard.load(path)`` runs them without the model's source,
+        at this or another world size. ``inference``: also compile and store each training
+        signature's eval-mode, no-gradient program. See ``autoshard.runtime.export``."""
+        from autoshard.runtime.export import export
+
+        export(self, path, inference=inference)
 
     # --- inspection ------------------------------------------------------------------------
 
@@ -199,13 +227,24 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         say(f"capturing the training step ({len(specs)} parameters)")
         cap = trace(specs)
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
+    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
+    ctx, plan = plan_captured(cap, model, world_size=world_size, group_name=group_name,
+                              device=device, config=config, aliases=aliases, progress=progress)
+    return cap, ctx, plan
+
+
+def plan_captured(cap, model, *, world_size, group_name, device, config, aliases=None,
+                  progress=None):
+    """The passes and the prediction for a captured step (``compile_step`` after capture;
+    also what a loaded export runs on its stored joint graph at another world size).
+    ``model`` gives the module structure and the buffers. Returns ``(ctx, plan)``."""
+    say = progress or (lambda msg: None)
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
     budget = config.memory_budget or profile.memory
-    inputs = sum(x.numel() * x.element_size() for x in tree_flatten((args, kwargs))[0]
-                 if isinstance(x, torch.Tensor))
+    inputs = sum(meta.val_bytes(n) for n in cap.gm.graph.nodes
+                 if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
-    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
     ctx = PassContext(
         captured=cap, group_name=group_name, model=model,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
@@ -243,7 +282,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             "smaller batch" + (", or Config(recompute='auto') to recompute activations"
                                if config.recompute != "auto" else "") + "."
         )
-    return cap, ctx, plan
+    return ctx, plan
 
 
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
@@ -253,6 +292,11 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases,
     )
+    return _program(st, cap, ctx, plan)
+
+
+def _program(st: _State, cap, ctx, plan) -> Program:
+    """The runnable program of a planned step, once every rank has the same schedule."""
     if plan.offload and not offloads(st.config):
         fits = plan.predicted["peak_bytes"] <= plan.memory_budget
         part = f", offload_state={share(plan.offload)}" if plan.offload < 1 else ""
@@ -269,7 +313,7 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
     st.agreement(f"step {st.agreement.step}: compiled program",
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
                  exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
-    prog = Program(cap, ctx.split, ctx.units, plan, world, st.mesh.get_local_rank(),
+    prog = Program(cap, ctx.split, plan, st.mesh.size(), st.mesh.get_local_rank(),
                    st.device.type, agreement=st.agreement)
     st.last = prog
     return prog
@@ -458,9 +502,9 @@ def autoshard(
         st.param_refs = _refs(model, "_parameters", model.named_parameters())
         st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
         if example_inputs is not None:
-            program = _compile(model, st, args, kwargs)
             leaves, _ = tree_flatten((args, kwargs))
-            st.programs[model._signature(leaves, args, kwargs)] = program
+            model._compile_for(args, kwargs, model._signature(leaves, args, kwargs),
+                               sharded=False)
     except BaseException:
         undo()
         model.__class__ = cls

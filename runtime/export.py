@@ -1,0 +1,680 @@
+"""Export a sharded program, and load it without the model's source.
+
+``sharded.export(path)`` (every rank) writes a directory::
+
+    manifest.json      the format and its version, the torch and autoshard versions, the world
+                       size and device it was compiled for, each program's input signature,
+                       the size and SHA-256 of every other file, and one hash over them all.
+                       Written last: a directory without it is an export that did not finish.
+    model.json         the module tree (class names, parameter and buffer names, shapes,
+                       dtypes, tied names) and the Config it was planned with
+    programs/K/        one per compiled input signature (K = 0, 1, ...):
+      program.json     the signature, how the call's inputs and outputs map to the graphs'
+                       flat ones, each parameter's description (ParamSpec), the plan
+      joint.json       the joint forward+backward graph as captured, before any pass: it
+                       holds full parameter shapes and no collective, so it is the same for
+                       every world size
+      forward.json     the compiled forward and backward graphs for the export's world size
+      backward.json    (none for an inference signature)
+      constants.pt     tensors the graphs hold, a dict of plain tensors
+    checkpoint/        the parameters and buffers: a torch.distributed.checkpoint (DCP)
+                       directory in which each rank wrote its own shards
+
+Graph files are ``autoshard.runtime.graphio`` JSON: ops are named, never pickled, so loading
+imports nothing of the model's code. ``load(path)`` builds a module with the same names,
+parameters as DTensor shards over the new mesh, and the stored programs: at the export's
+world size and device type the stored graphs run as they are; otherwise the passes run again
+on the stored joint graphs and DCP reshards the checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autoshard import meta
+from autoshard.capture import TENSOR, Captured, _class_name
+from autoshard.config import Config
+from autoshard.errors import AutoshardError
+from autoshard.spec import ParamSpec, hosted
+from autoshard.runtime import graphio
+
+FORMAT = "autoshard-export"
+VERSION = 1
+MANIFEST = "manifest.json"
+CHECKPOINT = "checkpoint"
+# output classes an export may name: rebuilt by importing them (a library, not the model's
+# code); any other class registered with pytree comes back as a namedtuple of its fields
+OUTPUT_LIBRARIES = ("transformers",)
+
+
+# --- values and structures as JSON ----------------------------------------------------------
+
+
+def _const(v):
+    """A non-tensor leaf of the call (or TENSOR) as JSON."""
+    if v is TENSOR:
+        return {"tensor": True}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).replace("torch.", "")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return {"value": v}
+    raise AutoshardError(f"cannot export a call with a {type(v).__name__} argument or output "
+                         f"({v!r:.60}); only tensors and None, bool, int, float, str, dtype "
+                         "and device values are stored")
+
+
+def _unconst(d):
+    if "tensor" in d:
+        return TENSOR
+    if "dtype" in d:
+        return getattr(torch, d["dtype"])
+    if "device" in d:
+        return torch.device(d["device"])
+    return d["value"]
+
+
+def _tree_doc(spec) -> Any:
+    """A pytree spec as JSON: null for a leaf, else its type, context and children."""
+    if spec.is_leaf():
+        return None
+    kids = [_tree_doc(c) for c in spec.children()]
+    t, ctx = spec.type, spec.context
+    if t in (tuple, list):
+        return {"type": t.__name__, "children": kids}
+    if t in (dict, collections.OrderedDict):
+        return {"type": t.__name__, "keys": list(ctx), "children": kids}
+    if t is collections.namedtuple or pytree.is_namedtuple_class(t):
+        cls = ctx if t is collections.namedtuple else t
+        return {"type": "namedtuple", "name": cls.__name__, "fields": list(cls._fields),
+                "children": kids}
+    if isinstance(ctx, (list, tuple)) and all(isinstance(k, str) for k in ctx):
+        return {"type": "class", "class": f"{t.__module__}:{t.__qualname__}",
+                "keys": list(ctx), "children": kids}
+    raise AutoshardError(f"cannot export an output of type {t.__qualname__}: return tensors "
+                         "in tuples, lists, dicts, namedtuples or a Hugging Face ModelOutput")
+
+
+def _tree_spec(doc):
+    if doc is None:
+        return pytree.treespec_leaf()
+    kids = [_tree_spec(c) for c in doc["children"]]
+    kind = doc["type"]
+    if kind in ("tuple", "list"):
+        return pytree.TreeSpec(tuple if kind == "tuple" else list, None, kids)
+    if kind in ("dict", "OrderedDict"):
+        t = dict if kind == "dict" else collections.OrderedDict
+        return pytree.TreeSpec(t, list(doc["keys"]), kids)
+    if kind == "namedtuple":
+        cls = collections.namedtuple(doc["name"], doc["fields"])
+        return pytree.TreeSpec(collections.namedtuple, cls, kids)
+    cls = _output_class(doc["class"])
+    if cls is None:  # a class of the model's own code: its fields, as a namedtuple
+        cls = collections.namedtuple(doc["class"].rpartition(":")[2].split(".")[-1],
+                                     doc["keys"])
+        return pytree.TreeSpec(collections.namedtuple, cls, kids)
+    return pytree.TreeSpec(cls, list(doc["keys"]), kids)
+
+
+def _output_class(name: str):
+    module, _, qual = name.partition(":")
+    if module.split(".")[0] not in OUTPUT_LIBRARIES:
+        return None
+    obj = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _spec_doc(p: ParamSpec) -> dict:
+    return {"fqn": p.fqn, "shape": list(p.shape), "dtype": _dtype(p.dtype),
+            "requires_grad": p.requires_grad, "compute_dtype": _dtype(p.compute_dtype),
+            "reduce_dtype": _dtype(p.reduce_dtype), "mesh_shape": list(p.mesh_shape),
+            "placements": ["S0" if pl.is_shard() else "R" for pl in p.placements],
+            "device": p.device}
+
+
+def _spec(d: dict, mesh_shape=None, device=None) -> ParamSpec:
+    from torch.distributed.tensor import Replicate, Shard
+
+    same = mesh_shape is None
+    return ParamSpec(
+        d["fqn"], tuple(d["shape"]), getattr(torch, d["dtype"]), d["requires_grad"],
+        getattr(torch, d["compute_dtype"]), getattr(torch, d["reduce_dtype"]),
+        mesh_shape=tuple(d["mesh_shape"]) if same else mesh_shape,
+        placements=[Shard(0) if pl == "S0" else Replicate() for pl in d["placements"]]
+        if same else None,
+        device=d["device"] if device is None else device)
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def _captured_doc(cap: Captured) -> dict:
+    return {
+        "params": [_spec_doc(p) for p in cap.params],
+        "buffers": list(cap.buffer_fqns),
+        "inputs": str(cap.in_spec),
+        "in_consts": [_const(c) for c in cap.in_consts],
+        "out_spec": _tree_doc(cap.out_spec),
+        "out_consts": [_const(c) for c in cap.out_consts],
+        "diff_outputs": list(cap.diff_outputs),
+        "input_grads": list(cap.input_grads),
+        "mutated_buffers": list(cap.mutated_buffers),
+        "has_backward": cap.has_backward,
+        "grad_tangents": [[r, k, sorted(deps)] for (r, k), deps in cap.grad_tangents.items()],
+    }
+
+
+def _captured(doc: dict, params: list, gm) -> Captured:
+    return Captured(
+        gm=gm, params=params, buffer_fqns=list(doc["buffers"]), in_spec=None,
+        in_consts=[_unconst(c) for c in doc["in_consts"]], out_spec=_tree_spec(doc["out_spec"]),
+        out_consts=[_unconst(c) for c in doc["out_consts"]],
+        diff_outputs=list(doc["diff_outputs"]), input_grads=list(doc["input_grads"]),
+        mutated_buffers=list(doc["mutated_buffers"]), has_backward=doc["has_backward"],
+        grad_tangents={(r, k): frozenset(deps) for r, k, deps in doc["grad_tangents"]},
+        pristine=gm)
+
+
+# --- the module tree --------------------------------------------------------------------------
+
+
+def _model_doc(model: torch.nn.Module, config: Config) -> dict:
+    modules = [{"path": path, "class": _class_name(mod),
+                "container": type(mod).__name__ if type(mod) in _CONTAINERS.values() else None}
+               for path, mod in model.named_modules()]
+    first: dict = {}
+    params = []
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        same = first.setdefault(id(p), fqn)
+        params.append({"fqn": fqn, "shape": list(p.shape), "dtype": _dtype(p.dtype),
+                       "requires_grad": p.requires_grad,
+                       "same_as": same if same != fqn else None})
+    buffers = []
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        mod_path, _, name = fqn.rpartition(".")
+        same = first.setdefault(id(b), fqn)
+        buffers.append({"fqn": fqn, "shape": list(b.shape), "dtype": _dtype(b.dtype),
+                        "persistent": name not in model.get_submodule(mod_path)
+                        ._non_persistent_buffers_set,
+                        "same_as": same if same != fqn else None})
+    return {"class": _class_name(model), "modules": modules, "params": params,
+            "buffers": buffers, "config": config.to_dict()}
+
+
+_CONTAINERS = {c.__name__: c for c in (torch.nn.ModuleList, torch.nn.Sequential,
+                                       torch.nn.ModuleDict)}
+
+
+def _skeleton(doc: dict) -> torch.nn.Module:
+    """Modules named and classed as the exported model's (containers as torch's own, so the
+    planner finds the repeated blocks), parameters and buffers on the meta device."""
+    classes: dict = {}
+
+    def make(entry):
+        if entry["container"]:
+            return _CONTAINERS[entry["container"]]()
+        name = entry["class"]
+        if name not in classes:
+            classes[name] = type(name.split(".")[-1], (torch.nn.Module,),
+                                 {"__module__": "autoshard.exported", "__qualname__": name})
+        return classes[name]()
+
+    mods = {}
+    for entry in doc["modules"]:
+        mod = make(entry)
+        path = entry["path"]
+        if path:
+            parent, _, name = path.rpartition(".")
+            mods[parent].add_module(name, mod)
+        mods[path] = mod
+    tensors: dict = {}
+    for entry in doc["params"]:
+        parent, _, name = entry["fqn"].rpartition(".")
+        p = tensors.get(entry["same_as"]) if entry["same_as"] else None
+        if p is None:
+            p = torch.nn.Parameter(
+                torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]),
+                            device="meta"), requires_grad=entry["requires_grad"])
+        tensors[entry["fqn"]] = p
+        mods[parent].register_parameter(name, p)
+    for entry in doc["buffers"]:
+        parent, _, name = entry["fqn"].rpartition(".")
+        b = tensors.get(entry["same_as"]) if entry["same_as"] else None
+        if b is None:
+            b = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]), device="meta")
+        tensors[entry["fqn"]] = b
+        mods[parent].register_buffer(name, b, persistent=entry["persistent"])
+    return mods[""]
+
+
+def _zero(module: torch.nn.Module) -> None:
+    """Initialise a skeleton module's own tensors (the checkpoint overwrites them)."""
+    with torch.no_grad():
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None:
+                t.zero_()
+
+
+# --- export -----------------------------------------------------------------------------------
+
+
+def _write_json(path: str, doc) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _example(prog, device) -> tuple:
+    """Zero tensors of a program's input signature, as (args, kwargs)."""
+    cap = prog.captured
+    it = iter(_input_vals(cap.pristine))
+    leaves = []
+    for c in cap.in_consts:
+        if c is TENSOR:
+            v = next(it)
+            x = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device).zero_()
+            leaves.append(x.requires_grad_(v.requires_grad))
+        else:
+            leaves.append(c)
+    return pytree.tree_unflatten(leaves, cap.in_spec)
+
+
+def _input_vals(gm) -> list:
+    return [n.meta["val"] for n in gm.graph.nodes
+            if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT]
+
+
+def _add_inference_programs(model) -> None:
+    """For each training signature, compile the same call in eval mode without gradients
+    (the graph an inference-only load runs), unless it is compiled already."""
+    st = model._autoshard
+    if st.orig_forward is None:
+        return  # loaded from an export: it holds what it holds
+    training = model.training
+    try:
+        for key, prog in list(st.programs.items()):
+            if not (key[2] and key[3]):
+                continue
+            args, kwargs = _example(prog, st.device)
+            model.eval()
+            with torch.no_grad():
+                model.compile(*args, **kwargs)
+    finally:
+        model.train(training)
+
+
+def export(model, path, *, inference: bool = True) -> None:
+    """Write ``model``'s compiled programs, plan and state to the directory ``path`` (every
+    rank calls it; see the module docstring for what it holds). ``inference``: also compile
+    and store each training signature's eval-mode, no-gradient program."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    st = model._autoshard
+    path = os.fspath(path)
+    if not st.programs:
+        raise AutoshardError(
+            "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
+            "input signature the exported program should accept, then export")
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise AutoshardError(f"cannot export to {path}: it exists and is not an empty "
+                             "directory; choose a new path or remove it first")
+    if inference:
+        _add_inference_programs(model)
+    group = st.mesh.get_group()
+    rank = st.mesh.get_local_rank()
+    state = {"model": get_model_state_dict(model), "buffers": _loose_buffers(model)}
+    dcp.save(state, checkpoint_id=os.path.join(path, CHECKPOINT))
+    if rank == 0:
+        programs = []
+        for k, (key, prog) in enumerate(_programs(model).items()):
+            programs.append(_write_program(os.path.join(path, "programs", str(k)), key, prog))
+        _write_json(os.path.join(path, "model.json"), _model_doc(model, st.config))
+        manifest = {
+            "format": FORMAT, "version": VERSION, "torch": torch.__version__,
+            "autoshard": _version(), "world_size": st.mesh.size(),
+            "device": st.device.type, "model": _class_name(model), "programs": programs,
+        }
+        manifest["files"] = {rel: _file_entry(os.path.join(path, rel))
+                             for rel in _files(path)}
+        manifest["hash"] = _content_hash(manifest["files"])
+        _write_json(os.path.join(path, MANIFEST), manifest)
+    if st.mesh.size() > 1:
+        dist.barrier(group=group)
+
+
+def _programs(model) -> dict:
+    """Every program of the module by repr(signature): those compiled, and for a module
+    loaded from an export, the stored ones not called yet."""
+    st, out = model._autoshard, {}
+    if st.exported is not None:
+        out = {key: st.exported.program(key, model) for key in st.exported.entries}
+    out.update((repr(key), prog) for key, prog in st.programs.items())
+    return out
+
+
+def _loose_buffers(model) -> dict:
+    """Buffers a state dict leaves out (non-persistent ones, such as rotary frequencies):
+    the program reads them, so the export keeps them."""
+    keys = set(model.state_dict().keys())
+    return {fqn: b for fqn, b in model.named_buffers() if fqn not in keys}
+
+
+def _write_program(folder: str, key: str, prog) -> dict:
+    os.makedirs(folder)
+    cap, split = prog.captured, prog.split
+    graphs = {"joint": cap.pristine, "forward": split.fwd, "backward": split.bwd}
+    constants = {}
+    for name, gm in graphs.items():
+        if gm is None:
+            continue
+        doc, consts = graphio.dump_graph(gm)
+        _write_json(os.path.join(folder, f"{name}.json"), doc)
+        constants[name] = consts
+    torch.save(constants, os.path.join(folder, "constants.pt"))
+    call, training, grad = prog.described
+    _write_json(os.path.join(folder, "program.json"), {
+        "key": key, "call": call, "training": training, "grad": grad,
+        "captured": _captured_doc(cap),
+        "split": {"fwd_roles": split.fwd_roles, "bwd_roles": split.bwd_roles,
+                  "saved": split.saved, "n_tangents": split.n_tangents},
+        "plan": json.loads(prog.plan.to_json()),
+    })
+    return {"dir": os.path.relpath(folder, os.path.dirname(os.path.dirname(folder))),
+            "key": key, "call": call, "training": training, "grad": grad}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("autoshard")
+    except Exception:  # noqa: BLE001 - a source checkout that is not installed
+        return "unknown"
+
+
+def _files(root: str) -> list:
+    out = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), root)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_entry(path: str) -> dict:
+    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+
+
+def _content_hash(files: dict) -> str:
+    h = hashlib.sha256()
+    for rel in sorted(files):
+        h.update(f"{rel}\0{files[rel]['sha256']}\n".encode())
+    return h.hexdigest()
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def read_manifest(path, *, verify: bool = True) -> dict:
+    """The export's manifest, after checking that it is one this autoshard reads and (with
+    ``verify``) that every file it lists is there, whole and unchanged."""
+    path = os.fspath(path)
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise AutoshardError(f"{path} is not a directory: pass the directory "
+                             "sharded.export() wrote")
+    if not os.path.isfile(where):
+        raise AutoshardError(
+            f"{where} is missing: {path} is not an autoshard export, or its export did not "
+            "finish (the manifest is written last). Export again.")
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AutoshardError(f"{where} is corrupt ({e}); copy the export again from its "
+                             "source, or export again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise AutoshardError(f"{where} is not an autoshard export manifest")
+    if manifest.get("version") != VERSION:
+        raise AutoshardError(
+            f"{where} is format version {manifest.get('version')} (written by autoshard "
+            f"{manifest.get('autoshard')}); this autoshard reads version {VERSION}. Load it "
+            "with the autoshard that wrote it, or export again with this one.")
+    if verify:
+        _verify_files(path, manifest)
+    return manifest
+
+
+def _verify_files(path: str, manifest: dict) -> None:
+    for rel, entry in manifest["files"].items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise AutoshardError(f"{full} is missing{_whose(rel, manifest)}. Copy the whole "
+                                 "export directory, every rank's files included.")
+        size = os.path.getsize(full)
+        if size != entry["bytes"]:
+            raise AutoshardError(
+                f"{full} is {size} bytes, but the export wrote {entry['bytes']}: it is "
+                f"truncated or was changed{_whose(rel, manifest)}. Copy it again from the "
+                "export's source, or export again.")
+        if _sha256(full) != entry["sha256"]:
+            raise AutoshardError(
+                f"{full} does not match the SHA-256 the manifest records: it is corrupt or was "
+                "changed after the export. Copy it again from the export's source, or export "
+                "again.")
+
+
+def _whose(rel: str, manifest: dict) -> str:
+    name = os.path.basename(rel)
+    if rel.startswith(CHECKPOINT) and name.startswith("__") and name.endswith(".distcp"):
+        rank = name[2:].split("_")[0]
+        return (f" (the parameter shards rank {rank} wrote, of the "
+                f"{manifest['world_size']} ranks that exported)")
+    return ""
+
+
+def _read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What a loaded module runs: the export's programs by repr(signature), each read (and,
+    at another world size, planned) on its first call."""
+
+    path: str
+    manifest: dict
+    entries: dict  # repr(signature) -> the manifest's entry for its program
+    same: bool  # the export's world size, device type and Config: run its graphs as stored
+    programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
+
+    @property
+    def calls(self) -> list:
+        return [e["call"] for e in self.entries.values()]
+
+    def program(self, key: str, model):
+        if key not in self.programs and key in self.entries:
+            folder = os.path.join(self.path, self.entries[key]["dir"])
+            self.programs[key] = _load_program(folder, model, model._autoshard, self.same)
+        return self.programs.get(key)
+
+
+def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = False,
+         verify: bool = True):
+    """The exported model on ``mesh`` (every rank calls it): a ShardedModule with the same
+    parameter, buffer and state-dict names, DTensor parameters, and the stored programs.
+    ``config``: plan with this instead of the export's Config (the passes then run again).
+    ``inference``: load only the eval-mode, no-gradient programs; the module is put in eval
+    mode and is called under ``torch.no_grad()``. ``verify``: check every file's SHA-256."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+
+    from autoshard import api
+    from autoshard.runtime import dist as _dist
+
+    path = os.fspath(path)
+    manifest = read_manifest(path, verify=verify)
+    model_doc = _read_json(os.path.join(path, "model.json"))
+    stored = Config.from_dict(model_doc["config"])
+    cfg = config if config is not None else stored
+    if cfg.to_dict()["mp_policy"] != stored.to_dict()["mp_policy"]:
+        raise AutoshardError(
+            f"the export's graphs compute in the dtypes of mp_policy={stored.mp_policy}, and "
+            f"the Config passed to load() has mp_policy={cfg.mp_policy}: the dtypes are part "
+            "of the captured graphs. Pass a Config with the export's mp_policy.")
+    mesh = mesh if mesh is not None else _dist.default_mesh(cfg.timeout)
+    model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
+    st = model._autoshard
+    st.agreement("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
+
+    state = {"model": get_model_state_dict(model), "buffers": _loose_buffers(model)}
+    dcp.load(state, checkpoint_id=os.path.join(path, CHECKPOINT))
+    set_model_state_dict(model, state["model"])
+
+    same = (mesh.size() == manifest["world_size"] and st.device.type == manifest["device"]
+            and cfg.to_dict() == stored.to_dict())
+    entries = {e["key"]: e for e in manifest["programs"]
+               if not inference or not (e["training"] or e["grad"])}
+    if inference and not entries:
+        raise AutoshardError(
+            f"{path} holds no inference program (eval mode, no gradients): export with "
+            "sharded.export(path, inference=True), or load without inference=True")
+    st.orig_forward = None
+    st.exported = Loaded(path, manifest, entries, same)
+    if inference:
+        model.eval()
+    return model
+
+
+def _load_program(folder: str, model, st, same: bool):
+    from autoshard.api import _program, plan_captured
+    from autoshard.passes.split import SplitProgram
+    from autoshard.plans import Plan
+    from autoshard.runtime import dist as _dist
+    from autoshard.runtime.executor import Program
+
+    doc = _read_json(os.path.join(folder, "program.json"))
+    constants = torch.load(os.path.join(folder, "constants.pt"), weights_only=True)
+    group = _dist.group_name(st.mesh)
+
+    def graph(name, **kw):
+        return graphio.load_graph(_read_json(os.path.join(folder, f"{name}.json")),
+                                  constants[name], **kw)
+
+    cdoc = doc["captured"]
+    joint = graph("joint", device=st.device)
+    if same:
+        params = [_spec(p) for p in cdoc["params"]]
+        cap = _captured(cdoc, params, joint)
+        s = doc["split"]
+        split = SplitProgram(
+            fwd=graph("forward", group_name=group),
+            bwd=graph("backward", group_name=group) if "backward" in constants else None,
+            fwd_roles=s["fwd_roles"], bwd_roles=s["bwd_roles"], saved=s["saved"],
+            n_tangents=s["n_tangents"])
+        plan = Plan.from_json(json.dumps(doc["plan"]))
+        prog = Program(cap, split, plan, st.mesh.size(), st.mesh.get_local_rank(),
+                       st.device.type, agreement=st.agreement)
+    else:
+        from autoshard.config import offloads
+
+        fraction = offloads(st.config)
+        host = hosted([(p["fqn"], p["shape"]) for p in cdoc["params"]], fraction)
+        params = [_spec(p, mesh_shape=(st.mesh.size(),),
+                        device="host" if p["fqn"] in host else "device")
+                  for p in cdoc["params"]]
+        cap = _captured(cdoc, params, joint)
+        ctx, plan = plan_captured(cap, model, world_size=st.mesh.size(), group_name=group,
+                                  device=st.device, config=st.config, aliases=st.aliases)
+        prog = _program(st, cap, ctx, plan)
+    prog.described = (doc["call"], doc["training"], doc["grad"])
+    return prog
+
+
+# --- inspection -------------------------------------------------------------------------------
+
+
+def stored_plan(path, program: int = 0):
+    """The plan of the export's ``program``-th program (``Plan``)."""
+    from autoshard.plans import Plan
+
+    manifest = read_manifest(path, verify=False)
+    entries = manifest["programs"]
+    if not 0 <= program < len(entries):
+        raise AutoshardError(f"{path} holds programs 0 to {len(entries) - 1}, not {program}")
+    doc = _read_json(os.path.join(os.fspath(path), entries[program]["dir"], "program.json"))
+    return Plan.from_json(json.dumps(doc["plan"]))
+
+
+def describe(path, *, verify: bool = True) -> str:
+    """What ``python -m autoshard inspect`` prints: the manifest, then for each program its
+    call, the plan's prediction (memory included), its units and its schedule."""
+    from tabulate import tabulate
+
+    manifest = read_manifest(path, verify=verify)
+    files = manifest["files"]
+    shards = sum(1 for rel in files if rel.endswith(".distcp"))
+    rows = [
+        ("export", os.fspath(path)),
+        ("format", f"{manifest['format']} version {manifest['version']}"),
+        ("written by", f"autoshard {manifest['autoshard']}, torch {manifest['torch']}"),
+        ("model", manifest["model"]),
+        ("compiled for", f"{manifest['world_size']} ranks, {manifest['device']}"),
+        ("programs", len(manifest["programs"])),
+        ("files", f"{len(files)}, {_size(sum(e['bytes'] for e in files.values()))} "
+                  f"({shards} checkpoint shard files)"),
+        ("content hash", manifest["hash"] + (" (verified)" if verify else "")),
+    ]
+    out = [tabulate(rows, tablefmt="plain")]
+    for k, entry in enumerate(manifest["programs"]):
+        mode = "training" if entry["grad"] else "inference (forward only)"
+        out.append(f"\n=== program {k} ({entry['dir']}): {mode}\ncall: {entry['call']}\n")
+        out.append(str(stored_plan(path, k)))
+    return "\n".join(out)
+
+
+def _size(n: int) -> str:
+    from autoshard.plans import _fmt_bytes
+
+    return _fmt_bytes(n)
+
+
+def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
+    """One rank of ``python -m autoshard export``: build the factory's model (the same seed
+    on every rank), shard it, compile it for the factory's inputs, export."""
+    from autoshard.__main__ import _factory
+    from autoshard.api import autoshard
+    from autoshard.check import default_inputs
+
+    factory = _factory(spec)
+    torch.manual_seed(0)
+    model = factory()
+    torch.manual_seed(1 + rank)
+    inputs = default_inputs(model, factory, opts["batch"], opts["seq"])
+    sharded = autoshard(model, config=opts["config"], example_inputs=inputs)
+    sharded.export(opts["out"], inference=opts["inference"])

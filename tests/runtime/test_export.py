@@ -1,0 +1,301 @@
+"""Export and load: a model whose module is gone afterwards loads in fresh processes and
+trains on, bitwise at the export's world size and within 1e-6 at world sizes 1 and 4.
+
+One world-2 run builds each model from a module written for the test, trains 2 steps,
+compiles the per-rank batches the other world sizes use (the global batch stays 4), exports,
+and trains 3 more steps (the uninterrupted run). The module file is then deleted; fresh
+world-2, world-4 and world-1 runs load each export and train the same 3 steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from harness import run_ranks
+
+import autoshard
+from autoshard.errors import AutoshardError
+from autoshard.models import gpt_loss
+from autoshard.runtime import export as export_mod
+
+MODULE = "autoshard_export_test_models"
+SOURCE = '''
+"""The user's code: model classes of its own, gone when the exports are loaded."""
+import torch
+from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+from autoshard.models import GPT, tiny_hf
+
+
+class UserGPT(GPT):
+    pass
+
+
+class UserLlama(LlamaForCausalLM):
+    pass
+
+
+class UserMixtral(MixtralForCausalLM):
+    pass
+
+
+def gpt():
+    torch.manual_seed(0)
+    return UserGPT(vocab=96, layers=2)
+
+
+def hf_llama():
+    torch.manual_seed(0)
+    return UserLlama(tiny_hf("llama", 96).config)
+
+
+def hf_mixtral():
+    torch.manual_seed(0)
+    return UserMixtral(tiny_hf("mixtral", 96).config)
+'''
+NAMES = ("gpt", "hf_llama", "hf_mixtral")
+GLOBAL, SEQ, VOCAB = 4, 16, 96
+TRAINED, MORE = 2, 3  # steps before the export, steps after it
+
+
+def _data(step, world, rank):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
+    return x.chunk(world)[rank], torch.roll(x, -1, 1).chunk(world)[rank]
+
+
+def _call(name, model, x):
+    return model(x) if name == "gpt" else model(input_ids=x)
+
+
+def _logits(out):
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _step(name, model, opt, step, rank, world) -> float:
+    x, y = _data(step, world, rank)
+    loss = gpt_loss(_logits(_call(name, model, x)), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    t = loss.detach().reshape(1)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def _eval(name, model, rank, world):
+    """Logits in eval mode without gradients (the inference program), gathered."""
+    x, _ = _data(99, world, rank)
+    with torch.no_grad():
+        out = _call(name, model, x)
+    logits = _logits(out)
+    parts = [torch.empty_like(logits) for _ in range(world)]
+    dist.all_gather(parts, logits.contiguous())
+    return torch.cat(parts), type(out).__qualname__
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+# --- ranks --------------------------------------------------------------------------------
+
+
+def _export_and_train(rank, world, root):
+    sys.path.insert(0, root)
+    user = importlib.import_module(MODULE)
+    out = {}
+    for name in NAMES:
+        model = autoshard.autoshard(getattr(user, name)())
+        opt = _sgd(model)
+        losses = [_step(name, model, opt, s, rank, world) for s in range(TRAINED)]
+        for batch in (GLOBAL // 4, GLOBAL):  # what each rank of world 4 and world 1 gets
+            x = torch.zeros(batch, SEQ, dtype=torch.long)
+            model.compile(x) if name == "gpt" else model.compile(input_ids=x)
+        t0 = time.perf_counter()
+        model.export(os.path.join(root, name))
+        seconds = time.perf_counter() - t0
+        model.eval()
+        logits, kind = _eval(name, model, rank, world)
+        model.train()
+        losses += [_step(name, model, opt, s, rank, world) for s in range(TRAINED, TRAINED + MORE)]
+        out[name] = {"losses": losses, "keys": list(model.state_dict()), "eval": logits,
+                     "output": kind, "export_s": seconds}
+    return out
+
+
+def _load_and_train(rank, world, root):
+    gone = MODULE not in sys.modules and importlib.util.find_spec(MODULE) is None
+    out = {}
+    for name in NAMES:
+        t0 = time.perf_counter()
+        model = autoshard.load(os.path.join(root, name))
+        loaded_s = time.perf_counter() - t0
+        opt = _sgd(model)
+        t0 = time.perf_counter()
+        losses = [_step(name, model, opt, s, rank, world) for s in range(TRAINED, TRAINED + MORE)]
+        steps_s = time.perf_counter() - t0
+        out[name] = {
+            "losses": losses, "keys": list(model.state_dict()), "load_s": loaded_s,
+            "steps_s": steps_s,
+            "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+            "optimizer_holds_them": all(
+                a is b for a, b in zip(opt.param_groups[0]["params"], model.parameters())),
+        }
+        if world == 2:
+            try:
+                _call(name, model, torch.zeros(3, SEQ, dtype=torch.long))
+            except AutoshardError as e:
+                out[name]["unknown_call"] = str(e)
+            inf = autoshard.load(os.path.join(root, name), inference=True)
+            out[name]["eval"], out[name]["output"] = _eval(name, inf, rank, world)
+            out[name]["forward_only"] = inf._autoshard.last.bwd is None
+            out[name]["inference_training"] = inf.training
+    out["gone"] = gone and MODULE not in sys.modules
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("export"))
+    with open(os.path.join(root, f"{MODULE}.py"), "w") as f:
+        f.write(SOURCE)
+    exported = run_ranks(2, _export_and_train, root)
+    os.remove(os.path.join(root, f"{MODULE}.py"))
+    shutil.rmtree(os.path.join(root, "__pycache__"), ignore_errors=True)
+    loaded = {w: run_ranks(w, _load_and_train, root) for w in (2, 4, 1)}
+    return root, exported, loaded
+
+
+# --- the proof ----------------------------------------------------------------------------
+
+
+def test_the_module_is_gone_when_loading(runs):
+    _, _, loaded = runs
+    assert all(r[0]["gone"] for r in loaded.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_world_size_trains_on_bitwise(runs, name):
+    _, exported, loaded = runs
+    ref = exported[0][name]
+    got = loaded[2][0][name]
+    assert got["losses"] == ref["losses"][TRAINED:], (got["losses"], ref["losses"])
+    assert got["keys"] == ref["keys"]
+    assert got["dtensors"] and got["optimizer_holds_them"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_other_world_sizes_train_on(runs, name, world):
+    _, exported, loaded = runs
+    ref = exported[0][name]["losses"][TRAINED:]
+    got = loaded[world][0][name]
+    diff = max(abs(a - b) for a, b in zip(got["losses"], ref))
+    assert diff <= 1e-6, (world, got["losses"], ref)
+    assert got["keys"] == exported[0][name]["keys"] and got["dtensors"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inference_load_runs_the_forward_only_program(runs, name):
+    _, exported, loaded = runs
+    got, ref = loaded[2][0][name], exported[0][name]
+    assert got["forward_only"] and not got["inference_training"]
+    assert torch.equal(got["eval"], ref["eval"])
+    assert got["output"] == ref["output"]
+    expected = "Tensor" if name == "gpt" else "CausalLMOutputWithPast"  # Moe... for Mixtral
+    assert ref["output"].endswith(expected)
+
+
+def test_the_directory_holds_what_it_says(runs):
+    root, _, _ = runs
+    path = os.path.join(root, "hf_llama")
+    manifest = export_mod.read_manifest(path)
+    assert manifest["world_size"] == 2 and manifest["device"] == "cpu"
+    assert {p["training"] for p in manifest["programs"]} == {True, False}
+    assert len(manifest["programs"]) == 6  # three batches, each trained and in inference
+    for entry in manifest["programs"]:
+        files = os.listdir(os.path.join(path, entry["dir"]))
+        graphs = {"joint.json", "forward.json"} | ({"backward.json"} if entry["grad"] else set())
+        assert graphs <= set(files) and "program.json" in files
+    shards = [f for f in os.listdir(os.path.join(path, "checkpoint")) if f.endswith(".distcp")]
+    assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
+    # no file names a class of the user's module
+    for rel in manifest["files"]:
+        if rel.endswith(".json"):
+            with open(os.path.join(path, rel)) as f:
+                assert MODULE not in f.read(), rel
+
+
+def test_a_call_the_export_does_not_hold_lists_those_it_holds(runs):
+    _, _, loaded = runs
+    msg = loaded[2][0]["gpt"]["unknown_call"]
+    assert "holds no program for this call:\n  args[0] int64[3, 16] (train, grad)" in msg
+    assert "args[0] int64[2, 16] (train, grad)" in msg
+    assert "args[0] int64[2, 16] (eval, no grad)" in msg
+
+
+# --- what a bad export says -------------------------------------------------------------
+
+
+def _copy(runs, tmp_path, name="gpt"):
+    root, _, _ = runs
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(root, name), dst)
+    return dst
+
+
+def test_a_truncated_file_is_named(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    target = path / "programs" / "0" / "forward.json"
+    target.write_bytes(target.read_bytes()[:100])
+    with pytest.raises(AutoshardError, match=r"forward\.json is 100 bytes.*truncated"):
+        export_mod.read_manifest(path)
+
+
+def test_a_corrupt_file_is_named(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    target = path / "checkpoint" / "__0_0.distcp"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(AutoshardError, match=r"__0_0\.distcp does not match the SHA-256"):
+        export_mod.read_manifest(path)
+
+
+def test_a_missing_rank_shard_is_named(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    os.remove(path / "checkpoint" / "__1_0.distcp")
+    with pytest.raises(AutoshardError, match=r"__1_0\.distcp is missing \(the parameter shards "
+                       r"rank 1 wrote, of the 2 ranks"):
+        export_mod.read_manifest(path)
+
+
+def test_a_version_mismatch_is_named(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["version"] = export_mod.VERSION + 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AutoshardError, match=r"manifest\.json is format version 2.*reads "
+                       r"version 1"):
+        export_mod.read_manifest(path)
+
+
+def test_an_unfinished_export_is_named(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    os.remove(path / "manifest.json")
+    with pytest.raises(AutoshardError, match=r"manifest\.json is missing.*did not finish"):
+        export_mod.read_manifest(path)
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(AutoshardError, match=r"manifest\.json is corrupt"):
+        export_mod.read_manifest(path)
