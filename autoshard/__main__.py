@@ -1,5 +1,5 @@
-"""Command line: ``python -m autoshard demo``, ``python -m autoshard plan`` and
-``python -m autoshard check``."""
+"""Command line: ``python -m autoshard demo``, ``plan``, ``check``, ``export`` and
+``inspect``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,51 @@ def _check(args) -> int:
     return 0 if ok else 1
 
 
+def _export(args) -> int:
+    from autoshard.config import Config
+    from autoshard.runtime.dist import spawn_ranks
+    from autoshard.runtime.export import describe, export_factory
+
+    _factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
+    if args.world_size < 1:
+        raise SystemExit(f"--world-size must be at least 1, got {args.world_size}")
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise SystemExit(f"cannot export to {args.out}: it exists and is not an empty "
+                         "directory; choose a new path or remove it first")
+    opts = {"batch": args.batch, "seq": args.seq, "out": out, "inference": not args.training_only,
+            "config": Config(policy=args.policy, mp_policy=_mp_policy(args))}
+    t0 = time.perf_counter()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: this rank
+        export_factory(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.factory,
+                       opts)
+        if os.environ["RANK"] != "0":
+            return 0
+    else:
+        spawn_ranks(args.world_size, export_factory, args.factory, opts)
+    print(f"exported to {args.out} in {time.perf_counter() - t0:.1f} s\n")
+    print(describe(out, verify=False) if not args.quiet else "")
+    return 0
+
+
+def _inspect(args) -> int:
+    from autoshard.errors import AutoshardError
+    from autoshard.runtime.export import describe, stored_plan
+
+    try:
+        print(describe(args.path, verify=not args.no_verify))
+        if args.trace or args.plot:
+            plan = stored_plan(args.path, args.program)
+            if args.trace:
+                plan.to_chrome_trace(args.trace)
+            if args.plot:
+                plan.memory_plot(args.plot)
+    except AutoshardError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autoshard")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,7 +197,36 @@ def main(argv=None) -> int:
                     help="unit policy (default: Config's)")
     ck.add_argument("--atol", type=float, default=None, help="default: by dtype")
     ck.add_argument("--rtol", type=float, default=None, help="default: by dtype")
+    ex = sub.add_parser("export", help="build a model from a factory, shard it over N gloo "
+                        "ranks here (or the torchrun ranks), compile it and export it")
+    ex.add_argument("factory", help="MODULE:FACTORY returning a (real, not meta) nn.Module; "
+                    "FACTORY.example_inputs(batch, seq) if present makes the inputs, else "
+                    "integer tokens (batch, seq)")
+    ex.add_argument("--out", required=True, help="the export directory (new or empty)")
+    ex.add_argument("--world-size", type=int, default=1)
+    ex.add_argument("--batch", type=int, default=2, help="per-rank batch")
+    ex.add_argument("--seq", type=int, default=16)
+    ex.add_argument("--policy", default="auto",
+                    choices=["auto", "module", "size", "per-parameter", "whole-model"])
+    ex.add_argument("--param-dtype", choices=DTYPES, default=None)
+    ex.add_argument("--reduce-dtype", choices=DTYPES, default=None)
+    ex.add_argument("--training-only", action="store_true",
+                    help="no eval-mode, no-gradient program beside the training one")
+    ex.add_argument("--quiet", action="store_true", help="do not print the export afterwards")
+    ins = sub.add_parser("inspect", help="an export's manifest, units, schedule and "
+                         "predicted memory")
+    ins.add_argument("path", help="a directory sharded.export() wrote")
+    ins.add_argument("--program", type=int, default=0,
+                     help="which program --trace and --plot draw (default 0)")
+    ins.add_argument("--trace", help="write that program's Chrome/Perfetto trace here")
+    ins.add_argument("--plot", help="write its memory timeline as an image here (matplotlib)")
+    ins.add_argument("--no-verify", action="store_true",
+                     help="do not check the files' SHA-256 (faster for a large export)")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _export(args)
+    if args.command == "inspect":
+        return _inspect(args)
     if args.command == "demo":
         from autoshard.demo import main as demo_main
 
