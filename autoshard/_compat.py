@@ -107,10 +107,36 @@ def all_gather_tensor(out, inp, group=None) -> None:
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
 
 
+@contextlib.contextmanager
 def reparametrize(module, params_and_buffers):
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    return _reparametrize_module(module, params_and_buffers, tie_weights=True, strict=False)
+    """Put ``params_and_buffers`` (canonical name -> tensor) in place of the module's tensors,
+    under every name a tied tensor or a shared submodule has, and put the very same objects
+    back afterwards. (torch's ``_reparametrize_module`` leaves the swapped tensors in a
+    submodule reachable under two paths: it records the second path's "original" after the
+    first path swapped it.) Names missing from the dict keep their tensors."""
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    canonical = {}
+    for name, t in named:
+        canonical.setdefault(id(t), name)
+    saved = [(m, dict(m._parameters), dict(m._buffers))
+             for m in {id(m): m for m in module.modules()}.values()]
+    try:
+        for name, t in named:
+            new = params_and_buffers.get(canonical[id(t)])
+            if new is None:
+                continue
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path)
+            slots = owner._parameters if attr in owner._parameters else owner._buffers
+            slots[attr] = new
+        yield
+    finally:
+        for m, params, buffers in saved:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
 
 
 def boxed(gm):

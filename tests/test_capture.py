@@ -95,3 +95,33 @@ def test_each_new_input_signature_compiles_once():
     model.eval()
     model(torch.randint(0, 96, (2, 8)))
     assert len(progs) == 4
+
+
+class _SharedSubmodule(nn.Module):
+    """One Linear reachable as ``a`` and as ``b``, applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_shared_submodule_gets_its_parameters_back_after_capture():
+    from autoshard import autoshard
+
+    torch.manual_seed(0)
+    ref = _SharedSubmodule()
+    model = autoshard(_SharedSubmodule())
+    model.load_state_dict(ref.state_dict())
+    held = dict(model.named_parameters(remove_duplicate=False))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert list(after) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    assert all(after[k] is held[k] for k in held)  # the very DTensors, not capture's fakes
+    assert model.b is model.a
+    assert torch.allclose(model.a.weight.grad.full_tensor(), ref.a.weight.grad)
