@@ -193,10 +193,13 @@ def _captured(doc: dict, params: list, gm) -> Captured:
 
 
 def _model_doc(model: torch.nn.Module, config: Config) -> dict:
-    modules = [{"path": path, "class": _class_name(mod),
-                "container": type(mod).__name__ if type(mod) in _CONTAINERS.values() else None}
-               for path, mod in model.named_modules()]
     first: dict = {}
+    modules = []
+    for path, mod in model.named_modules(remove_duplicate=False):
+        same = first.setdefault(id(mod), path)
+        modules.append({"path": path, "class": _class_name(mod), "same_as": same if same != path
+                        else None, "container": type(mod).__name__
+                        if type(mod) in _CONTAINERS.values() else None})
     params = []
     for fqn, p in model.named_parameters(remove_duplicate=False):
         same = first.setdefault(id(p), fqn)
@@ -235,7 +238,7 @@ def _skeleton(doc: dict) -> torch.nn.Module:
 
     mods = {}
     for entry in doc["modules"]:
-        mod = make(entry)
+        mod = mods[entry["same_as"]] if entry["same_as"] is not None else make(entry)
         path = entry["path"]
         if path:
             parent, _, name = path.rpartition(".")
@@ -319,41 +322,46 @@ def _add_inference_programs(model) -> None:
 def export(model, path, *, inference: bool = True) -> None:
     """Write ``model``'s compiled programs, plan and state to the directory ``path`` (every
     rank calls it; see the module docstring for what it holds). ``inference``: also compile
-    and store each training signature's eval-mode, no-gradient program."""
+    and store each training signature's eval-mode, no-gradient program.
+
+    Everything that can refuse (the path, a call or output that cannot be stored) is checked
+    on every rank before anything is written, so a refusal is an error on every rank and
+    never leaves one rank waiting for the others."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     st = model._autoshard
     path = os.fspath(path)
-    if not st.programs:
+    if not st.programs and st.exported is None:
         raise AutoshardError(
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    taken = os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
+    st.agreement("export", f"to {path}: {'taken' if taken else 'free'}")
+    if taken:
         raise AutoshardError(f"cannot export to {path}: it exists and is not an empty "
                              "directory; choose a new path or remove it first")
     if inference:
         _add_inference_programs(model)
-    group = st.mesh.get_group()
-    rank = st.mesh.get_local_rank()
+    programs = [_program_files(key, prog) for key, prog in _programs(model).items()]
+    model_doc = _model_doc(model, st.config)
     state = {"model": get_model_state_dict(model), "buffers": _loose_buffers(model)}
     dcp.save(state, checkpoint_id=os.path.join(path, CHECKPOINT))
-    if rank == 0:
-        programs = []
-        for k, (key, prog) in enumerate(_programs(model).items()):
-            programs.append(_write_program(os.path.join(path, "programs", str(k)), key, prog))
-        _write_json(os.path.join(path, "model.json"), _model_doc(model, st.config))
+    if st.mesh.get_local_rank() == 0:
+        entries = [_write_program(os.path.join(path, "programs", str(k)), files)
+                   for k, files in enumerate(programs)]
+        _write_json(os.path.join(path, "model.json"), model_doc)
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
             "autoshard": _version(), "world_size": st.mesh.size(),
-            "device": st.device.type, "model": _class_name(model), "programs": programs,
+            "device": st.device.type, "model": _class_name(model), "programs": entries,
         }
         manifest["files"] = {rel: _file_entry(os.path.join(path, rel))
                              for rel in _files(path)}
         manifest["hash"] = _content_hash(manifest["files"])
         _write_json(os.path.join(path, MANIFEST), manifest)
     if st.mesh.size() > 1:
-        dist.barrier(group=group)
+        dist.barrier(group=st.mesh.get_group())
 
 
 def _programs(model) -> dict:
@@ -373,28 +381,33 @@ def _loose_buffers(model) -> dict:
     return {fqn: b for fqn, b in model.named_buffers() if fqn not in keys}
 
 
-def _write_program(folder: str, key: str, prog) -> dict:
-    os.makedirs(folder)
+def _program_files(key: str, prog) -> dict:
+    """A program's files as data: the graphs' documents and constants, program.json."""
     cap, split = prog.captured, prog.split
     graphs = {"joint": cap.pristine, "forward": split.fwd, "backward": split.bwd}
-    constants = {}
+    docs, constants = {}, {}
     for name, gm in graphs.items():
-        if gm is None:
-            continue
-        doc, consts = graphio.dump_graph(gm)
-        _write_json(os.path.join(folder, f"{name}.json"), doc)
-        constants[name] = consts
-    torch.save(constants, os.path.join(folder, "constants.pt"))
+        if gm is not None:
+            docs[name], constants[name] = graphio.dump_graph(gm)
     call, training, grad = prog.described
-    _write_json(os.path.join(folder, "program.json"), {
+    docs["program"] = {
         "key": key, "call": call, "training": training, "grad": grad,
         "captured": _captured_doc(cap),
         "split": {"fwd_roles": split.fwd_roles, "bwd_roles": split.bwd_roles,
                   "saved": split.saved, "n_tangents": split.n_tangents},
         "plan": json.loads(prog.plan.to_json()),
-    })
+    }
+    return {"docs": docs, "constants": constants}
+
+
+def _write_program(folder: str, files: dict) -> dict:
+    os.makedirs(folder)
+    for name, doc in files["docs"].items():
+        _write_json(os.path.join(folder, f"{name}.json"), doc)
+    torch.save(files["constants"], os.path.join(folder, "constants.pt"))
+    p = files["docs"]["program"]
     return {"dir": os.path.relpath(folder, os.path.dirname(os.path.dirname(folder))),
-            "key": key, "call": call, "training": training, "grad": grad}
+            "key": p["key"], "call": p["call"], "training": p["training"], "grad": p["grad"]}
 
 
 def _version() -> str:

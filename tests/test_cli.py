@@ -43,3 +43,35 @@ def test_model_state_per_rank_is_params_grads_and_adam_over_n():
     params = sum(p.numel() for p in model.parameters())
     expected = (params * 4) * (1 + 1 + 2) / n  # fp32 parameters, gradients, two Adam moments
     assert abs(plan.predicted["model_state_bytes"] / expected - 1) < 0.01
+
+
+def test_export_and_inspect_commands(tmp_path):
+    out_dir = tmp_path / "gpt"
+    cmd = [sys.executable, "-m", "autoshard", "export", "examples.gpt_shapes:gpt_small",
+           "--world-size", "2", "--batch", "2", "--seq", "16", "--out", str(out_dir),
+           "--quiet"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (out_dir / "checkpoint").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "is not an empty directory" in again.stderr
+
+    cmd = [sys.executable, "-m", "autoshard", "inspect", str(out_dir), "--program", "1",
+           "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "m.png")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "autoshard-export version 1" in text and "2 ranks, cpu" in text
+    assert "(verified)" in text and "peak memory per rank" in text
+    assert "args[0] int64[2, 16] (train, grad)" in text
+    assert "args[0] int64[2, 16] (eval, no grad)" in text
+    for op in ("all_gather", "wait", "free", "reduce_scatter"):
+        assert f" {op} " in text, op
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+    (out_dir / "model.json").write_text("{}")
+    out = subprocess.run(cmd[:5], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "model.json is 2 bytes, but the export wrote" in out.stderr
