@@ -48,6 +48,9 @@ class ShardedModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         st = self._autoshard
+        if st.exported is not None and st.exported.inference and torch.is_grad_enabled():
+            with torch.no_grad():  # an inference load holds forward-only programs
+                return self.forward(*args, **kwargs)
         leaves, _ = tree_flatten((args, kwargs))
         key = self._signature(leaves, args, kwargs)
         st.agreement.step += 1

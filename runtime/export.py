@@ -523,6 +523,7 @@ class Loaded:
     manifest: dict
     entries: dict  # repr(signature) -> the manifest's entry for its program
     same: bool  # the export's world size, device type and Config: run its graphs as stored
+    inference: bool = False  # only the eval-mode programs, called without gradients
     programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
 
     @property
@@ -541,8 +542,9 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     """The exported model on ``mesh`` (every rank calls it): a ShardedModule with the same
     parameter, buffer and state-dict names, DTensor parameters, and the stored programs.
     ``config``: plan with this instead of the export's Config (the passes then run again).
-    ``inference``: load only the eval-mode, no-gradient programs; the module is put in eval
-    mode and is called under ``torch.no_grad()``. ``verify``: check every file's SHA-256."""
+    ``inference``: load only the eval-mode, no-gradient programs (forward graphs only); the
+    module is put in eval mode and runs every call without gradients. ``verify``: check
+    every file's SHA-256."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          set_model_state_dict)
@@ -560,6 +562,12 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
             f"the export's graphs compute in the dtypes of mp_policy={stored.mp_policy}, and "
             f"the Config passed to load() has mp_policy={cfg.mp_policy}: the dtypes are part "
             "of the captured graphs. Pass a Config with the export's mp_policy.")
+    entries = {e["key"]: e for e in manifest["programs"]
+               if not inference or not (e["training"] or e["grad"])}
+    if inference and not entries:
+        raise AutoshardError(
+            f"{path} holds no inference program (eval mode, no gradients): export with "
+            "sharded.export(path, inference=True), or load without inference=True")
     mesh = mesh if mesh is not None else _dist.default_mesh(cfg.timeout)
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
@@ -571,14 +579,8 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
 
     same = (mesh.size() == manifest["world_size"] and st.device.type == manifest["device"]
             and cfg.to_dict() == stored.to_dict())
-    entries = {e["key"]: e for e in manifest["programs"]
-               if not inference or not (e["training"] or e["grad"])}
-    if inference and not entries:
-        raise AutoshardError(
-            f"{path} holds no inference program (eval mode, no gradients): export with "
-            "sharded.export(path, inference=True), or load without inference=True")
     st.orig_forward = None
-    st.exported = Loaded(path, manifest, entries, same)
+    st.exported = Loaded(path, manifest, entries, same, inference)
     if inference:
         model.eval()
     return model

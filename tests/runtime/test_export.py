@@ -159,6 +159,10 @@ def _load_and_train(rank, world, root):
                 out[name]["unknown_call"] = str(e)
             inf = autoshard.load(os.path.join(root, name), inference=True)
             out[name]["eval"], out[name]["output"] = _eval(name, inf, rank, world)
+            x, _ = _data(99, world, rank)
+            plain = _logits(_call(name, inf, x))  # no torch.no_grad(): the load knows
+            out[name]["plain_call"] = not plain.requires_grad and torch.equal(
+                plain, out[name]["eval"].chunk(world)[rank])
             out[name]["forward_only"] = inf._autoshard.last.bwd is None
             out[name]["inference_training"] = inf.training
     out["gone"] = gone and MODULE not in sys.modules
@@ -210,7 +214,7 @@ def test_other_world_sizes_train_on(runs, name, world):
 def test_inference_load_runs_the_forward_only_program(runs, name):
     _, exported, loaded = runs
     got, ref = loaded[2][0][name], exported[0][name]
-    assert got["forward_only"] and not got["inference_training"]
+    assert got["forward_only"] and not got["inference_training"] and got["plain_call"]
     assert torch.equal(got["eval"], ref["eval"])
     assert got["output"] == ref["output"]
     expected = "Tensor" if name == "gpt" else "CausalLMOutputWithPast"  # Moe... for Mixtral
@@ -299,3 +303,54 @@ def test_an_unfinished_export_is_named(runs, tmp_path):
     (path / "manifest.json").write_text("{not json")
     with pytest.raises(AutoshardError, match=r"manifest\.json is corrupt"):
         export_mod.read_manifest(path)
+
+
+# --- across device types (a GPU machine; skipped without CUDA) ------------------------------
+
+
+def _export_here(rank, world, root):
+    """World 1 on this process's mesh device (gloo: CPU; torchrun environment: CUDA)."""
+    model = autoshard.autoshard(_tiny_gpt())
+    device = model._autoshard.device
+    x, y = (t.to(device) for t in _data(0, world, rank))
+    model(x)
+    model.export(os.path.join(root, device.type))
+    return _train_three(model, device)
+
+
+def _load_here(rank, world, payload):
+    root, made_on = payload
+    model = autoshard.load(os.path.join(root, made_on))
+    return _train_three(model, model._autoshard.device)
+
+
+def _tiny_gpt():
+    from autoshard.models import GPT
+
+    torch.manual_seed(0)
+    return GPT(vocab=VOCAB, layers=2)
+
+
+def _train_three(model, device) -> list:
+    opt = _sgd(model)
+    losses = []
+    for s in range(TRAINED, TRAINED + MORE):
+        x, y = (t.to(device) for t in _data(s, 1, 0))
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+def test_an_export_moves_between_cpu_and_gpu(tmp_path):
+    root = str(tmp_path)
+    on_cpu = run_ranks(1, _export_here, root)[0]  # gloo: a CPU mesh
+    on_gpu = run_ranks(1, _export_here, root, torchrun_env=True)[0]  # NCCL: a CUDA mesh
+    cpu_from_gpu = run_ranks(1, _load_here, (root, "cuda"))[0]
+    gpu_from_cpu = run_ranks(1, _load_here, (root, "cpu"), torchrun_env=True)[0]
+    # the same model and data on either device: losses agree to float rounding
+    for got in (on_gpu, cpu_from_gpu, gpu_from_cpu):
+        assert max(abs(a - b) for a, b in zip(got, on_cpu)) <= 1e-4, (got, on_cpu)

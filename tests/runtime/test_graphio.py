@@ -255,14 +255,14 @@ def test_sharded_graphs_round_trip_onto_another_group(compiled):
 # --- errors and devices ----------------------------------------------------------------------
 
 
-def helper(x):
+def plain_function(x):
     return x + 1
 
 
 def test_python_functions_and_tensor_arguments_cannot_be_dumped():
     g = fx.Graph()
-    g.output(g.call_function(helper, (g.placeholder("x"),)))
-    with pytest.raises(ValueError, match="node helper.*cannot be exported"):
+    g.output(g.call_function(plain_function, (g.placeholder("x"),)))
+    with pytest.raises(ValueError, match="node plain_function.*cannot be exported"):
         graphio.dump_graph(fx.GraphModule({}, g))
     g = fx.Graph()
     g.output(g.call_function(torch.ops.aten.add.Tensor, (g.placeholder("x"), torch.ones(1))))

@@ -73,7 +73,7 @@ def test_forward_graph_frees_every_gathered_buffer_of_units_not_kept():
     x, y = _data()
     gpt_loss(sharded(x), y).backward()
     program = sharded._autoshard.last
-    kept = {u.index for u in program.units if u.keep}
+    kept = {u.index for u in program.plan.units if u.kept}
     assert len(kept) == 1  # reshard_after_forward="auto": the unit read last in forward
     buffers = [n for n in program.fwd.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_BUFFER]
     freed = {a for n in program.fwd.graph.nodes if meta.is_free(n) for a in n.args[0]}
