@@ -123,8 +123,9 @@ def _export(args) -> int:
             return 0
     else:
         spawn_ranks(args.world_size, export_factory, args.factory, opts)
-    print(f"exported to {args.out} in {time.perf_counter() - t0:.1f} s\n")
-    print(describe(out, verify=False) if not args.quiet else "")
+    print(f"exported to {args.out} in {time.perf_counter() - t0:.1f} s")
+    if not args.quiet:
+        print("\n" + describe(out, verify=False))
     return 0
 
 

@@ -275,9 +275,14 @@ def _zero(module: torch.nn.Module) -> None:
 # --- export -----------------------------------------------------------------------------------
 
 
-def _write_json(path: str, doc) -> None:
+def _write_json(path: str, doc, *, compact: bool = False) -> None:
+    """Indented for the files people read; graphs (tens of thousands of nodes for a large
+    model) without whitespace."""
     with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+        if compact:
+            json.dump(doc, f, separators=(",", ":"))
+        else:
+            json.dump(doc, f, indent=1)
 
 
 def _example(prog, device) -> tuple:
@@ -403,7 +408,7 @@ def _program_files(key: str, prog) -> dict:
 def _write_program(folder: str, files: dict) -> dict:
     os.makedirs(folder)
     for name, doc in files["docs"].items():
-        _write_json(os.path.join(folder, f"{name}.json"), doc)
+        _write_json(os.path.join(folder, f"{name}.json"), doc, compact=name != "program")
     torch.save(files["constants"], os.path.join(folder, "constants.pt"))
     p = files["docs"]["program"]
     return {"dir": os.path.relpath(folder, os.path.dirname(os.path.dirname(folder))),

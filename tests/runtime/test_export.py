@@ -146,6 +146,7 @@ def _load_and_train(rank, world, root):
         losses = [_step(name, model, opt, s, rank, world) for s in range(TRAINED, TRAINED + MORE)]
         steps_s = time.perf_counter() - t0
         out[name] = {
+            "stored_graphs": model._autoshard.exported.same,
             "losses": losses, "keys": list(model.state_dict()), "load_s": loaded_s,
             "steps_s": steps_s,
             "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
@@ -194,6 +195,7 @@ def test_same_world_size_trains_on_bitwise(runs, name):
     _, exported, loaded = runs
     ref = exported[0][name]
     got = loaded[2][0][name]
+    assert got["stored_graphs"]  # the export's own graphs ran, not a new plan
     assert got["losses"] == ref["losses"][TRAINED:], (got["losses"], ref["losses"])
     assert got["keys"] == ref["keys"]
     assert got["dtensors"] and got["optimizer_holds_them"]
@@ -205,6 +207,7 @@ def test_other_world_sizes_train_on(runs, name, world):
     _, exported, loaded = runs
     ref = exported[0][name]["losses"][TRAINED:]
     got = loaded[world][0][name]
+    assert not got["stored_graphs"]  # planned again for this world size
     diff = max(abs(a - b) for a, b in zip(got["losses"], ref))
     assert diff <= 1e-6, (world, got["losses"], ref)
     assert got["keys"] == exported[0][name]["keys"] and got["dtensors"]
