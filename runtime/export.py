@@ -525,7 +525,6 @@ class Loaded:
     at another world size, planned) on its first call."""
 
     path: str
-    manifest: dict
     entries: dict  # repr(signature) -> the manifest's entry for its program
     same: bool  # the export's world size, device type and Config: run its graphs as stored
     inference: bool = False  # only the eval-mode programs, called without gradients
@@ -585,7 +584,7 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     same = (mesh.size() == manifest["world_size"] and st.device.type == manifest["device"]
             and cfg.to_dict() == stored.to_dict())
     st.orig_forward = None
-    st.exported = Loaded(path, manifest, entries, same, inference)
+    st.exported = Loaded(path, entries, same, inference)
     if inference:
         model.eval()
     return model
@@ -639,11 +638,11 @@ def _load_program(folder: str, model, st, same: bool):
 # --- inspection -------------------------------------------------------------------------------
 
 
-def stored_plan(path, program: int = 0):
+def stored_plan(path, program: int = 0, manifest: Optional[dict] = None):
     """The plan of the export's ``program``-th program (``Plan``)."""
     from autoshard.plans import Plan
 
-    manifest = read_manifest(path, verify=False)
+    manifest = manifest or read_manifest(path, verify=False)
     entries = manifest["programs"]
     if not 0 <= program < len(entries):
         raise AutoshardError(f"{path} holds programs 0 to {len(entries) - 1}, not {program}")
@@ -656,6 +655,8 @@ def describe(path, *, verify: bool = True) -> str:
     call, the plan's prediction (memory included), its units and its schedule."""
     from tabulate import tabulate
 
+    from autoshard.plans import _fmt_bytes
+
     manifest = read_manifest(path, verify=verify)
     files = manifest["files"]
     shards = sum(1 for rel in files if rel.endswith(".distcp"))
@@ -666,7 +667,7 @@ def describe(path, *, verify: bool = True) -> str:
         ("model", manifest["model"]),
         ("compiled for", f"{manifest['world_size']} ranks, {manifest['device']}"),
         ("programs", len(manifest["programs"])),
-        ("files", f"{len(files)}, {_size(sum(e['bytes'] for e in files.values()))} "
+        ("files", f"{len(files)}, {_fmt_bytes(sum(e['bytes'] for e in files.values()))} "
                   f"({shards} checkpoint shard files)"),
         ("content hash", manifest["hash"] + (" (verified)" if verify else "")),
     ]
@@ -674,14 +675,8 @@ def describe(path, *, verify: bool = True) -> str:
     for k, entry in enumerate(manifest["programs"]):
         mode = "training" if entry["grad"] else "inference (forward only)"
         out.append(f"\n=== program {k} ({entry['dir']}): {mode}\ncall: {entry['call']}\n")
-        out.append(str(stored_plan(path, k)))
+        out.append(str(stored_plan(path, k, manifest)))
     return "\n".join(out)
-
-
-def _size(n: int) -> str:
-    from autoshard.plans import _fmt_bytes
-
-    return _fmt_bytes(n)
 
 
 def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:

@@ -82,8 +82,8 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out
 
 
-def _step(name, model, opt, step, rank, world) -> float:
-    x, y = _data(step, world, rank)
+def _step(name, model, opt, step, rank, world, device="cpu") -> float:
+    x, y = (t.to(device) for t in _data(step, world, rank))
     loss = gpt_loss(_logits(_call(name, model, x)), y)
     loss.backward()
     opt.step()
@@ -336,15 +336,7 @@ def _tiny_gpt():
 
 def _train_three(model, device) -> list:
     opt = _sgd(model)
-    losses = []
-    for s in range(TRAINED, TRAINED + MORE):
-        x, y = (t.to(device) for t in _data(s, 1, 0))
-        loss = gpt_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [_step("gpt", model, opt, s, 0, 1, device) for s in range(TRAINED, TRAINED + MORE)]
 
 
 @pytest.mark.gpu
