@@ -87,12 +87,19 @@ def get_profile(profile) -> DeviceProfile:
     return PROFILES[profile]
 
 
-def collective_time(nbytes: int, world_size: int, profile: DeviceProfile) -> float:
-    """Ring all-gather or reduce-scatter of an ``nbytes`` (full) buffer."""
+def collective_time(nbytes: int, world_size: int, profile: DeviceProfile,
+                    rounds: int = 1) -> float:
+    """Ring all-gather or reduce-scatter of an ``nbytes`` (full) buffer; ``rounds=2``: a ring
+    all-reduce (a reduce-scatter, then an all-gather)."""
     if world_size <= 1:
         return profile.alpha
     n = world_size
-    return (n - 1) * profile.alpha + (n - 1) / n * nbytes * profile.beta
+    return rounds * ((n - 1) * profile.alpha + (n - 1) / n * nbytes * profile.beta)
+
+
+def ring_rounds(kind: str) -> int:
+    """Ring passes of a collective kind (``meta.COMM``): 2 for an all-reduce, else 1."""
+    return 2 if kind == meta.AR_ISSUE else 1
 
 
 # ops torch's flop formulas do not name, counted as the op they compute alike: a graph traced

@@ -30,6 +30,9 @@ ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
 ROLE_INPUT = "input"
 ROLE_TANGENT = "tangent"
+# a backward input: the gradient a parameter accumulated over steps run without gradient
+# sync, added before its reduction (PassContext.accumulated)
+ROLE_GRAD_ACC = "grad_acc"
 
 OUT_FWD = "output"  # a forward output leaf
 OUT_GRAD = "grad"  # gradient of the parameter FQN
@@ -49,13 +52,18 @@ RS_PACK = "rs_pack"  # full gradients -> flat send buffer
 RS_ISSUE = "reduce_scatter"
 RS_WAIT = "rs_wait"
 RS_UNPACK = "rs_unpack"
+# a gradient averaged over the ranks that replicate it (DDP, and HSDP's replicas of a shard)
+AR_ISSUE = "all_reduce"
+AR_WAIT = "ar_wait"
+GROUP = "group"  # on an all-reduce issue: its group size (the op names only the group)
 FREE = "free"
 # offloaded parameters (ParamSpec.device == "host"): the shard copied to the device before it
 # is packed for its all-gather, and the gradient shard copied back to the host after unpacking
 H2D = "h2d"
 D2H = "d2h"
 
-COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE)
+COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE, AR_ISSUE)
+WAITS = (AG_WAIT, RS_WAIT, AR_WAIT)
 GATHERED = (AG_BUFFER, AG_ISSUE, AG_WAIT, AG_UNPACK)  # what holds or views a gathered buffer
 
 
@@ -85,6 +93,10 @@ def is_tangent(node: fx.Node) -> bool:
     return node.op == "placeholder" and role(node) == ROLE_TANGENT
 
 
+def is_grad_acc(node: fx.Node) -> bool:
+    return node.op == "placeholder" and role(node) == ROLE_GRAD_ACC
+
+
 def is_comm(node: fx.Node) -> bool:
     return tag(node, COMM) is not None
 
@@ -100,12 +112,15 @@ def is_collective_issue(node: fx.Node) -> bool:
 def group_size(issue: fx.Node) -> int:
     """The ranks a collective issue runs over, as its c10d op says
     (``all_gather_into_tensor_out(x, group_size, group_name)``,
-    ``reduce_scatter_tensor(x, op, group_size, group_name)``)."""
-    return issue.args[1] if tag(issue, COMM) == AG_ISSUE else issue.args[2]
+    ``reduce_scatter_tensor(x, op, group_size, group_name)``), or an all-reduce's tag."""
+    kind = tag(issue, COMM)
+    if kind == AR_ISSUE:
+        return tag(issue, GROUP)
+    return issue.args[1] if kind == AG_ISSUE else issue.args[2]
 
 
 def is_wait(node: fx.Node) -> bool:
-    return tag(node, COMM) in (AG_WAIT, RS_WAIT)
+    return tag(node, COMM) in WAITS
 
 
 def is_backward(node: fx.Node) -> bool:

@@ -21,6 +21,8 @@ _SHOWN = {
     meta.AG_WAIT: "wait",
     meta.RS_ISSUE: "reduce_scatter",
     meta.RS_WAIT: "wait",
+    meta.AR_ISSUE: "all_reduce",
+    meta.AR_WAIT: "wait",
     meta.FREE: "free",
 }
 
@@ -88,6 +90,9 @@ class Plan:
     # which units free their gathered parameters after the forward: "every unit", "all but
     # the last" (gathered last in forward), "none"
     reshard: str = ""
+    strategy: str = "zero3"  # Config.strategy as planned ("auto" resolved)
+    mesh_shape: list = dataclasses.field(default_factory=list)  # (replicate, shard) for HSDP
+    grad_sync: bool = True  # False: gradients stay local (set_requires_gradient_sync)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -145,7 +150,10 @@ class Plan:
             return "(no prediction)"
         rows = [
             ("device profile", self.device.get("name", "?")),
-            ("world size", self.world_size),
+            ("world size", self.world_size if len(self.mesh_shape) < 2 else
+             f"{self.world_size} (replicate {self.mesh_shape[0]} x shard {self.mesh_shape[1]})"),
+            ("strategy", self.strategy + ("" if self.grad_sync else
+                                          ", gradients accumulated locally (no sync)")),
             ("policy", self.policy),
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
@@ -270,7 +278,7 @@ def read_schedule(graphs) -> list:
             if kind in _SHOWN:
                 if kind == meta.FREE:
                     size = sum(meta.val_bytes(t) for t in n.args[0])
-                elif kind == meta.RS_ISSUE:
+                elif kind in (meta.RS_ISSUE, meta.AR_ISSUE):
                     size = meta.val_bytes(n.args[0])
                 else:
                     size = meta.val_bytes(n)
@@ -317,7 +325,8 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
               budget: int = 0, policy: str = "", model_state_bytes: int = 0,
               host_state_bytes: int = 0, offload: float = 0.0,
               offload_params: Optional[float] = None, reshard: str = "",
-              recompute=("", None), candidates=()) -> Plan:
+              recompute=("", None), candidates=(), strategy: str = "zero3",
+              mesh_shape=(), grad_sync: bool = True) -> Plan:
     infos = []
     for u in units:
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
@@ -328,8 +337,8 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1],
                 offload=offload, offload_params=offload_params if offload else None,
-                reshard=reshard,
-                candidates=[dict(c) for c in candidates])
+                reshard=reshard, strategy=strategy, mesh_shape=list(mesh_shape),
+                grad_sync=grad_sync, candidates=[dict(c) for c in candidates])
     if profile is not None:
         plan.device = profile.to_dict()
     if prediction is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.cost import DeviceProfile, collective_time, node_time
+from autoshard.cost import DeviceProfile, collective_time, node_time, ring_rounds
 from autoshard.graph import _aliased_arg
 
 
@@ -40,7 +40,6 @@ class Prediction:
 
 
 _NO_TAGS: dict = {}
-_WAITS = (meta.AG_WAIT, meta.RS_WAIT)
 
 
 def _size(n: fx.Node) -> int:
@@ -108,7 +107,8 @@ class _Sim:
         if kind in meta.COLLECTIVE_ISSUES:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
             world = meta.group_size(n)
-            dur = collective_time(size, world, self.profile)
+            rounds = ring_rounds(kind)
+            dur = collective_time(size, world, self.profile, rounds)
             start = max(self.tc, self.tq)
             self.tq = self.pending[n] = start + dur
             held = dur * (1 - self.profile.comm_overlap)  # what compute cannot run beside
@@ -121,10 +121,10 @@ class _Sim:
                 self.mem.acquire(("scratch", n), scratch)
                 self.scratch.append((self.tq, ("scratch", n)))
             self.comm += size
-            self.sent += size * (world - 1) // world
+            self.sent += rounds * size * (world - 1) // world
             self.events.append(["comm", f"{kind} unit {meta.tag(n, meta.UNIT)}", start, dur,
                                 meta.tag(n, meta.UNIT)])
-        elif kind in (meta.AG_WAIT, meta.RS_WAIT):
+        elif kind in meta.WAITS:
             end = self.pending.get(n.args[0], 0.0)
             if end > self.tc:
                 self.exposed += end - self.tc
@@ -168,7 +168,7 @@ class _Sim:
             if kind in meta.COLLECTIVE_ISSUES and sids.get(n.args[0]) is not None:
                 self.held_inputs[n] = sids[n.args[0]]  # the backend holds its input
                 mem.acquire(self.held_inputs[n], 0)
-            elif kind in _WAITS and n.args[0] in self.held_inputs:
+            elif kind in meta.WAITS and n.args[0] in self.held_inputs:
                 mem.release(self.held_inputs.pop(n.args[0]))
             if kind == meta.FREE:
                 for t in n.args[0]:

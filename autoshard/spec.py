@@ -19,6 +19,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 DEVICES = ("device", "host")
+# how the parameters, gradients and optimizer state are spread over the ranks
+# (Config.strategy): "ddp" replicates all three; the others store one Shard(0) slice per rank
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "auto")
 
 
 class ShardLayout:
@@ -45,10 +48,11 @@ class ShardLayout:
         return start, min(start + self.rows, self.shape[0])
 
 
-def placements_for(shape, mesh_ndim: int = 1) -> tuple:
+def placements_for(shape, mesh_ndim: int = 1, strategy: str = "zero3") -> tuple:
     """FSDP's placements: dim 0 sharded over the mesh's last dimension (replicated over any
-    before it, as HSDP does); a scalar is replicated."""
-    last = Shard(0) if len(shape) > 0 else Replicate()
+    before it, as HSDP does); a scalar is replicated. ``strategy="ddp"``: replicated over
+    every dimension."""
+    last = Shard(0) if len(shape) > 0 and strategy != "ddp" else Replicate()
     return (Replicate(),) * (mesh_ndim - 1) + (last,)
 
 
@@ -61,7 +65,15 @@ class ParamSpec:
     (default: ``dtype``). ``reduce_dtype``: its gradient is reduce-scattered in (default:
     ``compute_dtype``). ``mesh_shape`` and ``placements``: the DTensor placement of the shard
     over the mesh (default: one rank). ``device``: where the shard and its optimizer state
-    live between uses, ``"device"`` (the accelerator) or ``"host"``."""
+    live between uses, ``"device"`` (the accelerator) or ``"host"``. ``replica``: every rank
+    also keeps the full parameter in the compute dtype from one step to the next, which the
+    step reads without an all-gather; the shards are gathered into it after the optimizer
+    updated them (ZeRO-1). A parameter replicated over every mesh dimension (DDP) is read as
+    it is stored.
+
+    Its gradient is reduced over every mesh dimension once per synchronised step
+    (``reduction``): reduce-scattered over the dimension it is sharded over, then averaged
+    (all-reduced) over each it is replicated over."""
 
     fqn: str
     shape: tuple
@@ -72,6 +84,7 @@ class ParamSpec:
     mesh_shape: tuple = (1,)
     placements: Optional[tuple] = None
     device: str = "device"
+    replica: bool = False
 
     def __post_init__(self):
         self.shape = tuple(self.shape)
@@ -104,11 +117,28 @@ class ParamSpec:
         return self.layout.sharded
 
     @property
+    def gathers(self) -> bool:
+        """Whether the step all-gathers it before reading it: it is sharded and has no
+        replica."""
+        return self.sharded and not self.replica and any(
+            isinstance(p, Shard) for p in self.placements)
+
+    @property
+    def reduction(self) -> tuple:
+        """How its gradient is reduced, in order: ``("rs", mesh dim, ranks)`` over the
+        dimension it is sharded over, then ``("ar", mesh dim, ranks)`` over each it is
+        replicated over (innermost first); dimensions of one rank are skipped, except that a
+        one-rank mesh still reduce-scatters a sharded parameter (a local copy)."""
+        dims = list(reversed(list(enumerate(zip(self.mesh_shape, self.placements)))))
+        out = [("rs", d, n) for d, (n, p) in dims if isinstance(p, Shard) and self.sharded]
+        out += [("ar", d, n) for d, (n, p) in dims
+                if n > 1 and not (isinstance(p, Shard) and self.sharded)]
+        return tuple(out)
+
+    @property
     def group_size(self) -> int:
-        """The ranks its all-gather and reduce-scatter run over: those it is sharded over;
-        a replicated scalar's gradient is averaged over the mesh's last dimension (FSDP's
-        shard dimension)."""
-        return self.shards if self.sharded else self.mesh_shape[-1]
+        """The ranks its all-gather and reduce-scatter run over: those it is sharded over."""
+        return self.shards
 
     @property
     def shard_numel(self) -> int:
@@ -129,16 +159,21 @@ class ParamSpec:
 
     @property
     def reduced_bytes(self) -> int:
-        """Bytes of its gradient in the reduce-scatter's send buffer (reduce dtype); a scalar's
-        gradient is sent once per rank."""
+        """Bytes of its gradient in the first reduction's send buffer (reduce dtype)."""
         if self.sharded:
             return self.gathered_bytes(self.reduce_dtype)
-        return self.group_size * self.reduce_dtype.itemsize
+        return self.reduce_dtype.itemsize
+
+    @property
+    def replica_bytes(self) -> int:
+        """Bytes of the full copy kept between steps (``replica``), else 0."""
+        return self.gathered_bytes() if self.replica else 0
 
 
 def group_size(specs) -> int:
-    """The ranks one collective over these parameters runs over (they must agree)."""
-    sizes = {s.group_size for s in specs}
+    """The ranks one collective over these parameters runs over (they must agree; scalars,
+    never gathered, do not count)."""
+    sizes = {s.group_size for s in specs if s.sharded}
     if len(sizes) > 1:
         raise ValueError(f"one collective over parameters sharded over different numbers of "
                          f"ranks: {sorted(sizes)} ({[s.fqn for s in specs]})")
@@ -163,10 +198,11 @@ def hosted(params, fraction: float) -> set:
 
 
 def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
-                offload: float = 0.0) -> list:
-    """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``;
-    ``mp_policy``: a MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies
-    it; ``offload``: the fraction of the sharded state kept in host memory (``hosted``)."""
+                offload: float = 0.0, strategy: str = "zero3") -> list:
+    """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``'s
+    last dimension (replicated over the others) as ``strategy`` says; ``mp_policy``: a
+    MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies it; ``offload``: the
+    fraction of the sharded state kept in host memory (``hosted``)."""
     named = list(model.named_parameters())
     host = hosted([(f, p.shape) for f, p in named], offload)
     specs = []
@@ -176,16 +212,19 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
                                mesh_shape=tuple(mesh_shape),
-                               device="host" if fqn in host else "device"))
+                               placements=placements_for(p.shape, len(mesh_shape), strategy),
+                               device="host" if fqn in host else "device",
+                               replica=strategy == "zero1" and p.ndim > 0))
     return specs
 
 
 def model_state_bytes(specs, optimizer_states: int) -> dict:
-    """Per-rank bytes of parameter shards, gradient shards and optimizer state on the device
-    (padded), and what of it lives on the host (``host``, of which ``host_grads`` are the
-    gradient shards)."""
+    """Per-rank bytes of parameter shards (and replicas), gradient shards and optimizer state
+    on the device (padded), and what of it lives on the host (``host``, of which
+    ``host_grads`` are the gradient shards)."""
     out = {"params": 0, "grads": 0, "optimizer": 0, "host": 0, "host_grads": 0}
     for p in specs:
+        out["params"] += p.replica_bytes
         b = p.shard_bytes
         grads = b if p.requires_grad else 0
         held = b + grads + grads * optimizer_states

@@ -34,10 +34,17 @@ class PassContext:
     the split program)."""
 
     captured: Any  # autoshard.capture.Captured
-    group_name: str
+    # the process group of the mesh (a 1-D mesh), or one group name per mesh dimension
+    group_name: Any
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
     reshard_after_forward: Any = "auto"  # True, False or "auto" (Config's)
+    # whether gradients are reduced over the mesh this step; False: they come out full and
+    # local, for the runtime to accumulate (ShardedModule.set_requires_gradient_sync)
+    grad_sync: bool = True
+    # whether the backward takes, per reduced gradient, what earlier steps without sync
+    # accumulated (a ``grad_acc`` input added before the reduction)
+    accumulated: bool = False
     # with the sharded state on the host: the fraction of resharded units (the first in
     # forward order) whose shards are copied in from the host again for the backward; the
     # others hold the forward's copy on the device until their backward all-gather (1.0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -25,6 +27,7 @@ from autoshard.graph import (
 _AG = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 _EMPTY = torch.ops.aten.empty.memory_format
 _RS = torch.ops._c10d_functional.reduce_scatter_tensor.default
+_AR = torch.ops._c10d_functional.all_reduce.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _TO_COPY = torch.ops.aten._to_copy.default
 HOST = torch.device("cpu")
@@ -81,18 +84,24 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
     with no copy from the host and no packing; ``ctx.offload_params`` chooses those among
     ``offloaded_units``),
-    one reduce_scatter+wait after the last of its gradients is complete; an
+    its gradients reduced after the last of them is complete, as ``ParamSpec.reduction``
+    says (a reduce_scatter+wait over the shard dimension, an all_reduce+wait over each
+    replicated one; none with ``ctx.grad_sync`` off: full local gradients are returned); an
     ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
     gradient and send buffer; a collective's input is freed after its wait, not its issue.
     Freed explicitly rather than left to its last reference, a send buffer goes at a fixed
     point of the step: gloo drops its work objects (and their references) on a worker thread
-    whenever that thread next runs. Parameter placeholders now hold the local padded shard
-    (``ParamSpec.layout.local_shape``); gradient outputs are local padded shards. Each
-    collective runs over its parameters' ``ParamSpec.group_size`` ranks.
+    whenever that thread next runs. Placeholders of gathered parameters
+    (``ParamSpec.gathers``) now hold the local padded shard (``ParamSpec.layout.local_shape``);
+    the others hold the full parameter (stored replicated, or its ``replica``) and are read
+    directly. Gradient outputs are local padded shards (full gradients for replicated
+    parameters). Each collective runs over its mesh dimension's group
+    (``group_names(ctx)``).
     Does nothing to units whose parameters are never read.
     """
     graph = gm.graph
-    group = ctx.group_name
+    groups = group_names(ctx)
+    group = groups[-1]  # the shard dimension's
     specs = {p.fqn: p for p in ctx.captured.params}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
     _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
@@ -100,19 +109,20 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     device = next((n.meta["val"].device for n in phs.values()), HOST)
 
     for f, n in phs.items():
-        v, lay = n.meta["val"], specs[f].layout
-        if lay.sharded:  # the placeholder now holds the local shard, in its storage dtype,
+        v, spec = n.meta["val"], specs[f]
+        if spec.gathers:  # the placeholder now holds the local shard, in its storage dtype,
             # on the host when it is offloaded
-            home = HOST if specs[f].device == "host" else v.device
-            n.meta["val"] = fake_empty(v.fake_mode, lay.local_shape, specs[f].dtype, home)
-        elif specs[f].dtype != v.dtype:  # read unsharded, in the compute dtype
-            _cast_unsharded(gm, n, specs[f].dtype)
+            home = HOST if spec.device == "host" else v.device
+            n.meta["val"] = fake_empty(v.fake_mode, spec.layout.local_shape, spec.dtype, home)
+        elif spec.dtype != v.dtype and not spec.replica:  # read as stored (a replica is kept
+            # in the compute dtype), cast once to the compute dtype
+            _cast_unsharded(gm, n, spec.dtype)
 
     _choose_held(ctx.units, specs, ctx.offload_params)
     roots = {}  # storage root -> unit index
     pos = positions(graph)  # original nodes keep their relative order through the splices
     for unit in ctx.units:
-        fqns = [f for f in unit.fqns if specs[f].sharded]
+        fqns = [f for f in unit.fqns if specs[f].gathers]
         for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
             held = None  # the forward's send buffer, when the unit holds it for the backward
             for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
@@ -128,15 +138,29 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                if r[meta.ROLE] == meta.OUT_GRAD}
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if f in grad_at]
-        key = lambda f: (specs[f].reduce_dtype, specs[f].dtype)  # noqa: E731
-        for dtypes, group_fqns in _by_dtype(fqns, key):
+        if not ctx.grad_sync:
+            fqns = []  # gradients stay full and local (ctx.grad_sync)
+        key = lambda f: (specs[f].reduction, specs[f].reduce_dtype, specs[f].dtype)  # noqa
+        for (steps, *dtypes), group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
-            locals_, new = _reduce(gm, pos, unit.index, grads, [specs[f] for f in group_fqns],
-                                   group, *dtypes)
+            if not steps:  # one rank, nothing to reduce over: cast to the storage dtype
+                if all(g.meta["val"].dtype == dtypes[1] for g in grads):
+                    continue
+                before = max(grads, key=pos.__getitem__).next
+                locals_, new = splice(gm, lambda *gs: [g.to(dtypes[1]) for g in gs], grads,
+                                      before, _plain_tags(meta.RS_UNPACK, unit.index, meta.BWD),
+                                      key=("cast", dtypes[1], len(grads)))
+                for f, loc in zip(group_fqns, locals_):
+                    outs[grad_at[f]] = loc
+                continue
+            sums = (_add_accumulated(gm, pos, unit.index, grads, group_fqns)
+                    if ctx.accumulated else [])
+            locals_, new = _reduce(gm, pos, unit.index, sums or grads,
+                                   [specs[f] for f in group_fqns], steps, groups, *dtypes)
             for f, loc in zip(group_fqns, locals_):
                 outs[grad_at[f]] = loc
             roots.update((r, unit.index) for r in _freed_roots(new))
-            for g in grads:
+            for g in grads + sums:
                 base = alias_base(g)
                 if base.op != "placeholder" and meta.is_backward(base):
                     roots.setdefault(base, unit.index)
@@ -150,6 +174,28 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     ctx.collectives_inserted = True
     gm.recompile()
     return gm
+
+
+def _add_accumulated(gm, pos, unit, grads, fqns) -> list:
+    """Each full gradient plus a new backward input (``meta.ROLE_GRAD_ACC``) holding what
+    steps without gradient sync accumulated for that parameter, in the gradient's shape and
+    dtype; the sums, which the reduction reads instead."""
+    graph = gm.graph
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    out = []
+    for f, g in zip(fqns, grads):
+        v = g.meta["val"]
+        with graph.inserting_before(first):
+            acc = graph.placeholder("acc_" + f.replace(".", "_"))
+        acc.meta["val"] = fake_empty(v.fake_mode, v.shape, v.dtype, v.device)
+        meta.tags(acc).update({meta.ROLE: meta.ROLE_GRAD_ACC, meta.FQN: f,
+                               meta.REGION: meta.BWD})
+        before = g.next
+        (total,), _ = splice(gm, lambda a, b: [a + b], [g, acc], before,
+                             _plain_tags(meta.RS_PACK, unit, meta.BWD), key=("acc",))
+        pos[total] = pos[g] + 0.5
+        out.append(total)
+    return out
 
 
 def _freed_roots(new) -> list:
@@ -252,48 +298,87 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
     return n1 + n2 + n3, sent
 
 
-def _reduce(gm, pos, unit, grads, specs, group, reduce_dtype, storage_dtype):
-    """reduce-scatter (average) full gradients ``grads`` of the parameters ``specs`` describe,
-    in ``reduce_dtype``, right after the last of them; the local gradient shards come out in
-    ``storage_dtype``, an offloaded parameter's copied to the host (a blocking copy: the
-    optimizer step on the host reads it)."""
-    lays, N = [s.layout for s in specs], group_size(specs)
+def group_names(ctx) -> tuple:
+    """The process group name of each mesh dimension (``PassContext.group_name``: one name
+    for a 1-D mesh, or one per dimension)."""
+    g = ctx.group_name
+    return (g,) if isinstance(g, str) else tuple(g)
+
+
+def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dtype):
+    """Reduce (average) full gradients ``grads`` of the parameters ``specs`` describe over the
+    mesh, as ``steps`` (``ParamSpec.reduction``) says, in ``reduce_dtype``, right after the
+    last of them: a reduce-scatter over the dimension they are sharded over, then an
+    all-reduce over each they are replicated over; the local gradients (shards, or full
+    gradients where nothing is sharded) come out in ``storage_dtype``, an offloaded
+    parameter's copied to the host (a blocking copy: the optimizer step on the host reads
+    it)."""
+    lays = [s.layout for s in specs]
     hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
+    scatter = steps[0][0] == "rs"
 
     def issue(*gs):
         cols = []
         for g, lay in zip(gs, lays):
             g = g.to(reduce_dtype)
-            if not lay.sharded:
-                cols.append(g.reshape(1, 1).expand(N, 1))
+            if not scatter:
+                cols.append(g.reshape(-1))
                 continue
             if lay.padded_rows != lay.shape[0]:
                 pad = [0, 0] * len(lay.inner) + [0, lay.padded_rows - lay.shape[0]]
                 g = torch.nn.functional.pad(g, pad)
-            cols.append(g.reshape(N, -1))
-        flat = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).reshape(-1)
-        return _RS(flat, "avg", N, group)
+            cols.append(g.reshape(steps[0][2], -1))
+        flat = (torch.cat(cols, dim=int(scatter)) if len(cols) > 1 else cols[0]).reshape(-1)
+        return _collective(flat, steps[0], groups)
 
     def unpack(buf):
         off, outs = 0, []
         for lay in lays:
-            if lay.sharded:
-                outs.append(buf[off : off + lay.local_numel].view(lay.local_shape))
-                off += lay.local_numel
-            else:
-                outs.append(buf[off])
-                off += 1
+            shape = lay.local_shape if scatter else lay.shape
+            n = math.prod(shape)
+            outs.append(buf[off : off + n].view(shape))
+            off += n
         return [_TO_COPY(o, dtype=storage_dtype, device=HOST) if h else o.to(storage_dtype)
                 for o, h in zip(outs, hosted)]
 
-    key = ("rs", N, group, reduce_dtype, storage_dtype, tuple(hosted),
+    key = ("rs", steps, groups, reduce_dtype, storage_dtype, tuple(hosted),
            tuple(lay.shape for lay in lays))
-    tag = _comm_tags(unit, meta.BWD, {_RS: meta.RS_ISSUE}, meta.RS_PACK)
-    handle, n1 = splice(gm, issue, grads, before, tag, key=key + ("issue",))
-    waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(meta.RS_WAIT, unit, meta.BWD),
-                        key=("wait",))
+    kinds = {_RS: meta.RS_ISSUE, _AR: meta.AR_ISSUE}
+    new, waited = [], None
+    for k, step in enumerate(steps):
+        wait_kind = meta.RS_WAIT if step[0] == "rs" else meta.AR_WAIT
+        if k == 0:
+            tag = _comm_tags(unit, meta.BWD, kinds, meta.RS_PACK)
+            handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step), key=key + (0,))
+        else:
+            handle, n1 = splice(gm, lambda x, s=step: _collective(x, s, groups), [waited],
+                                before, _grouped(_comm_tags(unit, meta.BWD, kinds, None), step),
+                                key=key + (k,))
+        waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(wait_kind, unit, meta.BWD),
+                            key=("wait",))
+        new += n1 + n2
     locals_, n3 = splice(gm, unpack, [waited], before,
                          _comm_tags(unit, meta.BWD, {}, meta.RS_UNPACK, copy_kind=meta.D2H),
                          key=key + ("unpack",))
-    return locals_, n1 + n2 + n3
+    return locals_, new + n3
+
+
+def _collective(flat, step, groups):
+    """One reduction step (``ParamSpec.reduction``) over its mesh dimension's group."""
+    kind, dim, n = step
+    if kind == "rs":
+        return _RS(flat, "avg", n, groups[dim])
+    return _AR(flat, "avg", groups[dim])
+
+
+def _grouped(tag, step):
+    """``tag`` plus, on an all-reduce issue, its group size (``meta.GROUP``)."""
+
+    def out(n):
+        t = tag(n)
+        if t[meta.COMM] == meta.AR_ISSUE:
+            t[meta.GROUP] = step[2]
+        return t
+
+    return out

@@ -6,6 +6,7 @@ import torch.fx as fx
 
 from autoshard import meta
 from autoshard.cost import collective_time, node_time
+from autoshard.graph import alias_base
 
 
 def _issue_block(issue: fx.Node) -> list:
@@ -21,10 +22,12 @@ def _issue_block(issue: fx.Node) -> list:
 
 
 def _wait_block(wait: fx.Node) -> list:
-    """``wait`` and the frees and unpacks of its unit that follow it."""
+    """``wait`` and the frees, unpacks and further reduction steps (an all-reduce after a
+    reduce-scatter, and its wait) of its unit that follow it."""
     block, n = [wait], wait.next
     unit = meta.tag(wait, meta.UNIT)
-    while (meta.tag(n, meta.COMM) in (meta.FREE, meta.RS_UNPACK, meta.D2H)
+    while (meta.tag(n, meta.COMM) in (meta.FREE, meta.RS_UNPACK, meta.D2H, meta.AR_ISSUE,
+                                      meta.AR_WAIT)
            and meta.tag(n, meta.UNIT) == unit):
         block.append(n)
         n = n.next
@@ -116,8 +119,10 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                 for n in reversed(block):
                     where.append(n)
                 tail[anchor] = block[-1]
-    # reduce-scatter waits: defer each to just before the next reduce-scatter's packing
-    rs = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.RS_ISSUE]
+    # reduction waits: defer each to just before the next reduction's packing (a reduction's
+    # first step: its input is no collective's)
+    rs = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) in (meta.RS_ISSUE, meta.AR_ISSUE)
+          and not meta.is_collective_issue(alias_base(n.args[0]))]
     for k in range(len(rs) - 1):
         block = _wait_block(_wait_of(rs[k]))
         first_pack = _issue_block(rs[k + 1])[0]

@@ -12,7 +12,8 @@ from autoshard import _compat, meta
 @dataclasses.dataclass
 class SplitProgram:
     """Forward: (param shards, buffers, inputs) -> (outputs, mutated buffers, saved).
-    Backward: (saved, tangents) -> (gradient shards, input gradients)."""
+    Backward: (saved, tangents, accumulated gradients) -> (gradient shards, input
+    gradients)."""
 
     fwd: fx.GraphModule
     bwd: fx.GraphModule | None
@@ -20,6 +21,8 @@ class SplitProgram:
     bwd_roles: list  # role of each backward output
     saved: list  # names of the joint-graph nodes saved across
     n_tangents: int
+    # backward inputs after the tangents: the FQN of each accumulated gradient (grad_acc)
+    acc_fqns: list = dataclasses.field(default_factory=list)
 
 
 def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:
@@ -87,12 +90,13 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
     bwd = None
     tangents = [n for n in bwd_nodes if meta.is_tangent(n)]
+    accs = [n for n in bwd_nodes if meta.is_grad_acc(n)]
     if bwd_nodes:
         bwd_graph, benv = fx.Graph(), {}
         for n in saved:
             benv[n] = bwd_graph.placeholder(f"saved_{n.name}")
             benv[n].meta = n.meta
-        for n in tangents:
+        for n in tangents + accs:
             benv[n] = bwd_graph.placeholder(n.name)
             benv[n].meta = n.meta
         _copy_into(bwd_graph, [n for n in bwd_nodes if n.op != "placeholder"], benv)
@@ -105,5 +109,6 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         bwd_roles=[roles[i] for i in bwd_idx],
         saved=[n.name for n in saved],
         n_tangents=len(tangents),
+        acc_fqns=[meta.tag(n, meta.FQN) for n in accs],
     )
     return gm

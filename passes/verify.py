@@ -37,7 +37,11 @@ def verify(gm: fx.GraphModule, ctx) -> None:
          until its wait;
       3. no gathered parameter (or view of one) is read across forward -> backward unless
          its unit is kept (``Unit.keep``, from ``reshard_after_forward``);
-      4. each gradient is reduce-scattered exactly once, after its last accumulation;
+      4. each gradient is reduced exactly once, after its last accumulation, over every
+         mesh dimension as its ``ParamSpec.reduction`` says (reduce-scattered over the
+         dimension it is sharded over, all-reduced over each it is replicated over, in that
+         order), or, with ``ctx.grad_sync`` off, not at all (returned full and local);
+      1 holds for gathered parameters (``ParamSpec.gathers``); the others are read whole.
       5. with a prefetch bound, the gathered bytes in flight never exceed it.
     """
     graph = gm.graph
@@ -57,10 +61,11 @@ def verify(gm: fx.GraphModule, ctx) -> None:
         _check_split_recomputed(ctx.split)
     if not ctx.collectives_inserted:
         return
-    _check_gathers(gm)
+    specs = {p.fqn: p for p in ctx.captured.params}
+    _check_gathers(gm, specs)
     _check_frees(gm, pos)
     _check_crossing(gm, ctx)
-    _check_reductions(gm, pos)
+    _check_reductions(gm, pos, specs, ctx.grad_sync)
     if ctx.prefetch_cap is not None:
         _check_inflight(gm, ctx.prefetch_cap)
 
@@ -78,13 +83,13 @@ def _check_inflight(gm, cap: int):
                       f"exceed the prefetch bound of {cap}")
 
 
-def _check_gathers(gm):
+def _check_gathers(gm, specs):
     g = to_nx(gm.graph)
     waits = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_WAIT]
     g.remove_nodes_from(waits)
     pos = positions(gm.graph)
     for p in gm.graph.nodes:
-        if not meta.is_param(p) or not p.meta["val"].dim():
+        if not meta.is_param(p) or not specs[meta.tag(p, meta.FQN)].gathers:
             continue
         # in graph order: the first node that goes wrong is named, the same on every run
         for d in sorted(nx.descendants(g, p), key=pos.__getitem__):
@@ -129,7 +134,7 @@ def _check_crossing(gm, ctx):
                 )
 
 
-def _check_reductions(gm, pos):
+def _check_reductions(gm, pos, specs, sync: bool):
     out = meta.output_node(gm)
     for v, r in zip(out.args[0], meta.tags(out)[meta.OUTPUTS]):
         if r[meta.ROLE] != meta.OUT_GRAD:
@@ -137,12 +142,24 @@ def _check_reductions(gm, pos):
         base = alias_base(v)
         while meta.tag(base, meta.COMM) in (meta.RS_UNPACK, meta.D2H):  # cast, or copied out
             base = alias_base(base.args[0])
-        if meta.tag(base, meta.COMM) != meta.RS_ISSUE:
-            _fail(f"gradient of {r[meta.FQN]} is returned without a reduce-scatter")
+        done = []  # the reductions it went through, last first
+        while meta.is_collective_issue(base):
+            kind = "rs" if meta.tag(base, meta.COMM) == meta.RS_ISSUE else "ar"
+            done.append((kind, meta.group_size(base)))
+            base = alias_base(base.args[0])
+        want = [(k, n) for k, _, n in specs[r[meta.FQN]].reduction] if sync else []
+        if done[::-1] != want:
+            def say(steps):
+                return " then ".join(f"{'reduce-scatter' if k == 'rs' else 'all-reduce'} over "
+                                     f"{n}" for k, n in steps) or "reduction"
+
+            _fail(f"gradient of {r[meta.FQN]} is returned without a {say(want)} as its "
+                  f"ParamSpec says (it went through {say(done[::-1]) if done else 'none'})")
     for rs in gm.graph.nodes:
-        if meta.tag(rs, meta.COMM) != meta.RS_ISSUE:
-            continue
-        # the full gradients packed into this reduce-scatter: pack nodes' non-pack inputs
+        if (not meta.is_collective_issue(rs) or meta.tag(rs, meta.COMM) == meta.AG_ISSUE
+                or meta.is_collective_issue(alias_base(rs.args[0]))):
+            continue  # not a reduction's first step
+        # the full gradients packed into this reduction: pack nodes' non-pack inputs
         stack, fulls, seen = [rs], set(), set()
         while stack:
             n = stack.pop()
@@ -157,11 +174,11 @@ def _check_reductions(gm, pos):
         for full in fulls:
             packs = [u for u in full.users if meta.tag(u, meta.COMM) == meta.RS_PACK]
             if len({meta.tag(p, meta.UNIT) for p in packs}) != 1:
-                _fail(f"full gradient {full.name} is reduce-scattered more than once")
+                _fail(f"full gradient {full.name} is reduced more than once")
             for a in alias_closure(alias_base(full)):
                 for u in a.users:
                     if pos[u] > pos[rs] and writes_input(u) and not meta.is_free(u):
-                        _fail(f"{u.name} updates gradient {full.name} after its reduce-scatter")
+                        _fail(f"{u.name} updates gradient {full.name} after its reduction")
 
 
 def _check_recomputed(nodes: list, storage) -> None:

@@ -22,6 +22,7 @@ from autoshard.runtime.ops import free_op
 _OPS = {
     torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",
     torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+    torch.ops._c10d_functional.all_reduce.default: "all_reduce",
     torch.ops._c10d_functional.wait_tensor.default: "wait",
 }
 
@@ -95,7 +96,7 @@ class _CommLog(TorchDispatchMode):
             return out
         if kind != "wait":
             t = time.perf_counter()  # in flight once issued: issuing is this rank's own work
-        nbytes = tensor_bytes(out) if kind != "reduce_scatter" else tensor_bytes(args[0])
+        nbytes = tensor_bytes(out) if kind == "all_gather" else tensor_bytes(args[0])
         self.events.append((kind, nbytes))
         if kind == "wait":
             c = self.pending.pop(id(args[0]), None)

@@ -71,8 +71,12 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     assert len(rs) == 1
     full = rs[0].args[0].meta["val"].numel()
     trainable = sum(p.numel() for p in Odd().parameters() if p.requires_grad and p.dim())
-    assert full == 2 * (4 * 6 + 4 + 1 * 7 + 3 * 7 + 3) + 2  # padded rows per rank, scalar x2
-    assert full >= trainable
+    assert full == 2 * (4 * 6 + 4 + 1 * 7 + 3 * 7 + 3)  # padded rows per rank
+    assert full >= trainable - 1
+    # the scalar, replicated, is averaged by an all-reduce of its own
+    ar = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AR_ISSUE]
+    assert [a.args[0].meta["val"].numel() for a in ar] == [1]
+    assert meta.group_size(ar[0]) == 2
 
 
 def test_parameter_only_forward_nodes_are_recomputed_in_backward():
