@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,7 @@ from autoshard.spec import param_specs
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.passes.plan import RESHARD
 from autoshard.runtime import dist as _dist
+from autoshard.runtime import optim
 from autoshard.runtime.executor import Program
 from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
                                        stage_shards)
@@ -37,6 +39,11 @@ class _State:
     last: Optional[Program] = None
     agreement: Any = None  # runtime.dist.Agreement: ranks agree before each program runs
     exported: Any = None  # runtime.export.Loaded, for a module loaded from an export
+    grad_sync: bool = True  # set_requires_gradient_sync
+    # FQN -> full local gradient accumulated by steps without gradient sync
+    pending: dict = dataclasses.field(default_factory=dict)
+    # FQN -> (full replica in the compute dtype, the shard's version it was gathered from)
+    replicas: dict = dataclasses.field(default_factory=dict)
 
 
 class ShardedModule(torch.nn.Module):
@@ -63,7 +70,8 @@ class ShardedModule(torch.nn.Module):
         params = [mod._parameters[name] for mod, name in st.param_refs]
         buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        user, new_bufs = prog.run(params, buffers, tensors)
+        replicas = _refresh_replicas(st, prog, params)
+        user, new_bufs = prog.run(params, buffers, tensors, replicas, st.pending)
         if new_bufs:
             with torch.no_grad():
                 for i, new in zip(prog.mutated_slots, new_bufs):
@@ -96,8 +104,10 @@ class ShardedModule(torch.nn.Module):
                 parts.append(("const", type(x).__name__, repr(x)))
         _, spec = tree_flatten((args, kwargs))
         grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
+        # gradients: reduced, kept local, or reduced with what earlier steps kept
+        sync = ("sync" if not st.pending else "sync+accumulated") if st.grad_sync else "local"
         return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads,
-                _compat.autocast_state(st.device.type))
+                _compat.autocast_state(st.device.type), sync)
 
     def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
         st = self._autoshard
@@ -141,6 +151,18 @@ class ShardedModule(torch.nn.Module):
         from autoshard.runtime.export import export
 
         export(self, path, inference=inference)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """FSDP2's switch for gradient accumulation without communication. False: the
+        following backward passes reduce no gradient; each parameter's full gradient is
+        accumulated locally (every flavour holds one full gradient per parameter for it,
+        which the plan of those steps counts). True again: the next backward adds that
+        accumulation to its own gradients and reduces the sum, once, as the strategy does,
+        so the step equals one over the whole accumulated batch."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError("set_requires_gradient_sync takes True or False, got "
+                            f"{requires_gradient_sync!r}")
+        self._autoshard.grad_sync = requires_gradient_sync
 
     # --- inspection ------------------------------------------------------------------------
 
@@ -194,12 +216,18 @@ class ShardedModule(torch.nn.Module):
 
         localize_state_dict(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        optim.note_update(list(self.parameters()))
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None, from_shallow=False):
+                 aliases=None, progress=None, from_shallow=False, grad_sync=True,
+                 accumulated=False):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
+    ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
+    sharding). ``grad_sync`` False: gradients come out full and unreduced
+    (``ShardedModule.set_requires_gradient_sync``); ``accumulated``: the backward takes what
+    such steps accumulated and reduces it with its own gradients.
     ``from_shallow``: build a deep stack of identical blocks from a few traced ones
     (``autoshard.depth``) instead of tracing them all.
 
@@ -210,7 +238,10 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     """
     say = progress or (lambda msg: None)
     mp = config.mp_policy
-    specs = param_specs(model, mp, mesh_shape=(world_size,), offload=offloads(config))
+    mesh_shape = tuple(world_size) if isinstance(world_size, (tuple, list)) else (world_size,)
+    strategy = "zero3" if config.strategy == "auto" else config.strategy
+    specs = param_specs(model, mp, mesh_shape=mesh_shape, offload=offloads(config),
+                        strategy=strategy)
 
     def trace(specs):
         return capture(
@@ -231,29 +262,71 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         cap = trace(specs)
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
-    ctx, plan = plan_captured(cap, model, world_size=world_size, group_name=group_name,
-                              device=device, config=config, aliases=aliases, progress=progress)
+    ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
+                              config=config, aliases=aliases, progress=progress,
+                              grad_sync=grad_sync, accumulated=accumulated)
     return cap, ctx, plan
 
 
-def plan_captured(cap, model, *, world_size, group_name, device, config, aliases=None,
-                  progress=None):
+def plan_captured(cap, model, *, group_name, device, config, aliases=None, progress=None,
+                  grad_sync=True, accumulated=False):
     """The passes and the prediction for a captured step (``compile_step`` after capture;
-    also what a loaded export runs on its stored joint graph at another world size).
-    ``model`` gives the module structure and the buffers. Returns ``(ctx, plan)``."""
+    also what a loaded export runs on its stored joint graph at another world size), over
+    the mesh its ``ParamSpec``s name. ``model`` gives the module structure and the buffers.
+    With ``Config.strategy="auto"`` the step is planned as "zero1", "zero2" and "zero3" and
+    the fastest that fits is kept (``plan.candidates`` lists all three's). Returns
+    ``(ctx, plan)``."""
+    if config.strategy != "auto":
+        return _plan_one(cap, model, group_name=group_name, device=device, config=config,
+                         aliases=aliases, progress=progress, grad_sync=grad_sync,
+                         accumulated=accumulated, strategy=config.strategy)
+    tried = []
+    for strategy in ("zero1", "zero2", "zero3"):
+        specs = [dataclasses.replace(p, replica=strategy == "zero1" and p.sharded)
+                 for p in cap.params]
+        one = dataclasses.replace(cap, params=specs)
+        cfg = dataclasses.replace(config, strategy=strategy, reshard_after_forward=(
+            "search" if strategy == "zero3" else "auto"))
+        try:
+            ctx, plan = _plan_one(one, model, group_name=group_name, device=device, config=cfg,
+                                  aliases=aliases, progress=progress, grad_sync=grad_sync,
+                                  accumulated=accumulated, strategy=strategy)
+        except AutoshardError:
+            continue  # nothing of this strategy fits; the next shards more
+        tried.append((one, ctx, plan))
+    if not tried:  # none fits: zero3's error says what would
+        return _plan_one(cap, model, group_name=group_name, device=device,
+                         config=dataclasses.replace(config, strategy="zero3"), aliases=aliases,
+                         progress=progress, grad_sync=grad_sync, accumulated=accumulated,
+                         strategy="zero3")
+    fits = [t for t in tried if t[2].predicted["peak_bytes"] <= t[2].memory_budget] or tried
+    one, ctx, plan = min(fits, key=lambda t: t[2].predicted["step_s"])
+    plan.candidates = [dict(c, strategy=t[2].strategy, chosen=c["chosen"] and t[2] is plan)
+                       for t in tried for c in t[2].candidates]
+    cap.params, cap.gm = one.params, one.gm
+    return ctx, plan
+
+
+def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad_sync,
+              accumulated, strategy):
     say = progress or (lambda msg: None)
+    mesh_shape = cap.params[0].mesh_shape if cap.params else (1,)
+    world_size = math.prod(mesh_shape)
     profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
     budget = config.memory_budget or profile.memory
     inputs = sum(meta.val_bytes(n) for n in cap.gm.graph.nodes
                  if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    if not grad_sync or accumulated:  # one full local gradient per parameter, all step
+        buffers += sum(p.gathered_bytes() for p in cap.params if p.requires_grad)
     searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
     ctx = PassContext(
         captured=cap, group_name=group_name, model=model,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
-        reshard_after_forward=("auto" if config.reshard_after_forward == "search"
+        reshard_after_forward=(False if strategy == "zero2" else "auto"
+                               if config.reshard_after_forward == "search"
                                else config.reshard_after_forward), profile=profile,
-        memory_budget=budget,
+        memory_budget=budget, grad_sync=grad_sync, accumulated=accumulated,
     )
     say("planning units, recomputation and collectives; predicting time and memory")
     gm = run_passes(cap.gm, ctx, [(plan_step_pass, {
@@ -269,8 +342,13 @@ def plan_captured(cap, model, *, world_size, group_name, device, config, aliases
         host_state_bytes=state["host"],
         recompute=ctx.recompute, candidates=ctx.candidates, offload=ctx.offload,
         offload_params=ctx.offload_params,
-        reshard=RESHARD[ctx.reshard_after_forward],
+        reshard=(RESHARD[ctx.reshard_after_forward]
+                 if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
+        strategy=strategy,
+        mesh_shape=mesh_shape, grad_sync=grad_sync,
     )
+    if any(p.replica for p in ctx.captured.params):
+        _refresh_entries(plan, ctx, profile)
     if searched and pred.peak_bytes > budget:
         # the last candidates tried are the least memory a plan can take: one unit per
         # parameter, and (recompute "auto") every repeated block recomputed whole
@@ -288,12 +366,83 @@ def plan_captured(cap, model, *, world_size, group_name, device, config, aliases
     return ctx, plan
 
 
+def _refresh_replicas(st: _State, prog: Program, params: list) -> dict:
+    """Each replica (``ParamSpec.replica``) the program reads, gathered again from the shards
+    where the optimizer (or anything else) changed them since: per unit and compute dtype one
+    all-gather over the mesh's shard dimension, as the plan's "after step" entries say.
+    Returns FQN -> replica."""
+    specs = prog.captured.params
+    if not any(s.replica for s in specs):
+        return {}
+    at = {s.fqn: i for i, s in enumerate(specs)}
+    group = st.mesh.get_group(st.mesh.ndim - 1)
+    out = {}
+    for unit in prog.plan.units:
+        by_dtype = {}
+        for f in unit.fqns:
+            if specs[at[f]].replica:
+                by_dtype.setdefault(specs[at[f]].compute_dtype, []).append(at[f])
+        for dtype, idx in by_dtype.items():
+            stale = [i for i in idx if st.replicas.get(specs[i].fqn, (None, None))[1]
+                     != optim.updated(params[i])]
+            if stale:  # every rank's optimizer stepped alike: all gather, or none
+                _gather_replicas(st, prog, params, idx, dtype, group)
+            out.update((specs[i].fqn, st.replicas[specs[i].fqn][0]) for i in idx)
+    return out
+
+
+def _gather_replicas(st, prog, params, idx, dtype, group) -> None:
+    """One all-gather (the c10d functional op the graphs use) of these parameters' shards,
+    cast to ``dtype``, into their replicas."""
+    funcol = torch.ops._c10d_functional
+    specs = prog.captured.params
+    with torch.no_grad():
+        flat = torch.cat([prog.pad(i, params[i]._local_tensor).reshape(-1).to(dtype)
+                          for i in idx])
+        n = specs[idx[0]].shards
+        buf = torch.empty(n * flat.numel(), dtype=dtype, device=flat.device)
+        funcol.wait_tensor.default(funcol.all_gather_into_tensor_out.default(
+            flat, n, group.group_name, out=buf))
+        cols, off = buf.view(n, -1), 0
+        for i in idx:
+            lay = specs[i].layout
+            full = cols[:, off:off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
+            off += lay.local_numel
+            st.replicas[specs[i].fqn] = (full[:lay.shape[0]].clone(),
+                                         optim.updated(params[i]))
+
+
+def _refresh_entries(plan, ctx, profile) -> None:
+    """A plan whose parameters have replicas (ZeRO-1) also gathers, per unit and compute
+    dtype, the shards the optimizer updated into them before the next call: schedule entries
+    ("after step"), and their time (exposed: nothing runs beside it) and bytes in the
+    prediction."""
+    from autoshard.cost import collective_time
+    from autoshard.plans import ScheduleEntry
+
+    specs = {p.fqn: p for p in ctx.captured.params}
+    for unit in ctx.units:
+        by_dtype = {}
+        for f in unit.fqns:
+            if specs[f].replica:
+                by_dtype.setdefault(specs[f].compute_dtype, []).append(specs[f])
+        for group in by_dtype.values():
+            nbytes, n = sum(s.gathered_bytes() for s in group), group[0].shards
+            plan.schedule.append(ScheduleEntry("after step", unit.index, "all_gather", nbytes,
+                                               "(optimizer step)", ""))
+            t = collective_time(nbytes, n, profile)
+            for key in ("step_s", "exposed_comm_s"):
+                plan.predicted[key] += t
+            plan.predicted["comm_bytes"] += nbytes
+            plan.predicted["sent_bytes"] += nbytes * (n - 1) // n
+
+
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
-    world = st.mesh.size()
     cap, ctx, plan = compile_step(
-        model, st.orig_forward, args, kwargs, world_size=world,
+        model, st.orig_forward, args, kwargs, world_size=tuple(st.mesh.shape),
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
-        aliases=st.aliases,
+        aliases=st.aliases, grad_sync=st.grad_sync,
+        accumulated=bool(st.pending) and st.grad_sync,
     )
     return _program(st, cap, ctx, plan)
 
@@ -316,7 +465,7 @@ def _program(st: _State, cap, ctx, plan) -> Program:
     st.agreement(f"step {st.agreement.step}: compiled program",
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
                  exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
-    prog = Program(cap, ctx.split, plan, st.mesh.size(), st.mesh.get_local_rank(),
+    prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
                    st.device.type, agreement=st.agreement)
     st.last = prog
     return prog
@@ -359,8 +508,10 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
     """
     if isinstance(model, ShardedModule):
         raise ValueError("plan() takes the unsharded model; a ShardedModule has .plan")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    shape = world_size if isinstance(world_size, tuple) else (world_size,)
+    if len(shape) not in (1, 2) or not all(isinstance(n, int) and n >= 1 for n in shape):
+        raise ValueError(f"world_size must be a positive int, or (replicate, shard) for "
+                         f"hybrid sharding, got {world_size!r}")
     if make_inputs is not None:
         if batch is None or seq is None:
             raise ValueError("plan(make_inputs=...) needs batch= and seq= to start from")
@@ -438,8 +589,12 @@ def autoshard(
 ) -> ShardedModule:
     """Shard ``model``'s parameters over ``mesh`` and compile its training step.
 
-    mesh: a 1-D DeviceMesh; defaults to one over the default process group (initialised from
-        a torchrun environment if needed; world size 1 if there is none).
+    mesh: a 1-D DeviceMesh, or a 2-D one with dimensions ("replicate", "shard") for hybrid
+        sharding (HSDP: sharded within each group of the "shard" dimension, replicated across
+        the groups, gradients reduce-scattered within and all-reduced across); defaults to
+        a 1-D mesh over the default process group (initialised from a torchrun environment
+        if needed; world size 1 if there is none). A 1-D mesh over some of the ranks is
+        refused unless ``Config(partial_mesh=True)``.
     config: an ``autoshard.Config``.
     example_inputs: a tuple of positional inputs (or a dict of keyword inputs). With it, the
         step is captured and compiled now; without it, the first call captures.
@@ -475,11 +630,7 @@ def autoshard(
     if not isinstance(config, Config):
         raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
     mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"autoshard supports 1-D meshes for now; got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)}. Pass mesh[dim_name] for the sharding dimension."
-        )
+    _dist.check_mesh(mesh, config.partial_mesh)
     device = _dist.mesh_device(mesh)
     st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
                 agreement=_dist.Agreement(mesh, config.timeout))
@@ -496,7 +647,7 @@ def autoshard(
     # every new tensor is built before anything changes; then swapped in, undone on failure
     staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn,
                           offload=config.offload_policy if offloads(config) else None,
-                          offload_state=offloads(config))
+                          offload_state=offloads(config), strategy=config.strategy)
     cls = type(model)
     undo = staged.commit()
     try:

@@ -94,6 +94,25 @@ class Config:
         units. None (default): per candidate grouping the planner takes the least of 0, 1/4,
         1/2, 3/4 and 1 whose plan fits (by bisection, as peaks fall along them). Read only
         when the state is offloaded.
+    strategy: how parameters, gradients and optimizer state are spread over the mesh's
+        shard dimension (every flavour replicates across a 2-D mesh's "replicate" dimension,
+        as HSDP does, and keeps the same state-dict keys and global shapes, so a checkpoint
+        saved under one loads under another):
+        "zero3" (default): all three sharded; parameters gathered for each use (FSDP);
+        "zero2": all three sharded; each unit gathered once per step and kept until its
+            backward (FSDP's SHARD_GRAD_OP); ``reshard_after_forward`` must stay "auto";
+        "zero1": parameters kept whole on every rank from step to step (a replica in the
+            compute dtype), gradients reduce-scattered, optimizer state sharded; the shards
+            the optimizer updated are gathered into the replica before the next call;
+        "ddp": parameters, gradients and optimizer state replicated (DTensor Replicate()),
+            gradients all-reduced once per unit (bucket);
+        "auto": the planner predicts "zero1", "zero2" and "zero3" (whose units it may keep
+            gathered from forward to backward one by one, as ``reshard_after_forward=
+            "search"``) and runs the fastest that fits ``memory_budget`` (``plan.strategy``).
+    partial_mesh: the 1-D mesh covers only some of the ranks on purpose (for example one
+        pipeline stage); the ranks outside it train their own copy, and nothing keeps those
+        in step. False (default): such a mesh is refused, since replicas across meshes would
+        drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -122,6 +141,8 @@ class Config:
     offload_policy: object = None
     offload_state: Optional[float] = None
     offload_params: Optional[float] = None
+    strategy: str = "zero3"
+    partial_mesh: bool = False
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -129,7 +150,15 @@ class Config:
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
         _one_of("reshard_after_forward", self.reshard_after_forward,
                 (True, False, "auto", "search"))
-        for name in ("prefetch", "verify"):
+        from autoshard.spec import STRATEGIES
+
+        _one_of("strategy", self.strategy, STRATEGIES)
+        if self.strategy == "zero2" and self.reshard_after_forward != "auto":
+            raise ValueError(
+                f"Config(strategy='zero2') keeps every unit gathered from forward to backward; "
+                f"reshard_after_forward={self.reshard_after_forward!r} says otherwise. Leave "
+                "it at 'auto', or use strategy='zero3' to choose per unit")
+        for name in ("prefetch", "verify", "partial_mesh"):
             _flag(name, getattr(self, name))
         if isinstance(self.recompute, dict):
             _recompute_blocks(self.recompute)
@@ -163,6 +192,11 @@ class Config:
             raise ValueError("Config.offload_state says how much of the state to keep in host "
                              "memory; it needs offload_policy=torch.distributed.fsdp."
                              "CPUOffloadPolicy() to keep any there")
+        if offloads(self) and self.strategy in ("ddp", "zero1"):
+            raise ValueError(
+                f"Config(strategy={self.strategy!r}) keeps every parameter whole on the device; "
+                "offload_policy=CPUOffloadPolicy() moves sharded state to the host. Use "
+                "strategy='zero3' or 'zero2' with offload")
         if self.offload_params is not None and (
                 isinstance(self.offload_params, bool)
                 or not isinstance(self.offload_params, (int, float))

@@ -107,8 +107,44 @@ def _spawned(rank: int, world: int, fn, args, tmp: str) -> None:
     os._exit(0)  # skip the process group's C++ teardown at exit (it can abort)
 
 
-def group_name(mesh: DeviceMesh) -> str:
-    return mesh.get_group().group_name
+def group_name(mesh: DeviceMesh):
+    """The process group name of a 1-D mesh, or a tuple of one per dimension."""
+    if mesh.ndim == 1:
+        return mesh.get_group().group_name
+    return tuple(mesh.get_group(d).group_name for d in range(mesh.ndim))
+
+
+def shard_rank(mesh: DeviceMesh) -> int:
+    """This rank's coordinate on the mesh's last (shard) dimension: which rows it stores."""
+    return mesh.get_local_rank(mesh.ndim - 1)
+
+
+def check_mesh(mesh: DeviceMesh, partial_ok: bool) -> None:
+    """Refuse a mesh autoshard cannot shard over, saying what to pass instead: a 1-D mesh,
+    or a 2-D one named ("replicate", "shard") as FSDP2's HSDP; a 1-D mesh over fewer ranks
+    than the world unless ``partial_ok`` (``Config.partial_mesh``)."""
+    if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+        raise ValueError(
+            f"a 2-D mesh must name its dimensions ('replicate', 'shard') as FSDP2's hybrid "
+            f"sharding does (shard within a group, replicate across groups); got "
+            f"{mesh.mesh_dim_names} for shape {tuple(mesh.shape)}. Build it with "
+            "init_device_mesh(device, (groups, ranks_per_group), mesh_dim_names=("
+            "'replicate', 'shard'))")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"autoshard takes a 1-D mesh (sharding) or a 2-D ('replicate', 'shard') mesh "
+            f"(hybrid sharding); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
+            f"{mesh.mesh_dim_names or ''}. For tensor or pipeline parallelism pass only the "
+            "data-parallel dimensions")
+    world = dist.get_world_size() if dist.is_initialized() else mesh.size()
+    if mesh.ndim == 1 and mesh.size() < world and not partial_ok:
+        raise ValueError(
+            f"the 1-D mesh covers {mesh.size()} of the {world} ranks: the ranks outside it "
+            "would train their own copy, and nothing would keep the copies equal. To "
+            "replicate across groups pass the 2-D mesh init_device_mesh(device, "
+            f"({world // mesh.size()}, {mesh.size()}), mesh_dim_names=('replicate', 'shard')) "
+            "(hybrid sharding); if separate copies are intended (e.g. pipeline stages), "
+            "pass Config(partial_mesh=True)")
 
 
 _NOTE_BYTES = 2048  # on a mismatch, each rank's description (UTF-8, truncated)
@@ -129,18 +165,18 @@ class Agreement:
 
     def __init__(self, mesh: DeviceMesh, timeout_s: float):
         self.mesh, self.world, self.timeout_s = mesh, mesh.size(), timeout_s
-        self.rank = mesh.get_local_rank()
+        self.ranks = mesh.mesh.flatten().tolist()  # every rank of the mesh, in mesh order
+        self.rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.step = 0  # forward calls so far on this rank
         self._group = None
 
     @property
     def group(self):
         if self._group is None:
-            if self.mesh.device_type == "cpu":
+            if self.mesh.device_type == "cpu" and self.mesh.ndim == 1:
                 self._group = self.mesh.get_group()
             else:
-                ranks = dist.get_process_group_ranks(self.mesh.get_group())
-                self._group = dist.new_group(ranks, backend="gloo",
+                self._group = dist.new_group(self.ranks, backend="gloo",
                                              timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._group
 

@@ -30,9 +30,11 @@ class Program:
         self.mutated_slots = [slot[f] for f in self.mutated]
         self.fqns = [p.fqn for p in captured.params]
         self.layouts = [p.layout for p in captured.params]
+        # a layout over one rank (a replicated parameter) is all of it, on every rank
+        at = [rank if lay.world_size > 1 else 0 for lay in self.layouts]
         self.local_rows = [
-            (lay.local_range(rank)[1] - lay.local_range(rank)[0]) if lay.sharded else None
-            for lay in self.layouts
+            (lay.local_range(r)[1] - lay.local_range(r)[0]) if lay.sharded else None
+            for lay, r in zip(self.layouts, at)
         ]
         slot = {f: i for i, f in enumerate(self.fqns)}
         self.grad_slots = [
@@ -57,17 +59,26 @@ class Program:
         extra = local.new_zeros((lay.rows - local.shape[0], *lay.inner))
         return torch.cat([local, extra])
 
-    def run(self, params: list, buffers: list, inputs: list):
-        """Run the step on ``params`` (DTensor parameters, in capture order). Gradient shards
-        are accumulated into ``param.grad`` by the backward, as AccumulateGrad would."""
-        locals_ = [p._local_tensor for p in params]
+    def feed(self, params: list, replicas: dict) -> list:
+        """What each parameter placeholder reads: the padded local shard, or the parameter's
+        replica (``ParamSpec.replica``, from ``replicas``)."""
+        return [replicas[s.fqn] if s.replica else self.pad(i, p._local_tensor)
+                for i, (s, p) in enumerate(zip(self.captured.params, params))]
+
+    def run(self, params: list, buffers: list, inputs: list, replicas=None, pending=None):
+        """Run the step on ``params`` (DTensor parameters, in capture order; ``replicas``:
+        FQN -> full replica, for those that have one). Gradient shards are accumulated into
+        ``param.grad`` by the backward, as AccumulateGrad would. ``pending``: FQN -> the
+        full local gradients of steps run without gradient sync; a step without sync adds to
+        it, a synchronised step reduces it with its own (``split.acc_fqns``) and empties
+        it."""
+        fed = self.feed(params, replicas or {})
         if self.bwd is not None and torch.is_grad_enabled():
-            outs = _Step.apply(self, params, len(buffers), self.anchor(), *locals_, *buffers,
-                               *inputs)
+            outs = _Step.apply(self, params, pending, len(buffers), self.anchor(), *fed,
+                               *buffers, *inputs)
         else:
             with torch.no_grad(), self.no_autocast():
-                padded = [self.pad(i, t) for i, t in enumerate(locals_)]
-                outs = self.call(self.fwd, *padded, *buffers, *inputs)
+                outs = self.call(self.fwd, *fed, *buffers, *inputs)
         user = list(outs[: self.n_user])
         return user, list(outs[self.n_user : self.n_user + len(self.mutated)])
 
@@ -103,7 +114,8 @@ class Program:
         unit = meta.tag(node, meta.UNIT)
         names = {u.index: u.name for u in self.plan.units}
         kind = {meta.AG_ISSUE: "all-gather", meta.AG_WAIT: "wait for the all-gather",
-                meta.RS_ISSUE: "reduce-scatter", meta.RS_WAIT: "wait for the reduce-scatter"}
+                meta.RS_ISSUE: "reduce-scatter", meta.RS_WAIT: "wait for the reduce-scatter",
+                meta.AR_ISSUE: "all-reduce", meta.AR_WAIT: "wait for the all-reduce"}
         op = kind.get(meta.tag(node, meta.COMM), meta.tag(node, meta.COMM))
         region = "forward" if meta.is_forward(node) else "backward"
         step = self.agreement.step if self.agreement is not None else "?"
@@ -160,16 +172,15 @@ def _accumulate(param, grad_local: torch.Tensor) -> None:
 
 class _Step(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, program: Program, params: list, n_buffers: int, anchor, *flat):
+    def forward(ctx, program: Program, params: list, pending, n_buffers: int, anchor, *flat):
         n_p = len(program.fqns)
-        padded = [program.pad(i, t) for i, t in enumerate(flat[:n_p])]
         with program.no_autocast():
-            res = program.call(program.fwd, *padded, *flat[n_p:])
+            res = program.call(program.fwd, *flat)
         n_out = program.n_user + len(program.mutated)
         ctx.save_for_backward(*res[n_out:])
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, as in eager
         ctx.diff_like = [(res[i].shape, res[i].dtype, res[i].device) for i in program.diff]
-        ctx.program, ctx.params = program, params
+        ctx.program, ctx.params, ctx.pending = program, params, pending
         ctx.step = program.agreement.step if program.agreement is not None else 0
         ctx.n_inputs = len(flat) - n_p - n_buffers
         ctx.n_flat = len(flat)
@@ -185,7 +196,10 @@ class _Step(torch.autograd.Function):
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
                     for i, (shape, dtype, device) in zip(program.diff, ctx.diff_like)]
-        args = [*ctx.saved_tensors, *tangents]
+        pending = ctx.pending
+        accs = [pending.pop(f) for f in program.split.acc_fqns]
+        args = [*ctx.saved_tensors, *tangents, *accs]
+        del accs
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
         if program.agreement is not None:
             program.agreement(f"step {ctx.step}: backward")
@@ -195,9 +209,16 @@ class _Step(torch.autograd.Function):
         for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
             if not deps & given:
                 continue  # it reads only outputs that got no gradient: None, as in eager
-            if kind == "param":
+            if kind == "param" and not program.plan.grad_sync:  # full, local: kept
+                f = program.fqns[i]
+                if f in pending:
+                    pending[f].add_(g)
+                else:
+                    pending[f] = g.clone()
+            elif kind == "param":
                 rows = program.local_rows[i]
                 _accumulate(ctx.params[i], g if rows is None or rows == g.shape[0] else g[:rows])
             else:
                 input_grads[i] = g
-        return (None, None, None, None, *([None] * (ctx.n_flat - ctx.n_inputs)), *input_grads)
+        return (None, None, None, None, None, *([None] * (ctx.n_flat - ctx.n_inputs)),
+                *input_grads)

@@ -337,6 +337,12 @@ def export(model, path, *, inference: bool = True) -> None:
 
     st = model._autoshard
     path = os.fspath(path)
+    if st.mesh.ndim != 1 or st.config.strategy not in ("zero3", "zero2"):
+        raise ValueError(
+            f"export holds programs of the 'zero3' and 'zero2' strategies on a 1-D mesh; this "
+            f"model runs strategy {st.config.strategy!r} on a {st.mesh.ndim}-D mesh. Shard a "
+            "copy with autoshard(model, mesh=<1-D mesh>, config=Config(strategy='zero3')) "
+            "(load_state_dict moves the values) and export that")
     if not st.programs and st.exported is None:
         raise AutoshardError(
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
@@ -628,8 +634,8 @@ def _load_program(folder: str, model, st, same: bool):
                         device="host" if p["fqn"] in host else "device")
                   for p in cdoc["params"]]
         cap = _captured(cdoc, params, joint)
-        ctx, plan = plan_captured(cap, model, world_size=st.mesh.size(), group_name=group,
-                                  device=st.device, config=st.config, aliases=st.aliases)
+        ctx, plan = plan_captured(cap, model, group_name=group, device=st.device,
+                                  config=st.config, aliases=st.aliases)
         prog = _program(st, cap, ctx, plan)
     prog.described = (doc["call"], doc["training"], doc["grad"])
     return prog

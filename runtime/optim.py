@@ -11,10 +11,14 @@ autoshard's CPU parameters, and the post-hook puts the group back as the user le
 (``foreach=None``: ``state_dict()`` and ``param_groups`` never show the change). A group the
 user configured (``foreach`` or ``fused`` set, ``differentiable``, a tensor learning rate) is
 left alone, as is every other optimizer class.
+
+The post-hook also notes, for every optimizer, that its autoshard parameters changed
+(``note_update``), so that a ZeRO-1 replica is gathered again before the next step reads it.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -29,6 +33,8 @@ BITWISE_FOREACH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.o
                    torch.optim.Adagrad, torch.optim.Adamax, torch.optim.Adadelta)
 
 _MARK = "_autoshard_sharded"
+_UPDATED = "_autoshard_updated"  # the last update's number (see ``updated``)
+_updates = itertools.count(1)
 _switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
 _hooks = []
 
@@ -61,3 +67,20 @@ def _pre(optimizer, args, kwargs) -> None:
 def _post(optimizer, args, kwargs) -> None:
     for i in _switched.pop(optimizer, ()):
         optimizer.param_groups[i]["foreach"] = None
+    note_update([p for g in optimizer.param_groups for p in g["params"]
+                 if getattr(p, _MARK, False)])
+
+
+def note_update(params) -> None:
+    """Note that ``params`` changed in place (an optimizer step, a state-dict load): what is
+    derived from their values (a ZeRO-1 replica) is gathered again before it is read. The
+    in-place updates of an optimizer step do not advance a DTensor's version counter, so
+    this is how they are seen."""
+    n = next(_updates)
+    for p in params:
+        setattr(p, _UPDATED, n)
+
+
+def updated(param) -> int:
+    """The number of ``param``'s last noted update (0: none since it was made)."""
+    return getattr(param, _UPDATED, 0)

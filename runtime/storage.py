@@ -696,8 +696,8 @@ class StagedShards:
 
 
 def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
-                 param_init_fn=None, offload=None, offload_state: float = 1.0
-                 ) -> StagedShards:
+                 param_init_fn=None, offload=None, offload_state: float = 1.0,
+                 strategy: str = "zero3") -> StagedShards:
     """Build this rank's DTensor parameters (its rows of each) and the buffers on ``device``,
     without changing ``model``; ``commit()`` swaps them in.
 
@@ -714,11 +714,17 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     same seed, the shards are bitwise the rows of the model built on ``device``. A meta
     tensor nothing initialises raises ``ValueError`` naming it.
 
+    Rows are split over the mesh's last dimension and replicated over the others (a 2-D
+    ("replicate", "shard") mesh, HSDP); ``strategy="ddp"``: every parameter is replicated
+    whole (``autoshard.spec.placements_for``).
+
     ``offload`` (a CPUOffloadPolicy): the shards of ``offload_state`` of the parameters
     (``autoshard.spec.hosted``: the last first, never scalars) are kept in host memory, pinned
     when the device is a GPU and the policy asks for it.
     """
-    rank, world = mesh.get_local_rank(), mesh.size()
+    rank, world = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    if strategy == "ddp":  # every rank stores all of every parameter
+        rank, world = 0, 1
     slots = _slots(model)
     host = hosted([(s.fqn, s.tensor.shape) for s in slots.values() if s.is_param],
                   offload_state if offload is not None else 0.0)
@@ -764,7 +770,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
             local_t = local_t.to("cpu")
             if device.type == "cuda" and offload.pin_memory:
                 local_t = local_t.pin_memory()
-        dt = DTensor.from_local(local_t, mesh, placements_for(t.shape, mesh.ndim),
+        dt = DTensor.from_local(local_t, mesh, placements_for(t.shape, mesh.ndim, strategy),
                                 run_check=False, shape=t.shape,
                                 stride=_contiguous_stride(t.shape))
         new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)

@@ -4,7 +4,7 @@ import datetime
 
 import pytest
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from autoshard import Config
 
@@ -42,6 +42,12 @@ BAD = [
                                          "CPUOffloadPolicy()"),
     ({"offload_params": 1.5}, ValueError, "Config.offload_params must be a fraction from 0 to 1"),
     ({"offload_params": True}, ValueError, "Config.offload_params must be a fraction from 0 to"),
+    ({"strategy": "fsdp"}, ValueError, "Config.strategy='fsdp' is not accepted; use one of 'ddp'"),
+    ({"strategy": "zero2", "reshard_after_forward": True}, ValueError,
+     "Config(strategy='zero2') keeps every unit gathered"),
+    ({"strategy": "ddp", "offload_policy": CPUOffloadPolicy()}, ValueError,
+     "Config(strategy='ddp') keeps every parameter whole on the device"),
+    ({"partial_mesh": 1}, TypeError, "Config.partial_mesh must be True or False"),
 ]
 
 

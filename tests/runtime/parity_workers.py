@@ -20,20 +20,22 @@ def batches(name, step):
     return CASES[name][1](gen, BATCH)
 
 
-def reference(name, world):
+def reference(name, world, steps=STEPS, accumulate=1):
     """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
-    averaged over ranks (what data-parallel training computes), then AdamW."""
+    averaged over ranks (what data-parallel training computes), then AdamW; ``accumulate``:
+    each rank's batch in that many micro-batches, their losses averaged."""
     model = build(name)
     loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batches(name, step)
         total = 0.0
         for xr, yr in zip(x.chunk(world), y.chunk(world)):
-            loss = loss_fn(call(name, model, xr), yr)
-            (loss / world).backward()
-            total += loss.item() / world
+            for xm, ym in zip(xr.chunk(accumulate), yr.chunk(accumulate)):
+                loss = loss_fn(call(name, model, xm), ym) / (world * accumulate)
+                loss.backward()
+                total += loss.item()
         losses.append(total)
         opt.step()
         opt.zero_grad()
@@ -158,14 +160,15 @@ def _blocks(model):
     return list(inner.layers) if inner is not None and hasattr(inner, "layers") else []
 
 
-def fsdp2_worker(rank, world, name, mp=False):
-    """The same training under FSDP2: fully_shard per block, then the root."""
+def fsdp2_worker(rank, world, name, mp=False, mesh=None):
+    """The same training under FSDP2: fully_shard per block, then the root (on ``mesh``:
+    a 2-D one is FSDP2's HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
     model = build(name)
     for blk in _blocks(model):
-        fully_shard(blk, mp_policy=mp_policy(root=False)) if mp else fully_shard(blk)
-    fully_shard(model, mp_policy=mp_policy()) if mp else fully_shard(model)
+        fully_shard(blk, mesh=mesh, **({"mp_policy": mp_policy(root=False)} if mp else {}))
+    fully_shard(model, mesh=mesh, **({"mp_policy": mp_policy()} if mp else {}))
     loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []

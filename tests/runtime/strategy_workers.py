@@ -1,0 +1,113 @@
+"""What each rank runs in the strategy tests: every Config.strategy, hybrid sharding on a
+2-D mesh (against FSDP2's HSDP too), and gradient accumulation without sync."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoshard import Config, autoshard
+from models import CASES, build, call
+from parity_workers import LR, STEPS, batches, fsdp2_worker
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "auto")
+NAMES = ("gpt", "odd", "hf_llama")
+ACCUMULATE = 2  # micro-batches per optimizer step in the accumulation runs
+
+
+def _train(model, name, rank, world, steps=STEPS, accumulate=1, shard_rank=None):
+    """``accumulate`` micro-batches per step, all but the last without gradient sync.
+    ``shard_rank``: the rank's data index (its flat rank)."""
+    loss_fn = CASES[name][3]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, plans = [], []
+    for step in range(steps):
+        x, y = batches(name, step)
+        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+        total = 0.0
+        for j, (xm, ym) in enumerate(zip(xr.chunk(accumulate), yr.chunk(accumulate))):
+            if accumulate > 1:
+                model.set_requires_gradient_sync(j == accumulate - 1)
+            loss = loss_fn(call(name, model, xm), ym) / accumulate
+            loss.backward()
+            total += loss.item()
+            if step == 0 and hasattr(model, "plan"):
+                plans.append(model.plan)
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([total])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses, plans
+
+
+def _result(sharded, losses, rank, plans=()):
+    full = sharded.full_state_dict()
+    plan = sharded.plan
+    return {
+        "losses": losses,
+        "params": {k: v.clone() for k, v in full.items()} if rank == 0 else None,
+        "strategy": plan.strategy,
+        "sent": plan.predicted["sent_bytes"],
+        "ops": sorted({e.op for e in plan.schedule} - {"wait", "free"}),
+        "gathered_in": sorted({e.region for e in plan.schedule if e.op == "all_gather"}),
+        "placements": sorted({str(p.placements) for p in sharded.parameters()}),
+        "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
+        "sync": [p.grad_sync for p in plans],
+        "state_keys": sorted(sharded.state_dict()),
+    }
+
+
+def strategy_worker(rank, world, names=NAMES):
+    """Every strategy on a 1-D mesh over all ranks, and the accumulation runs."""
+    out = {}
+    for name in names:
+        for strategy in STRATEGIES:
+            sharded = autoshard(build(name), config=Config(policy="module", strategy=strategy,
+                                                           verify=True))
+            losses, _ = _train(sharded, name, rank, world)
+            out[(name, strategy)] = _result(sharded, losses, rank)
+    for strategy in ("ddp", "zero1", "zero3"):
+        sharded = autoshard(build("gpt"), config=Config(policy="module", strategy=strategy,
+                                                        verify=True))
+        losses, plans = _train(sharded, "gpt", rank, world, steps=3, accumulate=ACCUMULATE)
+        out[("accumulate", strategy)] = _result(sharded, losses, rank, plans)
+    return out
+
+
+def hsdp_worker(rank, world, names=("gpt", "hf_llama")):
+    """Hybrid sharding on a 2 x 2 ("replicate", "shard") mesh, each model with zero3 and
+    zero2, and the GPT under FSDP2's HSDP on the same mesh."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name in names:
+        for strategy in ("zero3", "zero2"):
+            sharded = autoshard(build(name), mesh=mesh,
+                                config=Config(policy="module", strategy=strategy, verify=True))
+            losses, _ = _train(sharded, name, rank, world)
+            out[(name, strategy)] = _result(sharded, losses, rank)
+    sharded = autoshard(build("gpt"), mesh=mesh,
+                        config=Config(policy="module", strategy="zero3", verify=True))
+    losses, plans = _train(sharded, "gpt", rank, world, steps=3, accumulate=ACCUMULATE)
+    out[("accumulate", "hsdp")] = _result(sharded, losses, rank, plans)
+    out["fsdp2"] = fsdp2_worker(rank, world, "gpt", mesh=mesh)
+    return out
+
+
+def submesh_worker(rank, world, _=None):
+    """A 1-D mesh over half the ranks is refused, and accepted with partial_mesh."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    msgs = []
+    try:
+        autoshard(build("mlp"), mesh=mesh["shard"])
+    except ValueError as e:
+        msgs.append(str(e))
+    sharded = autoshard(build("mlp"), mesh=mesh["shard"], config=Config(partial_mesh=True))
+    msgs.append(type(sharded).__name__)
+    bad = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
+    try:
+        autoshard(build("mlp"), mesh=bad)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
