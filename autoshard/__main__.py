@@ -47,13 +47,18 @@ def _plan(args) -> int:
                     device_profile=args.device_profile, mp_policy=_mp_policy(args),
                     recompute=RECOMPUTE[args.recompute],
                     offload_policy=CPUOffloadPolicy() if args.offload or args.offload_state
-                    else None, offload_state=args.offload_state)
+                    else None, offload_state=args.offload_state, strategy=args.strategy)
+    world = (args.world_size if args.replicate == 1
+             else (args.replicate, args.world_size // args.replicate))
+    if args.world_size % args.replicate:
+        raise SystemExit(f"--replicate {args.replicate} must divide --world-size "
+                         f"{args.world_size}")
     if args.symbolic:
-        plan = autoshard.plan(model, world_size=args.world_size, config=config,
+        plan = autoshard.plan(model, world_size=world, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
                               progress=progress)
     else:
-        plan = autoshard.plan(model, make(args.batch, args.seq), world_size=args.world_size,
+        plan = autoshard.plan(model, make(args.batch, args.seq), world_size=world,
                               config=config, progress=progress)
     progress("done")
     if args.summary_only:
@@ -72,6 +77,7 @@ def _plan(args) -> int:
 
 DTYPES = ("float32", "bfloat16", "float16")
 RECOMPUTE = {"auto": "auto", "min-cut": True, "blocks": "blocks", "none": False}
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "auto")  # autoshard.spec.STRATEGIES
 
 
 def _mp_policy(args):
@@ -177,6 +183,10 @@ def main(argv=None) -> int:
     pl.add_argument("--offload-state", type=float, default=None, metavar="FRACTION",
                     help="with --offload (implied), keep only this fraction of that state in "
                     "host memory, the last parameters' (Config.offload_state)")
+    pl.add_argument("--strategy", choices=list(STRATEGIES), default="zero3",
+                    help="Config.strategy: ddp, zero1, zero2, zero3 or auto")
+    pl.add_argument("--replicate", type=int, default=1, metavar="R",
+                    help="hybrid sharding: R replica groups of world-size / R ranks")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
     pl.add_argument("--json", help="write the plan as JSON here")
     pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")

@@ -239,6 +239,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say = progress or (lambda msg: None)
     mp = config.mp_policy
     mesh_shape = tuple(world_size) if isinstance(world_size, (tuple, list)) else (world_size,)
+    if isinstance(group_name, str) and len(mesh_shape) > 1:  # planning only: a name per dim
+        group_name = tuple(f"{group_name}:{d}" for d in range(len(mesh_shape)))
     strategy = "zero3" if config.strategy == "auto" else config.strategy
     specs = param_specs(model, mp, mesh_shape=mesh_shape, offload=offloads(config),
                         strategy=strategy)
@@ -317,8 +319,11 @@ def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad
     inputs = sum(meta.val_bytes(n) for n in cap.gm.graph.nodes
                  if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    if not grad_sync or accumulated:  # one full local gradient per parameter, all step
-        buffers += sum(p.gathered_bytes() for p in cap.params if p.requires_grad)
+    # without sync (and the step that reduces what it kept), one full local gradient per
+    # parameter, held all step
+    local_grads = (sum(p.gathered_bytes() for p in cap.params if p.requires_grad)
+                   if not grad_sync or accumulated else 0)
+    buffers += local_grads
     searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
     ctx = PassContext(
         captured=cap, group_name=group_name, model=model,
@@ -347,6 +352,7 @@ def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad
         strategy=strategy,
         mesh_shape=mesh_shape, grad_sync=grad_sync,
     )
+    plan.predicted["local_grad_bytes"] = local_grads
     if any(p.replica for p in ctx.captured.params):
         _refresh_entries(plan, ctx, profile)
     if searched and pred.peak_bytes > budget:

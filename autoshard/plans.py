@@ -158,6 +158,8 @@ class Plan:
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
             ("resharded after forward", self.reshard or "-"),
+            *([("gradients accumulated locally (no sync)",
+                _fmt_bytes(p["local_grad_bytes"]))] if p.get("local_grad_bytes") else []),
             ("predicted step time", f"{p['step_s'] * 1e3:.3f} ms"),
             ("  compute", f"{p['compute_s'] * 1e3:.3f} ms"),
             ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),

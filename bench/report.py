@@ -17,7 +17,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from bench import compare
+from bench import compare, strategies
 
 
 def _machine() -> str:
@@ -50,6 +50,23 @@ def _compile_cost(depth: int) -> float:
             "print(time.perf_counter() - t)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
+
+
+STRATEGIES_INTRO = (
+    "Bytes each rank sends in one step and stores after the backward (parameters, gradients, "
+    "optimizer state, ZeRO-1's replicas), for every `Config.strategy` and hybrid sharding "
+    "on a 2 x 2 mesh, gpt-small at world size 4, against the textbook formulas (see "
+    "bench/strategies.py and docs/strategies.md). `-reshard`: every unit resharded after "
+    "the forward; by default the unit gathered last is kept and not gathered twice.")
+
+
+def strategies_section() -> list:
+    args = strategies.argparse.Namespace(model="gpt-small", world_size=4, steps=3, batch=4,
+                                         seq=64, systems=",".join(strategies.SYSTEMS),
+                                         port=29533)
+    rows = strategies.run(args)
+    return ["## Strategies: bytes against the textbook", "", STRATEGIES_INTRO, "",
+            f"P = {rows[0]['P']} parameter bytes.", "", strategies.table(rows), ""]
 
 
 def main(argv=None) -> None:
@@ -113,6 +130,7 @@ def main(argv=None) -> None:
     lines += [tabulate(table, headers=["variant", "step ms", "x FSDP2", "peak MiB", "x FSDP2",
                                        "collectives", "bytes/rank/step",
                                        "comm ms in flight / hidden"], tablefmt="github"), ""]
+    lines += strategies_section()
     lines += ["## Compile cost", "",
               "Capture + passes + prediction of a GPT (dim 64) for world size 2, module "
               "policy, in a fresh process.", ""]

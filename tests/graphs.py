@@ -10,12 +10,16 @@ from autoshard.passes import PassContext
 from autoshard.runtime.storage import fqn_aliases
 
 
-def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad=True):
-    specs = param_specs(model, mesh_shape=(world_size,))
+def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad=True,
+             strategy="zero3"):
+    """``world_size``: ranks, or a (replicate, shard) mesh shape."""
+    shape = world_size if isinstance(world_size, tuple) else (world_size,)
+    specs = param_specs(model, mesh_shape=shape, strategy=strategy)
     with torch.set_grad_enabled(with_grad):
         cap = capture(model, type(model).forward, specs, dict(model.named_buffers()), inputs, {},
                       device=torch.device("cpu"), with_grad=with_grad)
-    ctx = PassContext(captured=cap, group_name="test", model=model,
+    group = "test" if len(shape) == 1 else ("test_replicate", "test_shard")
+    ctx = PassContext(captured=cap, group_name=group, model=model,
                       fqn_aliases=fqn_aliases(model),
                       reshard_after_forward=reshard_after_forward)
     return cap.gm, ctx

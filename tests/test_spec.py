@@ -31,17 +31,35 @@ def test_mixed_precision_sizes_each_movement_in_its_own_dtype():
     assert sum(state[k] for k in ("params", "grads", "optimizer")) == 16 * (48 + 6) // 2
 
 
-def test_a_scalar_is_replicated_and_averaged_over_the_shard_dimension():
+def test_a_scalar_is_replicated_and_all_reduced():
     spec = ParamSpec("scale", (), torch.float32, True, mesh_shape=(4,))
-    assert spec.placements == (Replicate(),) and not spec.sharded
+    assert spec.placements == (Replicate(),) and not spec.sharded and not spec.gathers
     assert spec.shard_bytes == spec.gathered_bytes() == 4
-    assert spec.group_size == 4 and spec.reduced_bytes == 16
+    assert spec.reduction == (("ar", 0, 4),) and spec.reduced_bytes == 4
 
 
 def test_hybrid_placements_shard_over_the_last_mesh_dimension_only():
     spec = ParamSpec("w", (8, 2), torch.float32, True, mesh_shape=(2, 4))
     assert spec.placements == (Replicate(), Shard(0)) and spec.shards == 4
     assert spec.shard_bytes == 2 * 2 * 4
+    # reduce-scattered within the shard group, then averaged across the replicas
+    assert spec.reduction == (("rs", 1, 4), ("ar", 0, 2))
+
+
+def test_strategies_place_and_reduce_as_their_flavour_says():
+    model = torch.nn.Linear(6, 4)
+    by = {s: {p.fqn: p for p in param_specs(model, mesh_shape=(4,), strategy=s)}
+          for s in ("ddp", "zero1", "zero3")}
+    ddp, zero1, zero3 = (by[s]["weight"] for s in ("ddp", "zero1", "zero3"))
+    assert ddp.placements == (Replicate(),) and not ddp.gathers
+    assert ddp.shard_bytes == 6 * 4 * 4 and ddp.reduction == (("ar", 0, 4),)
+    assert zero1.replica and not zero1.gathers and zero1.reduction == (("rs", 0, 4),)
+    assert zero1.replica_bytes == 6 * 4 * 4 and zero3.gathers and not zero3.replica
+    state = {s: model_state_bytes(list(by[s].values()), 2) for s in by}
+    # DDP stores it all; ZeRO-1 the whole parameters plus sharded gradients and state
+    assert state["ddp"]["params"] == 4 * state["zero3"]["params"]
+    assert state["zero1"]["params"] == state["zero3"]["params"] + state["ddp"]["params"]
+    assert state["zero1"]["optimizer"] == state["zero3"]["optimizer"]
 
 
 def test_host_state_is_not_counted_on_the_device():

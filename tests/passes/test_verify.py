@@ -71,6 +71,60 @@ def test_gradient_returned_without_reduce_scatter_is_caught():
         verify(gm, ctx)
 
 
+def _reductions(gm):
+    """Per gradient output, the collectives it went through, first first."""
+    from autoshard.graph import alias_base
+
+    out, got = meta.output_node(gm), {}
+    for v, r in zip(out.args[0], meta.output_roles(gm)):
+        if r[meta.ROLE] != meta.OUT_GRAD:
+            continue
+        base, steps = alias_base(v), []
+        while meta.tag(base, meta.COMM) in (meta.RS_UNPACK, meta.D2H):
+            base = alias_base(base.args[0])
+        while meta.is_collective_issue(base):
+            steps.insert(0, (meta.tag(base, meta.COMM), meta.group_size(base)))
+            base = alias_base(base.args[0])
+        got[r[meta.FQN]] = steps
+    return got
+
+
+def test_hybrid_gradients_are_reduce_scattered_then_all_reduced():
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=(2, 2))
+    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
+    verify(gm, ctx)
+    assert set(map(tuple, _reductions(gm).values())) == {
+        ((meta.RS_ISSUE, 2), (meta.AR_ISSUE, 2))}
+    # drop the all-reduce: the unpack reads the reduce-scatter's wait instead
+    ar = _first(gm, meta.AR_ISSUE)
+    rs_wait = ar.args[0]
+    ar_wait = next(u for u in ar.users if meta.is_wait(u))
+    ar_wait.replace_all_uses_with(rs_wait)
+    from autoshard.graph import alias_base
+
+    root = alias_base(rs_wait)  # its storage, now read by the unpack: freed no more
+    for f in [n for n in gm.graph.nodes if meta.is_free(n)]:
+        f.args = ([t for t in f.args[0] if alias_base(t) is not root],)
+    with pytest.raises(VerificationError, match="without a reduce-scatter over 2 then "
+                                                "all-reduce over 2"):
+        verify(gm, ctx)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_ddp_gradients_are_all_reduced_once_or_kept_local(sync):
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=4, strategy="ddp")
+    ctx.grad_sync = sync
+    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
+    verify(gm, ctx)
+    assert not any(meta.tag(n, meta.COMM) == meta.AG_ISSUE for n in gm.graph.nodes)  # as stored
+    want = [(meta.AR_ISSUE, 4)] if sync else []
+    assert all(steps == want for steps in _reductions(gm).values())
+    if sync:  # a step without sync must reduce nothing
+        ctx.grad_sync = False
+        with pytest.raises(VerificationError, match="without a reduction"):
+            verify(gm, ctx)
+
+
 def test_runner_rejects_a_reorder_only_pass_that_adds_nodes():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
 

@@ -55,6 +55,10 @@ def _result(sharded, losses, rank, plans=()):
         "placements": sorted({str(p.placements) for p in sharded.parameters()}),
         "local_numel": sum(p.to_local().numel() for p in sharded.parameters()),
         "sync": [p.grad_sync for p in plans],
+        "local_grads": [p.predicted["local_grad_bytes"] for p in plans],
+        # global bytes of the trainable parameters (DTensor numel is the full size)
+        "param_bytes": sum(p.numel() * p.element_size() for p in sharded.parameters()
+                           if p.requires_grad),
         "state_keys": sorted(sharded.state_dict()),
     }
 

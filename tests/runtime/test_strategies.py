@@ -74,6 +74,8 @@ def test_accumulation_without_sync_matches_eager(flavours, strategy):
     torch.set_num_threads(1)
     got = results[0][("accumulate", strategy)]
     assert got["sync"] == [False, True]  # the first micro-batch kept its gradients local
+    # the plans count the full local gradients those steps hold
+    assert got["local_grads"] == [got["param_bytes"]] * 2
     ref_losses, ref_state = reference("gpt", world, 3, ACCUMULATE)
     _close(got, ref_losses, ref_state, f"accumulation {strategy}")
 
