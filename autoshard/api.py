@@ -105,7 +105,8 @@ class ShardedModule(torch.nn.Module):
         _, spec = tree_flatten((args, kwargs))
         grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
         # gradients: reduced, kept local, or reduced with what earlier steps kept
-        sync = ("sync" if not st.pending else "sync+accumulated") if st.grad_sync else "local"
+        sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
+                 else "local") if torch.is_grad_enabled() else "-")
         return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads,
                 _compat.autocast_state(st.device.type), sync)
 

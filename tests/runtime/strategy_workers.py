@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -107,8 +110,13 @@ def submesh_worker(rank, world, _=None):
         autoshard(build("mlp"), mesh=mesh["shard"])
     except ValueError as e:
         msgs.append(str(e))
-    sharded = autoshard(build("mlp"), mesh=mesh["shard"], config=Config(partial_mesh=True))
+    sharded = autoshard(build("mlp"), mesh=mesh["shard"],
+                        config=Config(partial_mesh=True, strategy="ddp"))
     msgs.append(type(sharded).__name__)
+    try:  # export holds zero3 and zero2 programs only; refused before writing
+        sharded.export(os.path.join(tempfile.gettempdir(), f"never-written-{os.getpid()}"))
+    except ValueError as e:
+        msgs.append(str(e))
     bad = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
     try:
         autoshard(build("mlp"), mesh=bad)
