@@ -42,7 +42,7 @@ class _State:
     grad_sync: bool = True  # set_requires_gradient_sync
     # FQN -> full local gradient accumulated by steps without gradient sync
     pending: dict = dataclasses.field(default_factory=dict)
-    # FQN -> (full replica in the compute dtype, the shard's version it was gathered from)
+    # FQN -> (full replica in the compute dtype, the update number it was gathered at)
     replicas: dict = dataclasses.field(default_factory=dict)
 
 
