@@ -68,18 +68,49 @@ def _result(sharded, losses, rank, plans=()):
 
 def strategy_worker(rank, world, names=NAMES):
     """Every strategy on a 1-D mesh over all ranks, and the accumulation runs."""
-    out = {}
+    out, trained = {}, {}
     for name in names:
         for strategy in STRATEGIES:
             sharded = autoshard(build(name), config=Config(policy="module", strategy=strategy,
                                                            verify=True))
             losses, _ = _train(sharded, name, rank, world)
             out[(name, strategy)] = _result(sharded, losses, rank)
+            trained[(name, strategy)] = sharded
+    out["moved"] = _checkpoints_move(rank, world, trained)
     for strategy in ("ddp", "zero1", "zero3"):
         sharded = autoshard(build("gpt"), config=Config(policy="module", strategy=strategy,
                                                         verify=True))
         losses, plans = _train(sharded, "gpt", rank, world, steps=3, accumulate=ACCUMULATE)
         out[("accumulate", strategy)] = _result(sharded, losses, rank, plans)
+    return out
+
+
+def _checkpoints_move(rank, world, trained):
+    """A DCP checkpoint of the GPT saved under one strategy, loaded under another: the
+    largest difference of any parameter and of the next call's logits. The ZeRO-1 model has
+    run once before the load, so its replicas must be gathered again."""
+    import shutil
+
+    from autoshard.runtime import checkpoint
+
+    base = os.path.join(tempfile.gettempdir(), f"autoshard-strategies-{os.getppid()}")
+    xr = batches("gpt", 0)[0].chunk(world)[rank]
+    out = {}
+    for src, dst in (("ddp", "zero3"), ("ddp", "zero1"), ("zero3", "ddp")):
+        saved = trained[("gpt", src)]
+        checkpoint.save(f"{base}-{src}", saved)
+        model = autoshard(build("gpt"), config=Config(policy="module", strategy=dst))
+        with torch.no_grad():
+            call("gpt", model, xr)
+            checkpoint.load(f"{base}-{src}", model)
+            dlogits = (call("gpt", model, xr) - call("gpt", saved, xr)).abs().max().item()
+        theirs, mine = saved.full_state_dict(), model.full_state_dict()
+        out[(src, dst)] = (max((theirs[k] - mine[k]).abs().max().item() for k in theirs),
+                           dlogits)
+    dist.barrier()
+    if rank == 0:
+        for src in ("ddp", "zero3"):
+            shutil.rmtree(f"{base}-{src}", ignore_errors=True)
     return out
 
 
