@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from autoshard.spec import STRATEGIES
+
 
 def _factory(spec: str):
     if ":" not in spec:
@@ -77,7 +79,6 @@ def _plan(args) -> int:
 
 DTYPES = ("float32", "bfloat16", "float16")
 RECOMPUTE = {"auto": "auto", "min-cut": True, "blocks": "blocks", "none": False}
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "auto")  # autoshard.spec.STRATEGIES
 
 
 def _mp_policy(args):
