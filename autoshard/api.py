@@ -473,7 +473,8 @@ def _program(st: _State, cap, ctx, plan) -> Program:
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
                  exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
     prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
-                   st.device.type, agreement=st.agreement)
+                   st.device.type, agreement=st.agreement,
+                   compiled=st.config.compile)
     st.last = prog
     return prog
 

@@ -113,6 +113,11 @@ class Config:
         pipeline stage); the ranks outside it train their own copy, and nothing keeps those
         in step. False (default): such a mesh is refused, since replicas across meshes would
         drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
+    compile: run the forward and backward graphs through inductor (torch.compile's compiler;
+        C++ kernels on CPU, Triton on CUDA), each compiled on its first call, with the
+        collectives inside the compiled code in the plan's order (checked on the generated
+        code; see ``autoshard.runtime.compiled``). The plan is the same; the first call of
+        each input signature takes longer. Default False: the graphs run as fx code.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -143,6 +148,7 @@ class Config:
     offload_params: Optional[float] = None
     strategy: str = "zero3"
     partial_mesh: bool = False
+    compile: bool = False
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -158,7 +164,7 @@ class Config:
                 f"Config(strategy='zero2') keeps every unit gathered from forward to backward; "
                 f"reshard_after_forward={self.reshard_after_forward!r} says otherwise. Leave "
                 "it at 'auto', or use strategy='zero3' to choose per unit")
-        for name in ("prefetch", "verify", "partial_mesh"):
+        for name in ("prefetch", "verify", "partial_mesh", "compile"):
             _flag(name, getattr(self, name))
         if isinstance(self.recompute, dict):
             _recompute_blocks(self.recompute)

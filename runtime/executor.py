@@ -15,13 +15,21 @@ class Program:
     """One compiled training step for one input signature."""
 
     def __init__(self, captured, split, plan, world_size: int, rank: int,
-                 device_type: str = "cpu", agreement=None):
+                 device_type: str = "cpu", agreement=None, compiled: bool = False):
         self.captured = captured
         self.split = split
         self.plan = plan
-        self.fwd = split.fwd
-        # the backward takes its inputs boxed: saved activations die at their last use
-        self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
+        self.compiled = compiled
+        if compiled:  # Config.compile: inductor's code, built on the first call
+            from autoshard.runtime.compiled import CompiledGraph
+
+            self.fwd = CompiledGraph(split.fwd, "forward", boxed=False)
+            self.bwd = (CompiledGraph(split.bwd, "backward", boxed=True)
+                        if split.bwd is not None else None)
+        else:
+            self.fwd = split.fwd
+            # the backward takes its inputs boxed: saved activations die at their last use
+            self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
         self._bwd_retained = None
         roles = split.fwd_roles
         self.n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in roles)
@@ -85,8 +93,9 @@ class Program:
     def backward_graph(self):
         """The backward to run now. Under ``backward(retain_graph=True)`` the saved tensors
         must outlive this call, so it runs a copy that frees none of them (a kept unit's
-        gathered parameters, which the backward otherwise frees after their last use)."""
-        if not _compat.backward_keeps_graph():
+        gathered parameters, which the backward otherwise frees after their last use). A
+        compiled backward frees nothing itself: it drops its references, and autograd's stay."""
+        if self.compiled or not _compat.backward_keeps_graph():
             return self.bwd
         if self._bwd_retained is None:
             gm = clone_graph(self.bwd)

@@ -624,7 +624,8 @@ def _load_program(folder: str, model, st, same: bool):
             n_tangents=s["n_tangents"])
         plan = Plan.from_json(json.dumps(doc["plan"]))
         prog = Program(cap, split, plan, st.mesh.size(), st.mesh.get_local_rank(),
-                       st.device.type, agreement=st.agreement)
+                       st.device.type, agreement=st.agreement,
+                       compiled=st.config.compile)
     else:
         from autoshard.config import offloads
 

@@ -1,0 +1,163 @@
+"""``Config(compile=True)``: the forward and backward graphs through inductor, torch.compile's
+compiler, with the collectives inside the compiled code and in the plan's order.
+
+The graphs are already whole-step ATen graphs, so no Dynamo trace is needed: each goes to
+``torch._inductor.compile_fx.compile_fx`` (AOT decomposition and functionalisation, then
+inductor's kernels; C++ on CPU, Triton on CUDA) on its first call, with that call's tensors
+as example inputs. Before that, two rewrites make the graph functional, as inductor wants it:
+
+- each ``all_gather_into_tensor_out`` into a preallocated buffer becomes the functional
+  ``all_gather_into_tensor`` (inductor allocates the buffer itself);
+- the ``autoshard::free`` nodes go: inductor releases every buffer after its last use, where
+  the plan frees it, and the backward takes its inputs boxed, so saved activations and kept
+  units still die at their last use.
+
+Inductor may move an op towards its first user (``reorder_for_locality``) or reorder for its
+own memory estimate (``reorder_for_peak_memory``); either would undo the planned prefetch (an
+all-gather moved down onto its wait). Both are off while autoshard's graphs compile, and
+``check_order`` reads the generated code's order of issues and waits back and compares it with
+the graph's: a compiled step whose collectives do not come in the planned order is an error,
+never a silent slowdown.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from autoshard import meta
+from autoshard.errors import AutoshardError
+from autoshard.graph import clone_graph
+
+_FUNCOL = torch.ops._c10d_functional
+_AG_OUT = _FUNCOL.all_gather_into_tensor_out.default
+_AG = _FUNCOL.all_gather_into_tensor.default
+
+# the inductor settings every compiled graph of autoshard's is built under
+INDUCTOR_CONFIG = {"reorder_for_locality": False, "reorder_for_peak_memory": False,
+                   "reorder_for_compute_comm_overlap": False}
+
+
+def functional(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` as inductor takes it: functional all-gathers, no free nodes, positional
+    arguments (not boxed)."""
+    g = clone_graph(gm)
+    g.graph.set_codegen(fx.graph.CodeGen())
+    for n in list(g.graph.nodes):
+        if meta.is_free(n):
+            g.graph.erase_node(n)
+        elif n.target is _AG_OUT:
+            buf = n.kwargs["out"]
+            n.target, n.kwargs = _AG, {}
+            if not buf.users:
+                g.graph.erase_node(buf)
+    g.graph.lint()
+    g.recompile()
+    return g
+
+
+def planned_order(gm: fx.GraphModule) -> list:
+    """The names of ``gm``'s collective issues and waits, in the graph's order."""
+    return [n.name for n in gm.graph.nodes
+            if meta.tag(n, meta.COMM) in _ISSUES_AND_WAITS]
+
+
+_ISSUES_AND_WAITS = (meta.AG_ISSUE, meta.AG_WAIT, meta.RS_ISSUE, meta.RS_WAIT, meta.AR_ISSUE,
+                     meta.AR_WAIT)
+_COLLECTIVE_CALL = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_SOURCE = re.compile(r"#\s*Topologically Sorted Source Nodes:\s*\[([^\]]*)\]")
+
+
+def compiled_order(source: str, names: set) -> list:
+    """The collective nodes of the graph (``names``) in the order the generated code calls
+    them: each call of a ``_c10d_functional`` op is preceded by inductor's comment naming the
+    source nodes it was lowered from."""
+    out, sources = [], []
+    for line in source.splitlines():
+        m = _SOURCE.search(line)
+        if m:
+            sources = [s.strip() for s in m.group(1).split(",")]
+            continue
+        if _COLLECTIVE_CALL.search(line):
+            hits = [s for s in sources if s in names and s not in out]
+            out.extend(hits)
+    return out
+
+
+def check_order(planned: list, source: str, what: str) -> None:
+    got = compiled_order(source, set(planned))
+    if got != planned:
+        first = next((i for i, (a, b) in enumerate(zip(planned, got)) if a != b),
+                     min(len(planned), len(got)))
+        raise AutoshardError(
+            f"the compiled {what} graph calls its collectives in another order than the plan "
+            f"(first difference at position {first}: planned {planned[first:first + 3]}, "
+            f"compiled {got[first:first + 3]}); the prefetch schedule would be lost. Run "
+            "with Config(compile=False), and report the model.")
+
+
+class CompiledGraph:
+    """One of a program's graphs, compiled by inductor on its first call. ``boxed``: it is
+    called with one list of inputs, which it empties (the backward's convention)."""
+
+    def __init__(self, gm: fx.GraphModule, what: str, boxed: bool):
+        self.gm, self.what, self.boxed = gm, what, boxed
+        self.fn = None
+        self.source = None
+        self.order = None  # the collectives' order, as checked against the plan's
+
+    def __call__(self, *args):
+        if self.boxed:
+            (args,) = args
+        if self.fn is None:
+            self.fn = self._compile(list(args))
+        if self.boxed:
+            return self.fn(args)
+        return self.fn(list(args))
+
+    def _compile(self, example: list):
+        from unittest import mock
+
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.graph import GraphLowering
+
+        g = functional(self.gm)
+        sources = []
+        with inductor_config.patch(INDUCTOR_CONFIG), torch.no_grad(), \
+                mock.patch.object(GraphLowering, "save_output_code", sources.append):
+            fn = compile_fx(g, example)
+        self.source = "\n".join(sources)
+        planned = planned_order(self.gm)
+        if planned:
+            check_order(planned, self.source, self.what)
+        self.order = planned
+        boxed = _boxed_entry(fn) if not any(True for _ in g.parameters()) else None
+        if boxed is not None:
+            return boxed
+
+        def run(args: list):
+            return fn(*args)
+
+        return run
+
+
+def _boxed_entry(fn):
+    """AOTAutograd's runtime function under ``compile_fx``'s result: it takes one list and
+    drops each input after its last use (the outer function unpacks the call's arguments and
+    prepends the module's parameters, here none, and so keeps every input alive to the end).
+    None if this torch wraps it otherwise."""
+    import inspect
+
+    f = getattr(fn, "__wrapped__", None)
+    while f is not None:
+        try:
+            params = list(inspect.signature(f, follow_wrapped=False).parameters.values())
+        except (TypeError, ValueError):
+            return None
+        if len(params) == 1 and params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            return f
+        f = getattr(f, "__wrapped__", None)
+    return None
