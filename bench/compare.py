@@ -20,6 +20,8 @@ Reported per system, on rank 0:
   all-gather or reduce-scatter of a buffer of S bytes sends S (N-1)/N per rank, an all-reduce
   2 S (N-1)/N;
 - the ZeRO-3 bound 3 P (N-1)/N for P parameter bytes;
+- the first step's time (not in the median): for autoshard it includes capture, the passes,
+  planning and, with ``compile``, inductor's compilation of both graphs;
 - for autoshard, one more step recorded (``model.record``): the time its collectives were in
   flight, and how much of it this rank computed through (hidden) rather than waited (the
   rest); ``--trace PATH`` writes that timeline as a Chrome trace.
@@ -42,28 +44,79 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoshard.models import GPT, gpt_loss, tiny_hf
 
 VOCAB = 256
+CLASSES = 10
+
+
+def _t5():
+    import transformers as T
+
+    return T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=3, num_decoder_layers=3,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1))
+
+
+def _vit():
+    import transformers as T
+
+    return T.ViTForImageClassification(T.ViTConfig(
+        image_size=32, patch_size=4, num_channels=3, hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=256, num_labels=CLASSES,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+# name -> the model, built from seed 0; the inputs each takes are in ``batch_for``
 MODELS = {
     "gpt-small": lambda: GPT(vocab=VOCAB, dim=64, heads=4, layers=2, seq=64),
     "gpt-deep": lambda: GPT(vocab=VOCAB, dim=64, heads=4, layers=8, seq=64),
     "hf-llama": lambda: tiny_hf("llama", VOCAB, layers=4, hidden=128),
     "hf-gpt2": lambda: tiny_hf("gpt2", VOCAB, layers=4, hidden=128),
+    # a wider Llama, whose parameters outweigh its activations at this batch (2.5M)
+    "hf-llama-wide": lambda: tiny_hf("llama", VOCAB, layers=4, hidden=256),
+    "hf-mixtral": lambda: tiny_hf("mixtral", VOCAB, layers=4, hidden=128),  # MoE, 4 experts
+    "hf-t5": _t5,  # encoder-decoder
+    "hf-vit": _vit,  # vision transformer, 32 x 32 images in 4 x 4 patches
 }
 
 
+def batch_for(name, batch, seq, gen):
+    """One step's (inputs, targets) for model ``name``: token sequences (a decoder-only LM,
+    or T5 reading and writing the same sequence) or images with class labels. ``inputs``
+    is a tensor (the positional input) or a dict (keyword inputs)."""
+    if name == "hf-vit":
+        return ({"pixel_values": torch.randn(batch, 3, 32, 32, generator=gen)},
+                torch.randint(0, CLASSES, (batch,), generator=gen))
+    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    if name == "hf-t5":
+        return {"input_ids": x, "decoder_input_ids": x}, y
+    return ({"input_ids": x} if name.startswith("hf") else x), y
+
+
+BLOCK_LISTS = ("blocks", "model.layers", "transformer.h", "encoder.block", "decoder.block",
+               "vit.layers", "vit.encoder.layer")
+
+
 def _blocks(model):
-    for name in ("blocks", "model.layers", "transformer.h"):
+    """The repeated blocks FSDP2 wraps one by one (every list of them the model has)."""
+    found = []
+    for name in BLOCK_LISTS:
         mod = model
         try:
             for part in name.split("."):
                 mod = getattr(mod, part)
-            return list(mod)
         except AttributeError:
             continue
-    raise ValueError("no block list found")
+        found += list(mod)
+    if not found:
+        raise ValueError("no block list found")
+    return found
 
 
 def _loss(out, y):
     logits = out.logits if hasattr(out, "logits") else out
+    if logits.dim() == 2:  # a classifier
+        return torch.nn.functional.cross_entropy(logits, y)
     return gpt_loss(logits, y)
 
 
@@ -79,6 +132,10 @@ class _Count:
             self.bytes += nbytes * (2 if allreduce else 1) * (self.world - 1) // self.world
 
 
+_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor_out.default,
+            torch.ops._c10d_functional.all_gather_into_tensor.default)
+
+
 class _FunctionalCount(TorchDispatchMode):
     def __init__(self, count):
         super().__init__()
@@ -86,7 +143,7 @@ class _FunctionalCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops._c10d_functional.all_gather_into_tensor_out.default:
+        if func in _GATHERS:  # into a planned buffer, or (compiled graphs) a new one
             self.count.add(out.numel() * out.element_size())
         elif func is torch.ops._c10d_functional.reduce_scatter_tensor.default:
             self.count.add(args[0].numel() * args[0].element_size())
@@ -144,22 +201,30 @@ def _build(system, name, config):
     return model, opt, count, ctx
 
 
-def _step(model, opt, x, y, hf):
-    out = model(input_ids=x) if hf else model(x)
-    _loss(out, y).backward()
+def _forward(model, x):
+    return model(**x) if isinstance(x, dict) else model(x)
+
+
+def _tensors(x) -> list:
+    return list(x.values()) if isinstance(x, dict) else [x]
+
+
+def _step(model, opt, x, y):
+    _loss(_forward(model, x), y).backward()
     opt.step()
     opt.zero_grad()
 
 
-def _peak(model, opt, x, y, hf):
+def _peak(model, opt, x, y):
     from autoshard.runtime.record import state_bytes
 
-    base = state_bytes(model, opt) + sum(t.numel() * t.element_size() for t in (x, y))
-    if x.is_cuda:
+    base = state_bytes(model, opt) + sum(t.numel() * t.element_size()
+                                         for t in (*_tensors(x), y))
+    if y.is_cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        _step(model, opt, x, y, hf)
+        _step(model, opt, x, y)
         torch.cuda.synchronize()
         return base + torch.cuda.max_memory_allocated() - start
     from torch.profiler import ProfilerActivity, profile
@@ -167,7 +232,7 @@ def _peak(model, opt, x, y, hf):
     from autoshard._compat import allocation_events
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(model, opt, x, y, hf)
+        _step(model, opt, x, y)
     live = peak = 0
     for _, d in allocation_events(prof):
         live += d
@@ -183,49 +248,50 @@ def _rank(rank, world, args, store, out_path):
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=world)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    hf = args.model.startswith("hf")
     systems = {}
     for spec in args.systems.split(","):
         system, variant = system_of(spec), spec.partition(":")[2]
         config = dict(VARIANTS[variant]) if variant else {}
         systems[spec] = _build(system, args.model, config)
     gen = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=gen).to(device)
-            for _ in range(4)]
+    data = [_to(batch_for(args.model, args.batch, args.seq, gen), device) for _ in range(4)]
     times = {k: [] for k in systems}
+    first = {}  # each system's first step: capture, planning (and compiling) for autoshard
     order = list(systems)
     for rep in range(args.reps):
         for name in order[rep % len(order):] + order[: rep % len(order)]:
             model, opt, count, ctx = systems[name]
             for i in range(args.steps):
-                seq = data[i % len(data)]
-                x, y = seq[:, :-1], seq[:, 1:]
+                x, y = data[i % len(data)]
                 dist.barrier()
                 t0 = time.perf_counter()
-                _step(model, opt, x, y, hf)
+                _step(model, opt, x, y)
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 if rep or i:
                     times[name].append(dt)
+                else:
+                    first[name] = dt
     rows = {}
     for name, (model, opt, count, ctx) in systems.items():
-        seq = data[0]
+        x, y = data[0]
         # counted and measured in steps of their own, so no counter slows a timed step
         count.on = True
         with ctx():
-            _step(model, opt, seq[:, :-1], seq[:, 1:], hf)
+            _step(model, opt, x, y)
         count.on = False
         overlap = {}
         if system_of(name) == "autoshard":  # the recorded timeline of one step
-            with model.record(opt, seq) as rec:
-                _step(model, opt, seq[:, :-1], seq[:, 1:], hf)
+            with model.record(opt, *_tensors(x), y) as rec:
+                _step(model, opt, x, y)
             overlap = rec.overlap()
             if args.trace and rank == 0 and name == args.systems.split(",")[0]:
                 rec.to_chrome_trace(args.trace)
-        peak = _peak(model, opt, seq[:, :-1], seq[:, 1:], hf)
+        peak = _peak(model, opt, x, y)
         params = sum(p.numel() * p.element_size() for p in MODELS[args.model]().parameters())
         rows[name] = {"ms": statistics.median(times[name]) * 1e3, "peak": peak,
+                      "first_s": first[name],
                       "bytes": count.bytes, "calls": count.calls, "param_bytes": params,
                       "overlap": overlap}
     gathered = [None] * world
@@ -236,6 +302,12 @@ def _rank(rank, world, args, store, out_path):
     # results are saved: skip the C++ teardown of gloo's and the profiler's threads, which
     # can abort at exit
     os._exit(0)
+
+
+def _to(batch, device):
+    x, y = batch
+    x = {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+    return x, y.to(device)
 
 
 def system_of(spec: str) -> str:
@@ -256,6 +328,7 @@ VARIANTS = {
     "reshard": {"reshard_after_forward": True},
     "norecompute": {"recompute": False},
     "whole": {"policy": "whole-model"},
+    "compiled": {"compile": True},
 }
 
 
