@@ -48,6 +48,7 @@ BAD = [
     ({"strategy": "ddp", "offload_policy": CPUOffloadPolicy()}, ValueError,
      "Config(strategy='ddp') keeps every parameter whole on the device"),
     ({"partial_mesh": 1}, TypeError, "Config.partial_mesh must be True or False"),
+    ({"compile": "inductor"}, TypeError, "Config.compile must be True or False"),
 ]
 
 
