@@ -73,3 +73,29 @@ def test_compiled_steps_on_a_gpu_match_uncompiled():
     losses = run_ranks(1, cuda_worker, "gpt", torchrun_env=True)[0]
     assert max(abs(a - b) for a, b in zip(losses[False], losses[True])) <= TOL
     assert torch.cuda.is_available()
+
+
+def test_a_faked_world_runs_a_step_for_its_memory():
+    """torch's fake process group (a large world's buffers in one process, as bench/gpu.py
+    uses it): no agreement among ranks that are not there, and every buffer has its size at
+    that world: each parameter's shard is 1/8 of it, and the step runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from autoshard import autoshard\n"
+        "from autoshard.models import GPT, gpt_loss\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
+        "m = autoshard(GPT(vocab=96, dim=32, heads=4, layers=2, seq=16))\n"
+        "x = torch.randint(0, 96, (2, 16))\n"
+        "gpt_loss(m(x), x).backward()\n"
+        "w = m.blocks[0].fc.weight\n"
+        "print(w.shape[0], w.to_local().shape[0], m.plan.predicted['peak_bytes'] > 0)\n")
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["128", "16", "True"]
