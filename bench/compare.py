@@ -240,14 +240,35 @@ def _peak(model, opt, x, y):
     return base + peak
 
 
-def _rank(rank, world, args, store, out_path):
+def init_rank(rank, world, store, timeout=None) -> torch.device:
+    """Join the ranks' process group (NCCL with one GPU per rank, else gloo; one thread per
+    rank); returns this rank's device. ``timeout``: seconds a collective may wait."""
+    import datetime
+
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
+    extra = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}",
-                            rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+                            rank=rank, world_size=world, **extra)
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def spawn(fn, args) -> object:
+    """Run ``fn(rank, world, args, store, out_path)`` on ``args.world_size`` spawned ranks;
+    returns what rank 0 saved at ``out_path``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(fn, args=(args.world_size, args, os.path.join(tmp, "store"), out),
+                 nprocs=args.world_size, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def _rank(rank, world, args, store, out_path):
+    device = init_rank(rank, world, store)
+    cuda = device.type == "cuda"
     systems = {}
     for spec in args.systems.split(","):
         system, variant = system_of(spec), spec.partition(":")[2]
@@ -333,12 +354,7 @@ VARIANTS = {
 
 
 def run(args) -> list:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_rank, args=(args.world_size, args, os.path.join(tmp, "store"), out),
-                 nprocs=args.world_size, join=True)
-        return torch.load(out, weights_only=False)
+    return spawn(_rank, args)
 
 
 def main(argv=None):
