@@ -2,9 +2,8 @@
 generated code in the plan's order, training as the uncompiled graphs do.
 
 Parity against unsharded eager training in one process (same init, data and AdamW, 10 steps,
-gloo, fp32): max |Δloss| and max |Δparam| <= 1e-4. Inductor fuses and reorders floating-point
-arithmetic (its kernels sum in other orders than ATen's), so the bound is looser than the
-uncompiled parity tests' 1e-5.
+gloo, fp32): max |Δloss| and max |Δparam| <= 1e-5, as the uncompiled parity tests (inductor's
+kernels sum in other orders than ATen's; seen: 4.8e-7 and 4.0e-6 at most).
 """
 
 import pytest
@@ -15,8 +14,8 @@ from autoshard.runtime.compiled import check_order, compiled_order
 from harness import run_ranks
 from parity_workers import reference
 
-TOL = 1e-4
-NAMES = ["gpt"]
+TOL = 1e-5
+NAMES = ["gpt", "hf_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,9 @@ def test_compiled_steps_on_a_gpu_match_uncompiled():
     from compile_workers import cuda_worker
 
     losses = run_ranks(1, cuda_worker, "gpt", torchrun_env=True)[0]
-    assert max(abs(a - b) for a, b in zip(losses[False], losses[True])) <= TOL
+    # Triton's kernels (not yet run here) may reduce in other orders than cuBLAS's and the
+    # C++ kernels: a bound of 10 x TOL until GPU runs say more
+    assert max(abs(a - b) for a, b in zip(losses[False], losses[True])) <= 10 * TOL
     assert torch.cuda.is_available()
 
 
