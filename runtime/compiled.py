@@ -108,6 +108,11 @@ class CompiledGraph:
         self.source = None
         self.order = None  # the collectives' order, as checked against the plan's
 
+    @property
+    def graph(self) -> fx.Graph:
+        """The graph it compiles (an error while compiling names one of its nodes)."""
+        return self.gm.graph
+
     def __call__(self, *args):
         if self.boxed:
             (args,) = args
