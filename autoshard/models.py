@@ -64,59 +64,69 @@ def gpt_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64):
-    """Hugging Face GPT-2, Llama, BERT (masked LM) or a mixture-of-experts causal LM (Mixtral,
-    Qwen3-MoE, DeepSeek-V3) at a tiny random configuration, built from its config (no weights
-    fetched); dropout off, no KV cache.
+def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **config):
+    """A Hugging Face model at a tiny random configuration, built from its config (no weights
+    fetched); dropout off, no KV cache. ``config`` overrides fields of the model's config.
 
-    The MoE models have 4 experts, top-2 routing, 4 attention heads, and keep transformers'
-    default experts implementation (``grouped_mm``). DeepSeek-V3's first layer is dense, the
-    others MoE (one shared expert, 2 groups of 2 experts, top-1 group); its router's score
-    correction bias (a buffer, zero after init) is given small random values so the test
-    models exercise it."""
+    - ``gpt2``, ``llama``: causal LMs; ``bert``: a masked LM;
+    - ``t5``: an encoder-decoder (``layers`` each side);
+    - ``vit``: an image classifier over ``vocab`` classes, 16 x 16 images in 4 x 4 patches;
+    - ``mixtral``, ``qwen3_moe``, ``deepseek_v3``: mixture-of-experts causal LMs with 4
+      experts, top-2 routing and 4 attention heads, keeping transformers' default experts
+      implementation (``grouped_mm``). DeepSeek-V3's first layer is dense, the others MoE (one
+      shared expert, 2 groups of 2 experts, top-1 group); its router's score correction bias
+      (a buffer, zero after init) is given small random values so the test models exercise
+      it."""
     import transformers as T
 
-    if name == "gpt2":
-        return T.GPT2LMHeadModel(T.GPT2Config(
-            n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=64,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
-            eos_token_id=0))
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(
-            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-            max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
-            pad_token_id=0))
-    if name == "bert":
-        return T.BertForMaskedLM(T.BertConfig(
-            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-            intermediate_size=2 * hidden, vocab_size=vocab, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, max_position_embeddings=64, pad_token_id=0))
     moe = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
                use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
                pad_token_id=0)
-    if name == "mixtral":
-        return T.MixtralForCausalLM(T.MixtralConfig(
+    known = {
+        "gpt2": (T.GPT2LMHeadModel, T.GPT2Config, dict(
+            n_layer=layers, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+            eos_token_id=0)),
+        "llama": (T.LlamaForCausalLM, T.LlamaConfig, dict(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+            max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0)),
+        "bert": (T.BertForMaskedLM, T.BertConfig, dict(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+            intermediate_size=2 * hidden, vocab_size=vocab, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, max_position_embeddings=64, pad_token_id=0)),
+        "t5": (T.T5ForConditionalGeneration, T.T5Config, dict(
+            vocab_size=vocab, d_model=hidden, d_kv=hidden // 4, d_ff=2 * hidden,
+            num_layers=layers, num_decoder_layers=layers, num_heads=4, dropout_rate=0.0,
+            use_cache=False, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)),
+        "vit": (T.ViTForImageClassification, T.ViTConfig, dict(
+            image_size=16, patch_size=4, num_channels=3, hidden_size=hidden,
+            num_hidden_layers=layers, num_attention_heads=4, intermediate_size=2 * hidden,
+            num_labels=vocab, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        "mixtral": (T.MixtralForCausalLM, T.MixtralConfig, dict(
             **moe, intermediate_size=hidden, num_key_value_heads=2, num_local_experts=4,
-            router_jitter_noise=0.0))
-    if name == "qwen3_moe":
-        return T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            router_jitter_noise=0.0)),
+        "qwen3_moe": (T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig, dict(
             **moe, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-            num_key_value_heads=2, num_experts=4, norm_topk_prob=True, decoder_sparse_step=1))
-    if name == "deepseek_v3":
-        model = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            num_key_value_heads=2, num_experts=4, norm_topk_prob=True, decoder_sparse_step=1)),
+        "deepseek_v3": (T.DeepseekV3ForCausalLM, T.DeepseekV3Config, dict(
             **moe, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
             num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, n_group=2,
             topk_group=1, first_k_dense_replace=1 if layers > 1 else 0, q_lora_rank=32,
             kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            num_mtp_layers=0))
+            num_mtp_layers=0)),
+    }
+    if name not in known:
+        raise KeyError(f"no tiny Hugging Face model {name!r}; use one of {', '.join(known)}")
+    model_cls, config_cls, fields = known[name]
+    model = model_cls(config_cls(**{**fields, **config}))
+    if name == "deepseek_v3":
         with torch.no_grad():
             for mod in model.modules():
                 bias = getattr(mod, "e_score_correction_bias", None)
                 if bias is not None:
                     bias.copy_(0.05 * torch.randn(bias.shape, dtype=bias.dtype,
                                                   device=bias.device))
-        return model
-    raise KeyError(f"no tiny Hugging Face model {name!r}; use gpt2, llama, bert, mixtral, "
-                   "qwen3_moe or deepseek_v3")
+    return model

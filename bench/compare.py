@@ -47,24 +47,6 @@ VOCAB = 256
 CLASSES = 10
 
 
-def _t5():
-    import transformers as T
-
-    return T.T5ForConditionalGeneration(T.T5Config(
-        vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=256, num_layers=3, num_decoder_layers=3,
-        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-        pad_token_id=0, eos_token_id=1))
-
-
-def _vit():
-    import transformers as T
-
-    return T.ViTForImageClassification(T.ViTConfig(
-        image_size=32, patch_size=4, num_channels=3, hidden_size=128, num_hidden_layers=4,
-        num_attention_heads=4, intermediate_size=256, num_labels=CLASSES,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-
-
 # name -> the model, built from seed 0; the inputs each takes are in ``batch_for``
 MODELS = {
     "gpt-small": lambda: GPT(vocab=VOCAB, dim=64, heads=4, layers=2, seq=64),
@@ -74,8 +56,9 @@ MODELS = {
     # a wider Llama, whose parameters outweigh its activations at this batch (2.5M)
     "hf-llama-wide": lambda: tiny_hf("llama", VOCAB, layers=4, hidden=256),
     "hf-mixtral": lambda: tiny_hf("mixtral", VOCAB, layers=4, hidden=128),  # MoE, 4 experts
-    "hf-t5": _t5,  # encoder-decoder
-    "hf-vit": _vit,  # vision transformer, 32 x 32 images in 4 x 4 patches
+    "hf-t5": lambda: tiny_hf("t5", VOCAB, layers=3, hidden=128),  # encoder-decoder
+    # vision transformer, 32 x 32 images in 4 x 4 patches
+    "hf-vit": lambda: tiny_hf("vit", CLASSES, layers=4, hidden=128, image_size=32),
 }
 
 

@@ -73,22 +73,12 @@ def _hf(name):
 
 def t5():
     """Hugging Face T5 (encoder-decoder) at a tiny random configuration."""
-    import transformers as T
-
-    return T.T5ForConditionalGeneration(T.T5Config(
-        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
-        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
-        pad_token_id=0, eos_token_id=1))
+    return tiny_hf("t5", VOCAB)
 
 
 def vit():
     """Hugging Face ViT image classifier at a tiny random configuration."""
-    import transformers as T
-
-    return T.ViTForImageClassification(T.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=128, num_labels=5, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, qkv_bias=False))
+    return tiny_hf("vit", 5, qkv_bias=False)
 
 
 def _logits(out, y):
