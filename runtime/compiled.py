@@ -86,6 +86,22 @@ def compiled_order(source: str, names: set) -> list:
     return out
 
 
+def failing_sources(exc: BaseException) -> list:
+    """The graph nodes named by inductor's comment over the collective call of generated code
+    that raised ``exc`` (the innermost such frame), or []."""
+    import linecache
+
+    found, tb = [], exc.__traceback__
+    while tb is not None:
+        name, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+        if _COLLECTIVE_CALL.search(linecache.getline(name, line)):
+            lines = linecache.getlines(name)[: line - 1]
+            m = next((m for m in map(_SOURCE.search, reversed(lines)) if m), None)
+            found = [s.strip() for s in m.group(1).split(",")] if m else found
+        tb = tb.tb_next
+    return found
+
+
 def check_order(planned: list, source: str, what: str) -> None:
     got = compiled_order(source, set(planned))
     if got != planned:

@@ -115,7 +115,7 @@ class Program:
             return gm(*args)
         except RuntimeError as e:
             node = _failing_node(gm, e)
-            if node is None or not meta.is_comm(node):
+            if node is None:
                 raise
             raise self._comm_error(node, e) from e
 
@@ -154,20 +154,26 @@ class Program:
 
 
 def _failing_node(gm, exc):
-    """The node of ``gm`` whose line of generated code raised ``exc``, if any."""
+    """The collective node of ``gm`` (a GraphModule or a ``CompiledGraph``) whose line of
+    generated code raised ``exc``, if any: fx's code names the node it runs, inductor's code
+    the source nodes of each call in a comment above it."""
     import linecache
     import re
 
-    tb, found = exc.__traceback__, None
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename.startswith("<eval_with_key"):
-            found = linecache.getline(code.co_filename, tb.tb_lineno)
-        tb = tb.tb_next
-    m = re.match(r"\s*(\w+)\s*=", found or "")
-    if m is None:
-        return None
-    return next((n for n in gm.graph.nodes if n.name == m.group(1)), None)
+    from autoshard.runtime.compiled import CompiledGraph, failing_sources
+
+    if isinstance(gm, CompiledGraph):
+        names = failing_sources(exc)
+    else:
+        tb, found = exc.__traceback__, None
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if code.co_filename.startswith("<eval_with_key"):
+                found = linecache.getline(code.co_filename, tb.tb_lineno)
+            tb = tb.tb_next
+        m = re.match(r"\s*(\w+)\s*=", found or "")
+        names = [m.group(1)] if m else []
+    return next((n for n in gm.graph.nodes if n.name in names and meta.is_comm(n)), None)
 
 
 def _accumulate(param, grad_local: torch.Tensor) -> None:

@@ -30,9 +30,9 @@ class Net(nn.Module):
         return self.b(h)
 
 
-def _model(timeout=None, stall_s=0.0):
+def _model(timeout=None, stall_s=0.0, compile=False):
     torch.manual_seed(0)
-    cfg = Config(policy="module", module_classes=["Linear"], prefetch=False,
+    cfg = Config(policy="module", module_classes=["Linear"], prefetch=False, compile=compile,
                  **({"timeout": timeout} if timeout else {}))
     return autoshard(Net(stall_s), config=cfg)
 
@@ -83,12 +83,13 @@ def fault_worker(rank, world, cases):
 def hang_worker(rank, world, case):
     """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op).
     Inside: rank 1 also starts late, past the timeout, which bounds collectives, not the
-    ranks meeting."""
+    ranks meeting; "inside-compiled": the same in inductor's code (Config(compile=True))."""
     timeout = 3.0
-    if case == "inside":
+    if case.startswith("inside"):
         if rank == 1:
             time.sleep(timeout + 2)
-        model = _model(timeout, stall_s=6.0 if rank == 1 else 0.0)
+        model = _model(timeout, stall_s=6.0 if rank == 1 else 0.0,
+                       compile=case == "inside-compiled")
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
     else:

@@ -30,7 +30,7 @@ def test_ranks_out_of_step_get_an_error_naming_each_rank(out_of_step, case):
         assert "eval, no grad" in results[0]["error"] and "train, grad" in results[0]["error"]
 
 
-@pytest.mark.parametrize("where", ["before", "inside"])
+@pytest.mark.parametrize("where", ["before", "inside", "inside-compiled"])
 def test_a_rank_that_hangs_is_named_after_the_timeout(where):
     """autoshard creates the process group (torchrun environment) with Config(timeout=3)."""
     live = run_ranks(2, hang_worker, where, torchrun_env=True)[0]
