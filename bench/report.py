@@ -66,7 +66,8 @@ def _why_not(model, rows, peaks, step, peak, exposed) -> list:
     if peak > PEAK_TARGET:
         least = _least_peak_plan(model)
         out.append(
-            f"- {model}: peak {peak:.2f}x FSDP2. The plan, the fastest one, gathers the whole model in one unit; of its plans "
+            f"- {model}: peak {peak:.2f}x FSDP2. The plan, the fastest one, gathers the "
+            "whole model in one unit; of its plans "
             "predicted within 10% of its step, the one with the least peak has "
             f"{least['units']} units and predicts "
             f"{least['peak_bytes'] / 2**20:.2f} MiB against the chosen "
