@@ -54,14 +54,16 @@ def _why_not(model, rows, peaks, step, peak, exposed) -> list:
         out.append(
             f"- {model}: step {step:.2f}x FSDP2 (DDP's: "
             f"{rows['ddp']['ms'] / rows['fsdp2']['ms']:.2f}x). It is {above:.1f} ms above "
-            f"DDP's; {exposed:.1f} ms of it is communication the rank waited on: the plan "
+            f"DDP's; in a recorded step the rank waited {exposed:.1f} ms on communication "
+            "(that figure includes the ranks' skew at the first collective): the plan "
             "gathers the whole model in one unit before the first op and reduce-scatters "
             "it after the last (its fastest plan here: on 2 cores gloo's transfers take "
-            "CPU from the compute, so more units hide little and cost more calls). The rest "
-            "is autoshard's own cost over the same kernels: mostly the fx graphs' execution "
-            "in Python, op by op, where eager runs its backward in C++, plus recomputation "
-            "and the gradients' copies into the reduce-scatter's buffer (the world-size-1 "
-            "table below isolates it). With `compile=True` the step is "
+            "CPU from the compute, so more units hide little and cost more calls). Besides "
+            "communication, autoshard has a cost of its own over the same kernels: mostly "
+            "the fx graphs' execution in Python, op by op, where eager runs its backward "
+            "in C++, plus recomputation and the gradients' copies into the reduce-scatter's "
+            "buffer (the world-size-1 table below isolates it). With `compile=True` the "
+            "step is "
             f"{comp:.2f}x FSDP2's.")
     if peak > PEAK_TARGET:
         least = _least_peak_plan(model)
