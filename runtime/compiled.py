@@ -7,7 +7,10 @@ inductor's kernels; C++ on CPU, Triton on CUDA) on its first call, with that cal
 as example inputs. Before that, two rewrites make the graph functional, as inductor wants it:
 
 - each ``all_gather_into_tensor_out`` into a preallocated buffer becomes the functional
-  ``all_gather_into_tensor`` (inductor allocates the buffer itself);
+  ``all_gather_into_tensor`` (inductor allocates the buffer itself), and what else read the
+  buffer (the forward returns it for the backward to free) reads the gathered tensor;
+- the concatenation of a unit's gradients for its reduce-scatter becomes ``autoshard::pack``,
+  which inductor leaves as one call (see ``autoshard.runtime.ops``);
 - the ``autoshard::free`` nodes go: inductor releases every buffer after its last use, where
   the plan frees it, and the backward takes its inputs boxed, so saved activations and kept
   units still die at their last use.
@@ -30,6 +33,7 @@ import torch.fx as fx
 from autoshard import meta
 from autoshard.errors import AutoshardError
 from autoshard.graph import clone_graph
+from autoshard.runtime.ops import pack_op
 
 _FUNCOL = torch.ops._c10d_functional
 _AG_OUT = _FUNCOL.all_gather_into_tensor_out.default
@@ -48,11 +52,16 @@ def functional(gm: fx.GraphModule) -> fx.GraphModule:
     for n in list(g.graph.nodes):
         if meta.is_free(n):
             g.graph.erase_node(n)
+        elif n.target is torch.ops.aten.cat.default and meta.tag(n, meta.COMM) == meta.RS_PACK:
+            n.target = pack_op
         elif n.target is _AG_OUT:
             buf = n.kwargs["out"]
             n.target, n.kwargs = _AG, {}
-            if not buf.users:
-                g.graph.erase_node(buf)
+            # what else reads the buffer (the forward saves it, for the backward to free)
+            # reads the gathered tensor: else it would be a second, empty buffer kept alive
+            wait = next(u for u in n.users if meta.tag(u, meta.COMM) == meta.AG_WAIT)
+            buf.replace_all_uses_with(wait)
+            g.graph.erase_node(buf)
     g.graph.lint()
     g.recompile()
     return g
@@ -121,6 +130,7 @@ class CompiledGraph:
     def __init__(self, gm: fx.GraphModule, what: str, boxed: bool):
         self.gm, self.what, self.boxed = gm, what, boxed
         self.fn = None
+        self.unused = []  # positions of the inputs the compiled code does not take
         self.source = None
         self.order = None  # the collectives' order, as checked against the plan's
 
@@ -132,20 +142,24 @@ class CompiledGraph:
     def __call__(self, *args):
         if self.boxed:
             (args,) = args
+        else:
+            args = list(args)
         if self.fn is None:
-            self.fn = self._compile(list(args))
-        if self.boxed:
-            return self.fn(args)
-        return self.fn(list(args))
+            g = functional(self.gm)
+            self.unused = _drop_unused_inputs(g)
+            _drop(args, self.unused)
+            self.fn = self._compile(g, list(args))
+        else:
+            _drop(args, self.unused)
+        return self.fn(args)
 
-    def _compile(self, example: list):
+    def _compile(self, g: fx.GraphModule, example: list):
         from unittest import mock
 
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx
         from torch._inductor.graph import GraphLowering
 
-        g = functional(self.gm)
         sources = []
         with inductor_config.patch(INDUCTOR_CONFIG), torch.no_grad(), \
                 mock.patch.object(GraphLowering, "save_output_code", sources.append):
@@ -163,6 +177,23 @@ class CompiledGraph:
             return fn(*args)
 
         return run
+
+
+def _drop_unused_inputs(g: fx.GraphModule) -> list:
+    """Removes the placeholders of ``g`` nothing reads; returns their positions. Inductor's
+    code unpacks every input into a local that lives to the end of the call, so an input it
+    never reads (a gathered buffer the backward only freed, before ``functional``) would be
+    held through the whole backward; the caller drops it from the arguments instead."""
+    unused = [i for i, n in enumerate(g.graph.find_nodes(op="placeholder")) if not n.users]
+    for n in [n for n in g.graph.find_nodes(op="placeholder") if not n.users]:
+        g.graph.erase_node(n)
+    g.recompile()
+    return unused
+
+
+def _drop(args: list, positions: list) -> None:
+    for i in reversed(positions):
+        del args[i]
 
 
 def _boxed_entry(fn):

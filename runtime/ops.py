@@ -1,4 +1,5 @@
-"""Graph ops autoshard adds to torch: ``autoshard::free`` and ``autoshard::grouped_mm``.
+"""Graph ops autoshard adds to torch: ``autoshard::free``, ``autoshard::pack`` and
+``autoshard::grouped_mm``.
 
 ``free`` releases the storage of its tensors at once (``untyped_storage().resize_(0)``), the
 way FSDP frees unsharded parameters, so memory savings never wait on reference counts. It is
@@ -31,6 +32,27 @@ _lib.impl("free", _free_fake, "Meta")
 torch.library.register_fake("autoshard::free", _free_fake, lib=_lib)
 
 free_op = torch.ops.autoshard.free.default
+
+
+# --- autoshard::pack ----------------------------------------------------------------------
+#
+# ``torch.cat``, as one opaque call. Compiled graphs (``Config(compile=True)``)
+# concatenate a unit's gradients for its reduce-scatter with it: inductor lowers ``aten.cat``
+# on CPU by allocating the output first and making each input's producer write into its slice,
+# so the whole flat buffer would be held from the first gradient of the backward to the last;
+# as this op it is allocated when the gradients are all there, as in the fx graphs.
+
+_lib.define("pack(Tensor[] tensors, int dim=0) -> Tensor")
+
+
+def _pack_impl(tensors, dim=0):
+    return torch.cat(tensors, dim)
+
+
+_lib.impl("pack", _pack_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("autoshard::pack", _pack_impl, lib=_lib)
+
+pack_op = torch.ops.autoshard.pack.default
 
 
 # --- autoshard::grouped_mm -----------------------------------------------------------------

@@ -6,13 +6,14 @@ import torch
 
 from autoshard import Config, autoshard
 from autoshard.runtime.compiled import planned_order
-from models import build
-from parity_workers import _train
+from models import CASES, build, call
+from parity_workers import _train, batches
 
 
 def compile_worker(rank, world, names):
     """Each model with one unit per block, its graphs compiled by inductor; what it trained
-    to, and the order of collectives in the generated code against the graph's."""
+    to, the order of collectives in the generated code against the graph's, and what its
+    graphs could hold longer than the fx graphs do."""
     out = {}
     for name in names:
         model = autoshard(build(name), config=Config(policy="module", compile=True))
@@ -24,15 +25,36 @@ def compile_worker(rank, world, names):
             "params": full if rank == 0 else None,
             "orders": [(g.order, planned_order(g.gm)) for g in (prog.fwd, prog.bwd)],
             "schedule": len(model.plan.schedule),
+            "held": [_held(g) for g in (prog.fwd, prog.bwd)],
         }
     return out
 
 
+def _held(g) -> dict:
+    """What the compiled graph ``g`` could hold longer than the fx graph frees it: gathered
+    buffers allocated apart from the all-gather (the forward saves one for the backward to
+    free), concatenations of gradients inductor would allocate before their first gradient,
+    inputs the code takes and never reads."""
+    from autoshard import meta
+    from autoshard.runtime.compiled import functional
+    from autoshard.runtime.ops import pack_op
+
+    f = functional(g.gm)
+    nodes = list(f.graph.nodes)
+    return {
+        "buffers": sum(meta.tag(n, meta.COMM) == meta.AG_BUFFER for n in nodes),
+        "cats": sum(n.target is torch.ops.aten.cat.default
+                    and meta.tag(n, meta.COMM) == meta.RS_PACK for n in nodes),
+        "packs": sum(n.target is pack_op for n in nodes),
+        "reduce_scatters": sum(meta.tag(n, meta.COMM) == meta.RS_ISSUE for n in nodes),
+        "unread_inputs_taken": len(g.graph.find_nodes(op="placeholder")) - len(g.unused)
+        - sum(bool(n.users) for n in f.graph.find_nodes(op="placeholder")),
+        "packs_in_code": g.source.count("torch.ops.autoshard.pack.default("),
+    }
+
+
 def cuda_worker(rank, world, name):
     """One NCCL rank on a GPU: compiled and uncompiled steps from the same init and data."""
-    from parity_workers import batches
-    from models import CASES, call
-
     torch.cuda.set_device(0)
     losses = {}
     for compiled in (False, True):

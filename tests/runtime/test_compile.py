@@ -50,6 +50,23 @@ def test_compiled_code_keeps_the_planned_order(compiled, name):
         assert any(fwd[0][i + 1].startswith("all_gather") for i in issues[:-1])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_code_holds_nothing_longer_than_the_fx_graphs(compiled, name):
+    """Inductor frees each buffer after its last use, where the fx graphs' free nodes do, but
+    for three things it would hold longer (each measured before the rewrite: on hf-llama at
+    world size 1 the step's peak was 27.0 MiB compiled against 21.6 MiB): the gathered
+    buffer the forward saves for the backward to free (a second, unused allocation), the
+    flat gradients of a reduce-scatter (inductor's CPU ``cat`` allocates its output before
+    the first gradient and has each producer write into it), and an input the backward
+    takes and never reads (a local to the end of the call)."""
+    for rank in compiled:
+        for held in rank[name]["held"]:
+            assert held["buffers"] == 0 and held["cats"] == 0, held
+            assert held["unread_inputs_taken"] == 0, held
+            assert held["packs"] == held["packs_in_code"] == held["reduce_scatters"], held
+        assert rank[name]["held"][1]["packs"] > 0
+
+
 def test_an_order_other_than_the_plans_is_an_error():
     code = "\n".join([
         "# Topologically Sorted Source Nodes: [ag_1], Original ATen: [x]",
