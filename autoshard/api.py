@@ -358,7 +358,7 @@ def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad
         _refresh_entries(plan, ctx, profile)
     if searched and pred.peak_bytes > budget:
         # the last candidates tried are the least memory a plan can take: one unit per
-        # parameter, and (recompute "auto") every repeated block recomputed whole
+        # parameter, and (recompute True or "auto") every repeated block recomputed whole
         raise AutoshardError(
             f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
             f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
@@ -367,8 +367,8 @@ def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad
                f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
             + f") needs {_fmt_bytes(pred.peak_bytes)}. "
             "Raise Config.memory_budget to at least that, shard over more ranks, use a "
-            "smaller batch" + (", or Config(recompute='auto') to recompute activations"
-                               if config.recompute != "auto" else "") + "."
+            "smaller batch" + (", or Config(recompute=True) to recompute activations"
+                               if config.recompute is False else "") + "."
         )
     return ctx, plan
 

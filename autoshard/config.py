@@ -58,6 +58,8 @@ class Config:
     recompute: which activations cross from forward to backward —
         True (default): a minimum cut over the forward graph picks what to save, and cheap
             ops (pointwise, views, normalisations) between it and the backward run again there;
+            where no plan fits ``memory_budget`` so, the first 1/4, 1/2, 3/4 or all of the
+            repeated blocks are also recomputed whole (the fastest of these that fits);
         False: what eager autograd saves;
         "blocks": every repeated block is recomputed whole in backward (as if each ran under
             torch.utils.checkpoint): only its input is saved, at the price of its forward again;

@@ -11,20 +11,22 @@ tried, with its prediction, is recorded for the plan to show.
 Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
 keep what eager saves, the min cut, then the first 1/4, 1/2, 3/4 and all of the repeated blocks
 recomputed whole (the rest by the min cut). Any k blocks save the same bytes, since every
-block's saved activations are live when the backward starts; the first ones are taken. Per
-choice, the unit candidates of the "auto" policy (``autoshard.passes.auto``), fastest first, or
-the one grouping a fixed policy gives. Skipped without a pipeline, with the reason recorded:
-a choice whose activation peak alone already exceeds the budget; a unit candidate whose lower
-bound on memory does (``autoshard.passes.auto``); once a plan fits, a choice whose compute
-alone takes longer than that plan's step, and a unit candidate whose compute plus the copies
-its grouping surely makes (``copy_floor``, ``gradient_copies``) does. On graphs over
-``BIG_GRAPH`` nodes the first choice whose activations fit, and within a choice the first unit
-candidate that fits, are found by bisection (peaks fall along both orders), and once every
-plan of a choice is ruled out as slower, the choices after it (which recompute more) are not
-built; so there the guarantee holds among the candidates tried. Smaller graphs try every
-choice and candidate.
-Each candidate is predicted on its joint graph (``autoshard.simulate.simulate_joint``, the
-same prediction as its split program's); only the chosen one is split.
+block's saved activations are live when the backward starts; the first ones are taken
+(``Config.recompute="auto"``; the default, True, tries the choices after the min cut only
+when no plan of the placement fits with it). Per choice, the unit candidates of the "auto"
+policy (``autoshard.passes.auto``), fastest first, or the one grouping a fixed policy gives.
+Skipped without a pipeline, with the reason recorded: a choice whose activation peak alone
+already exceeds the budget; a unit candidate whose lower bound on memory does
+(``autoshard.passes.auto``); once a plan fits, a choice whose compute alone takes longer
+than that plan's step, and a unit candidate whose compute plus the copies its grouping
+surely makes (``copy_floor``, ``gradient_copies``) does. On graphs over ``BIG_GRAPH`` nodes
+the first choice whose activations fit, and within a choice the first unit candidate that
+fits, are found by bisection (peaks fall along both orders), and once every plan of a choice
+is ruled out as slower, the choices after it (which recompute more) are not built; so there
+the guarantee holds among the candidates tried. Smaller graphs try every choice and
+candidate. Each candidate is predicted on its joint graph
+(``autoshard.simulate.simulate_joint``, the same prediction as its split program's); only
+the chosen one is split.
 
 Resharding ("auto"): every unit but the one gathered last in forward frees its parameters after
 the forward and gathers them again in the backward. With ``reshard_after_forward="search"``, a
@@ -73,11 +75,11 @@ RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 
 def recompute_choices(setting, blocks: list) -> list:
     """``[(label, modes)]`` for ``Config.recompute``: ``modes`` is the recompute pass's
-    ``{block path: mode}`` (``{}``: the min cut everywhere), or None for no recomputation."""
+    ``{block path: mode}`` (``{}``: the min cut everywhere), or None for no recomputation.
+    For True, the choices after the first are tried only when no plan fits with it
+    (``first_choices``)."""
     if setting is False:
         return [("none", None)]
-    if setting is True:
-        return [("min-cut", {})]
     if isinstance(setting, dict):
         return [(_label(setting, blocks), dict(setting))]
     whole = [("blocks", {b: "block" for b in blocks})] if blocks else [("min-cut", {})]
@@ -89,7 +91,14 @@ def recompute_choices(setting, blocks: list) -> list:
         if k not in seen and blocks:
             seen.add(k)
             out.append((f"blocks {k}/{len(blocks)}", {b: "block" for b in blocks[:k]}))
-    return out
+    return out[1:] if setting is True else out
+
+
+def first_choices(setting, choices: list) -> int:
+    """How many of ``choices`` (``recompute_choices``) are always tried; the rest only when
+    no plan fits with those: recompute=True recomputes whole blocks only where the min cut
+    leaves no plan that fits the budget."""
+    return 1 if setting is True else len(choices)
 
 
 def _label(modes: dict, blocks: list) -> str:
@@ -309,9 +318,12 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
         floors[i] = ctx.static_bytes + acts[i][0]
         return bases[i], floors[i]
 
+    first, tried_before = first_choices(config.recompute, choices), len(candidates)
     start = 0  # the first choice whose activations fit; each recomputes more than the one
     if big:  # before, so its floor is lower: bisected on a big graph
         lo, hi = 0, len(choices) - 1
+        if first < len(choices) and prepare(first - 1)[1] <= budget:
+            hi = first - 1  # a choice always tried holds one: no fallback is built
         while lo < hi:
             mid = (lo + hi) // 2
             lo, hi = (mid + 1, hi) if prepare(mid)[1] > budget else (lo, mid)
@@ -320,6 +332,8 @@ def _search(gm, ctx, options, candidates: list, best, shared: dict):
     groupings = shared.setdefault("groupings", {})
     slower = None  # on a big graph, a choice whose plans were all slower than the chosen one
     for i, (label, modes) in enumerate(choices):
+        if i == first and any(c["fits"] for c in candidates[tried_before:]):
+            break  # the rest are fallbacks, and a plan of this placement fits without them
         if slower is not None:  # each choice recomputes more than the one before
             candidates.append({"recompute": label, **where, "units": None, "step_s": None,
                                "peak_bytes": None, "fits": None,

@@ -63,8 +63,9 @@ def test_no_plan_fits_names_the_smallest_budget_that_would():
         with pytest.raises(AutoshardError, match=r"needs ([\d.]+ \w+)") as e:
             _plan(model, inputs, memory_budget=100_000, offload_policy=offload)
         assert smallest in str(e.value)
-        # offloaded, every shard copied in for each all-gather: the least device memory
-        finest = _plan(model, inputs, policy="per-parameter", bucket=False,
+        # every block recomputed whole and, offloaded, every shard copied in for each
+        # all-gather: the least device memory
+        finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute="blocks",
                        offload_policy=offload or CPUOffloadPolicy(), offload_params=1.0)
         assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
         # and that budget is enough

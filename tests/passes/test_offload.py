@@ -110,7 +110,11 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little
     budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
     roomy = _plan(None, memory_budget=on.predicted["peak_bytes"])
     assert not roomy.offload and all(not c["offload"] for c in roomy.candidates)
-    tight = _plan(None, memory_budget=budget)
+    # whole blocks recomputed come before offload: at this budget they fit on the device
+    recomputed = _plan(None, memory_budget=budget)
+    assert not recomputed.offload and recomputed.recompute.startswith("blocks")
+    assert recomputed.predicted["peak_bytes"] <= budget
+    tight = _plan(None, memory_budget=budget, recompute={})  # the min cut alone
     # on the device first, then all of the state on the host, then by bisection the least
     # fraction that fits: 1/2 does, 1/4 does not
     tried = [c["offload"] for c in tight.candidates]
@@ -122,7 +126,8 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little
     # the optimizer state brought back) exceeds the budget, and bounds the real plan's peak
     quarter = next(c for c in tight.candidates if c["offload"] == 0.25)
     assert quarter["units"] is None and "brings back" in quarter["note"]
-    real = _plan(True, offload_state=0.25, memory_budget=budget).predicted["peak_bytes"]
+    real = _plan(True, offload_state=0.25, memory_budget=budget,
+                 recompute={}).predicted["peak_bytes"]
     assert budget < quarter["peak_bytes"] <= real
     fast = min(c["step_s"] for c in tight.candidates if c["fits"])
     assert tight.predicted["step_s"] == fast
@@ -135,7 +140,7 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little
     again = autoshard.Plan.from_json(tight.to_json())
     assert again.offload == 0.5 and again.units == tight.units
     # OffloadPolicy() says "no offload": the planner keeps to the device
-    kept = _plan(False, memory_budget=budget)
+    kept = _plan(False, memory_budget=budget, recompute={})
     assert not kept.offload and kept.predicted["peak_bytes"] > budget
 
 
@@ -145,8 +150,10 @@ def test_the_runtime_asks_for_the_fraction_the_planner_offloads_and_runs_its_pla
     the policy and the fraction; given them, it runs that very plan."""
     on, off = _plan(False, world_size=1), _plan(True, world_size=1)
     budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
-    config = dict(policy="module", prefetch=False, device_profile="h100", memory_budget=budget)
-    planned = _plan(None, world_size=1, memory_budget=budget)
+    # the min cut alone: whole blocks recomputed would fit on the device
+    config = dict(policy="module", prefetch=False, device_profile="h100", memory_budget=budget,
+                  recompute={})
+    planned = _plan(None, world_size=1, memory_budget=budget, recompute={})
     assert 0 < planned.offload < 1
     model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(**config))
     asked = rf"CPUOffloadPolicy\(\), offload_state={share(planned.offload)}\)\)"

@@ -5,7 +5,7 @@ import torch
 
 import autoshard
 from autoshard.models import GPT
-from autoshard.passes.plan import recompute_choices
+from autoshard.passes.plan import first_choices, recompute_choices
 
 INPUTS = (torch.randint(0, 96, (16, 32)),)
 
@@ -60,7 +60,22 @@ def test_recompute_choices_ladder():
     _, modes = recompute_choices("auto", blocks)[2]
     assert modes == {"blocks.0": "block", "blocks.1": "block"}
     assert recompute_choices(False, blocks) == [("none", None)]
-    assert recompute_choices(True, blocks) == [("min-cut", {})]
+    # the default: the min cut, and the blocks only where no plan fits with it
+    default = recompute_choices(True, blocks)
+    assert [label for label, _ in default] == labels[1:] and first_choices(True, default) == 1
+    assert recompute_choices(True, []) == [("min-cut", {})]
+
+
+def test_the_default_recomputes_whole_blocks_only_where_the_min_cut_leaves_no_plan(peaks):
+    roomy = _plan()
+    assert roomy.recompute == "min-cut"
+    assert {c["recompute"] for c in roomy.candidates} == {"min-cut"}
+    budget = (peaks[True] + peaks["blocks"]) // 2  # below every min-cut plan (one grouping)
+    tight = _plan(memory_budget=budget)
+    assert tight.recompute.startswith("blocks"), tight.recompute
+    assert tight.predicted["peak_bytes"] <= budget
+    assert [c["fits"] for c in tight.candidates if c["recompute"] == "min-cut"] == [False]
+    assert tight.recompute == _plan(recompute="auto", memory_budget=budget).recompute
 
 
 def test_resharding_search_keeps_every_unit_where_that_is_faster_and_surely_fits():
