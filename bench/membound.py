@@ -1,6 +1,6 @@
 """The largest batch each system trains within a per-rank memory budget, and its throughput.
 
-    python -m bench.membound --model hf-llama-wide --world-size 2 --max-batch 64 --steps 3
+    python -m bench.membound --model hf-llama-wide --max-batch 64 --steps 3 --reps 3
 
 A memory-bound comparison: the budget sits below what DDP needs, and each system trains the
 largest per-rank batch whose measured peak fits it. Systems:
@@ -25,8 +25,10 @@ rank; seq 64, fp32, AdamW lr 1e-3):
 - B fits when the trial succeeds and its peak is <= the budget. The search tries B = 1, 2, 4,
   ... doubling until one does not fit (capped at ``--max-batch``), then bisects between the
   last fitting and the first failing B. It assumes the peak grows with B;
-- at the largest fitting B: a fresh model, one warm-up step, then ``--steps`` timed steps,
-  each started after a barrier; throughput = B x world size / median step seconds.
+- then every system at its largest fitting B, all built at once (a fresh model each, one
+  warm-up step): ``--reps`` repetitions of ``--steps`` timed steps of each, in a rotating
+  order so that no system always goes first, each step started after a barrier; throughput
+  = B x world size / the median over all of a system's timed steps (the slowest rank's).
 """
 
 from __future__ import annotations
@@ -87,20 +89,25 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _trial(system, args, batch, budget, device, rank, timed=0):
-    """Build ``system`` at per-rank ``batch``, warm up one step, measure the peak (and, with
-    ``timed``, the median seconds of that many steps). Returns (peak bytes max over ranks or
-    None, error text or None, median seconds or None); identical on every rank."""
+def _built(system, args, batch, budget, device, rank):
+    """``system`` built at per-rank ``batch`` with two batches of data, after one warm-up step
+    (autoshard captures and plans in it): (model, optimizer, data)."""
     gen = torch.Generator().manual_seed(rank)
-    err, peak, secs = None, 0.0, None
+    model, opt = _make(system, args.model, budget)
+    data = [_to(batch_for(args.model, batch, args.seq, gen), device) for _ in range(2)]
+    _step(model, opt, *data[0])
+    _sync(device)
+    return model, opt, data
+
+
+def _trial(system, args, batch, budget, device, rank):
+    """Build ``system`` at per-rank ``batch``, warm up one step, measure the peak. Returns
+    (peak bytes max over ranks or None, error text or None); identical on every rank."""
+    err, peak = None, 0.0
     model = opt = None
     try:
-        model, opt = _make(system, args.model, budget)
-        data = [_to(batch_for(args.model, batch, args.seq, gen), device) for _ in range(2)]
-        x, y = data[0]
-        _step(model, opt, x, y)  # warm-up (autoshard captures and plans here)
-        _sync(device)
-        peak = float(_peak(model, opt, x, y))
+        model, opt, data = _built(system, args, batch, budget, device, rank)
+        peak = float(_peak(model, opt, *data[0]))
     except Exception as e:  # noqa: BLE001 - any failure is "does not fit", on every rank
         from autoshard.errors import AutoshardError
 
@@ -110,19 +117,28 @@ def _trial(system, args, batch, budget, device, rank, timed=0):
     if failed:
         err = err or "failed on another rank"
         peak = None
-    elif timed:
-        times = []
-        for i in range(timed):
-            x, y = data[i % len(data)]
-            dist.barrier()
-            t0 = time.perf_counter()
-            _step(model, opt, x, y)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        secs, _ = _agree(statistics.median(times), False)  # the slowest rank's median
     del model, opt
     gc.collect()
-    return peak, err, secs
+    return peak, err
+
+
+def _timed(batches: dict, args, budget, device, rank) -> dict:
+    """Every system of ``batches`` (system -> per-rank batch) built at its batch at once, then
+    ``args.reps`` repetitions of ``args.steps`` steps of each, in a rotating order: system ->
+    the median seconds of its steps (the slowest rank's)."""
+    built = {s: _built(s, args, b, budget, device, rank) for s, b in batches.items()}
+    times = {s: [] for s in built}
+    order = list(built)
+    for rep in range(args.reps):
+        for s in order[rep % len(order):] + order[: rep % len(order)]:
+            model, opt, data = built[s]
+            for i in range(args.steps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(model, opt, *data[i % len(data)])
+                _sync(device)
+                times[s].append(time.perf_counter() - t0)
+    return {s: _agree(statistics.median(t), False)[0] for s, t in times.items()}
 
 
 def _search(system, args, budget, device, rank, log):
@@ -130,7 +146,7 @@ def _search(system, args, budget, device, rank, log):
     trials = {}
 
     def fits(b):
-        peak, err, _ = _trial(system, args, b, budget, device, rank)
+        peak, err = _trial(system, args, b, budget, device, rank)
         ok = err is None and peak <= budget
         trials[b] = (peak, err)
         log(f"  {system:9s} batch {b:4d}: "
@@ -167,7 +183,7 @@ def _rank(rank, world, args, store, out_path):
             print(msg, flush=True)
 
     t_start = time.perf_counter()
-    ddp_peak, ddp_err, _ = _trial("ddp", args, args.ref_batch, None, device, rank)
+    ddp_peak, ddp_err = _trial("ddp", args, args.ref_batch, None, device, rank)
     if args.budget:
         budget = parse_bytes(args.budget)
     elif ddp_peak is None:
@@ -178,18 +194,11 @@ def _rank(rank, world, args, store, out_path):
         if ddp_peak is not None else f"DDP failed at batch {args.ref_batch}: {ddp_err}")
     log(f"budget: {budget / MiB:.2f} MiB per rank"
         + ("" if args.budget else f" ({args.fraction:g} x DDP's need)"))
-    rows = []
-    for system in args.systems.split(","):
-        best, peak, trials = _search(system, args, budget, device, rank, log)
-        secs = None
-        if best:
-            _, err, secs = _trial(system, args, best, budget, device, rank, timed=args.steps)
-            if err:
-                log(f"  {system}: the timed run at batch {best} failed: {err}")
-        rows.append({"system": system, "batch": best, "peak": peak, "budget": budget,
-                     "step_s": secs,
-                     "samples_s": best * world / secs if secs else None,
-                     "trials": trials})
+    found = {s: _search(s, args, budget, device, rank, log) for s in args.systems.split(",")}
+    secs = _timed({s: f[0] for s, f in found.items() if f[0]}, args, budget, device, rank)
+    rows = [{"system": s, "batch": best, "peak": peak, "budget": budget,
+             "step_s": secs.get(s), "samples_s": best * world / secs[s] if best else None,
+             "trials": trials} for s, (best, peak, trials) in found.items()]
     log(f"total {time.perf_counter() - t_start:.1f} s")
     rows = {"rows": rows, "ddp_peak": ddp_peak, "ref_batch": args.ref_batch, "budget": budget}
     if rank == 0:
@@ -211,7 +220,9 @@ def parse_args(argv=None):
     ap.add_argument("--fraction", type=float, default=0.7)
     ap.add_argument("--ref-batch", type=int, default=8, help="per rank")
     ap.add_argument("--max-batch", type=int, default=256, help="per rank")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps at the largest batch")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="timed steps at the largest batch, per repetition")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions")
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma list of " + ", ".join(SYSTEMS))
     ap.add_argument("--timeout", type=float, default=600,

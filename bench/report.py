@@ -141,7 +141,7 @@ def strategies_section() -> list:
 
 def membound_section() -> list:
     args = membound.parse_args(["--model", "hf-llama-wide", "--max-batch", "64",
-                                "--steps", "5"])
+                                "--steps", "5", "--reps", "5"])
     result = membound.run(args)
     return ["## Memory-bound: the largest batch within a budget", "",
             "hf-llama-wide at world size 2 (`python -m bench.membound`, whose docstring has "
@@ -151,7 +151,8 @@ def membound_section() -> list:
             "system trains the largest per-rank batch whose measured peak fits it: autoshard "
             "planning for the budget (`Config(memory_budget=...)`), FSDP2 per block with and "
             "without activation checkpointing of every block, and DDP. Throughput: samples "
-            "per second over both ranks at that batch (median of 5 steps).", "",
+            "per second over both ranks at that batch (the median step of 5 interleaved "
+            "repetitions of 5 steps).", "",
             membound.table(result, "github"), ""]
 
 
