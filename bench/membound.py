@@ -242,6 +242,14 @@ def run(args) -> dict:
     return spawn(_rank, args)
 
 
+def over_budget(result: dict, system: str = "autoshard") -> dict:
+    """``system``'s batches that built and ran (for autoshard: whose plan was predicted to fit
+    the budget) but measured above it: batch -> measured peak bytes."""
+    row = next((r for r in result["rows"] if r["system"] == system), None)
+    return {b: peak for b, (peak, err) in sorted((row or {}).get("trials", {}).items())
+            if err is None and peak > result["budget"]}
+
+
 def table(result: dict, fmt: str = "simple") -> str:
     from tabulate import tabulate
 
