@@ -232,7 +232,11 @@ class _Step(torch.autograd.Function):
                     pending[f] = g.clone()
             elif kind == "param":
                 rows = program.local_rows[i]
-                _accumulate(ctx.params[i], g if rows is None or rows == g.shape[0] else g[:rows])
+                param = ctx.params[i]
+                _accumulate(param, g if rows is None or rows == g.shape[0] else g[:rows])
+                # FSDP2's rule: once per backward, on the sharded gradient just accumulated
+                for hook in tuple(getattr(param, "_post_accumulate_grad_hooks", None) or ()):
+                    param._post_accumulate_grad_hooks[hook](param)
             else:
                 input_grads[i] = g
         return (None, None, None, None, None, *([None] * (ctx.n_flat - ctx.n_inputs)),
