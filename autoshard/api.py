@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat, depth, meta
+from autoshard import _compat, depth, hooks, meta
 from autoshard.config import offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
@@ -44,6 +44,10 @@ class _State:
     pending: dict = dataclasses.field(default_factory=dict)
     # FQN -> (full replica in the compute dtype, the update number it was gathered at)
     replicas: dict = dataclasses.field(default_factory=dict)
+    # signature -> every program captured for it, one per guarded state (autoshard.guards)
+    variants: dict = dataclasses.field(default_factory=dict)
+    traced_hooks: frozenset = frozenset()  # forward hooks that return a value (hooks.Replaces)
+    lifted: dict = dataclasses.field(default_factory=dict)  # (id, name) -> float attributes
 
 
 class ShardedModule(torch.nn.Module):
@@ -63,20 +67,47 @@ class ShardedModule(torch.nn.Module):
         st.agreement.step += 1
         st.agreement(f"step {st.agreement.step}: forward", _describe(args, kwargs, key),
                      exact=repr(key))
-        prog = st.programs.get(key)
-        if prog is None:
-            prog = self._compile_for(args, kwargs, key, sharded=True)
-        st.last = prog
-        params = [mod._parameters[name] for mod, name in st.param_refs]
-        buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        replicas = _refresh_replicas(st, prog, params)
-        user, new_bufs = prog.run(params, buffers, tensors, replicas, st.pending)
+        for _ in range(2):  # again only if a hook turned out to change values
+            prog = self._program_for(args, kwargs, key)
+            st.last = prog
+            params = [mod._parameters[name] for mod, name in st.param_refs]
+            buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
+            replicas = _refresh_replicas(st, prog, params)
+            lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
+                      for m, n in prog.captured.lifted]
+            user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas,
+                                      st.pending)
+            if not prog.captured.taps:
+                break
+            try:
+                hooks.replay(prog.captured.taps, user[len(user) - prog.captured.n_taps:],
+                             st.traced_hooks)
+                break
+            except hooks.Replaces as r:  # trace it into the step and run the call again
+                st.traced_hooks = st.traced_hooks | {r.key}
         if new_bufs:
             with torch.no_grad():
                 for i, new in zip(prog.mutated_slots, new_bufs):
                     buffers[i].copy_(new)
         return prog.unflatten(user)
+
+    def _program_for(self, args, kwargs, key) -> Program:
+        """The program for this call: the one whose guards all hold, or a new capture. A
+        float attribute that changed is read as an input from then on; a change that cannot
+        be followed (a new unsharded parameter, a device move), or a signature captured
+        ``RECAPTURE_LIMIT`` times, is refused naming it."""
+        st = self._autoshard
+        prog = st.programs.get(key)
+        if prog is not None and _holds(st, prog):
+            return prog
+        for other in st.variants.get(key, ()):
+            if other is not prog and _holds(st, other):
+                st.programs[key] = other
+                return other
+        if prog is not None and prog.captured.traced_hooks == st.traced_hooks:
+            _follow(self, st, prog.captured.guards, len(st.variants.get(key, ())))
+        return self._compile_for(args, kwargs, key, sharded=True)
 
     # --- compile -------------------------------------------------------------------------
 
@@ -127,6 +158,7 @@ class ShardedModule(torch.nn.Module):
             raise
         prog.described = (_describe(args, kwargs, key), key[2], key[3])
         st.programs[key] = prog
+        st.variants.setdefault(key, []).append(prog)
         return prog
 
     def _stored(self, args, kwargs, key) -> Program:
@@ -222,13 +254,14 @@ class ShardedModule(torch.nn.Module):
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
                  aliases=None, progress=None, from_shallow=False, grad_sync=True,
-                 accumulated=False):
+                 accumulated=False, traced_hooks=frozenset(), lifted=()):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
     ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
     sharding). ``grad_sync`` False: gradients come out full and unreduced
     (``ShardedModule.set_requires_gradient_sync``); ``accumulated``: the backward takes what
     such steps accumulated and reduces it with its own gradients.
+    ``traced_hooks``, ``lifted``: see ``autoshard.capture.capture``.
     ``from_shallow``: build a deep stack of identical blocks from a few traced ones
     (``autoshard.depth``) instead of tracing them all.
 
@@ -252,6 +285,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             device=device, with_grad=torch.is_grad_enabled(),
             input_dtype=mp.param_dtype if mp is not None and mp.cast_forward_inputs else None,
             output_dtype=mp.output_dtype if mp is not None else None,
+            traced_hooks=traced_hooks, lifted=lifted,
         )
 
     stack = depth.block_stack(model) if from_shallow else None
@@ -449,9 +483,56 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         model, st.orig_forward, args, kwargs, world_size=tuple(st.mesh.shape),
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases, grad_sync=st.grad_sync,
-        accumulated=bool(st.pending) and st.grad_sync,
+        accumulated=bool(st.pending) and st.grad_sync, traced_hooks=st.traced_hooks,
+        lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
     return _program(st, cap, ctx, plan)
+
+
+def _holds(st: _State, prog: Program) -> bool:
+    """Whether ``prog`` is what eager would run now (a loaded export's programs carry no
+    guards: their model has no Python to change)."""
+    cap = prog.captured
+    return cap.guards is None or (cap.traced_hooks == st.traced_hooks
+                                  and cap.guards.failure() is None)
+
+
+RECAPTURE_LIMIT = 8  # programs per call signature, as TorchDynamo's recompile limit
+
+
+def _follow(model, st: _State, guards, captured: int) -> None:
+    """Make what changed since ``guards`` were taken capturable, or refuse it by name."""
+    from autoshard.runtime import optim as _optim
+
+    g = guards.failure()
+    change = guards.change(g)
+    if g.kind == "tree":
+        for fqn, p in model.named_parameters():
+            if not getattr(p, _optim._MARK, False):
+                raise AutoshardError(
+                    f"the model changed after autoshard() ({change}): parameter '{fqn}' is "
+                    "not sharded, so no step can train it. Change the model's modules and "
+                    "parameters before autoshard(), or build a new model and autoshard() it.")
+        st.param_refs = _refs(model, "_parameters", model.named_parameters())
+        st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
+    elif g.kind == "dtype":
+        for fqn, p in model.named_parameters():
+            if p.device != st.device:
+                raise AutoshardError(
+                    f"parameter '{fqn}' was moved to {p.device} after autoshard(), but this "
+                    f"rank's mesh device is {st.device}: the shards stay on the mesh's device. "
+                    "Move the model before autoshard(), or pass a mesh on the device you "
+                    "want.")
+    elif g.kind == "attr" and isinstance(g.key[0].__dict__.get(g.key[1]), float) \
+            and g.expected[0] is float:
+        mod, name = g.key  # a float that changes (annealed): read it as an input from now on
+        st.lifted[(id(mod), name)] = (mod, name)
+    if captured >= RECAPTURE_LIMIT:
+        raise AutoshardError(
+            f"the model's step was captured {captured} times for the same inputs because "
+            f"what its forward reads keeps changing; the latest change: {change}. Make the "
+            "value a tensor (register_buffer) or an input of forward, so one captured step "
+            "reads it on every call.")
 
 
 def _program(st: _State, cap, ctx, plan) -> Program:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autoshard import _compat, meta
+from autoshard import _compat, guards, hooks, meta
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, written_inputs
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
@@ -44,6 +44,15 @@ class Captured:
     # on; when none of them is given (no loss reads those outputs) eager's gradient is None
     grad_tangents: dict = dataclasses.field(default_factory=dict)
     pristine: Any = None  # the joint graph as traced, before any pass (autoshard.check)
+    # what the forward read of the Python world (autoshard.guards): checked before each reuse
+    guards: Any = None
+    # hooked module calls (autoshard.hooks.Tap): their tensors are the last ``n_taps``
+    # tensor outputs of the forward, for the hooks run after it
+    taps: list = dataclasses.field(default_factory=list)
+    n_taps: int = 0
+    # (module, attribute) of float attributes read as graph inputs, after the tensor inputs
+    lifted: list = dataclasses.field(default_factory=list)
+    traced_hooks: frozenset = frozenset()  # hooks traced into the graph (hooks.Replaces)
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -71,7 +80,7 @@ def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
 
 def _class_name(mod: torch.nn.Module) -> str:
     """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
-    mro = type(mod).__mro__
+    mro = guards.user_class(mod).__mro__
     wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
     return mro[2].__qualname__ if wrapped else mro[0].__qualname__
 
@@ -158,14 +167,24 @@ def capture(
     with_grad: bool,
     input_dtype: Optional[torch.dtype] = None,
     output_dtype: Optional[torch.dtype] = None,
+    traced_hooks: frozenset = frozenset(),
+    lifted: tuple = (),
 ) -> Captured:
     """Trace ``forward(model, *args, **kwargs)`` and, if ``with_grad``, its backward.
 
     params: ParamSpec per (deduplicated) parameter, traced in its compute dtype; buffers:
     FQN -> tensor (real or meta). ``input_dtype`` / ``output_dtype``: floating tensor inputs
     and outputs are cast to it inside the graph (a mixed precision policy's
-    ``cast_forward_inputs`` and ``output_dtype``).
+    ``cast_forward_inputs`` and ``output_dtype``). ``traced_hooks``: forward hooks traced
+    into the graph, the others run after it (``autoshard.hooks``); ``lifted``: (module,
+    attribute) of float attributes the graph reads as inputs instead of constants, fed from
+    the attribute on each call.
+
+    What the forward reads of the Python world is guarded (``Captured.guards``); a call the
+    graph cannot repeat (Python random, the clock) is refused, naming it.
     """
+    names = _module_names(model)
+    hooks.refuse_backward_hooks(model, names)
     leaves, in_spec = tree_flatten((args, kwargs))
     in_consts = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
     tensors_in = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -184,15 +203,23 @@ def capture(
     for x in tensors_in:
         f = fake_mode.from_tensor(x.detach())
         finputs.append(f.requires_grad_(x.requires_grad) if x.is_floating_point() else f)
+    for mod, name in lifted:  # a 0-dim float64 tensor stands for the Python float
+        finputs.append(fake_mode.from_tensor(torch.tensor(mod.__dict__[name],
+                                                          dtype=torch.float64)))
+    n_lifted = len(lifted)
 
     pnames = [p.fqn for p in params]
     bnames = list(buffers)
     n_p, n_b = len(params), len(bnames)
-    rec: dict = {}
+    rec: dict = {"taps": [], "tapped": []}
     stack: list = []
 
     def joint(*flat):
         p, b, xs = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
+        if n_lifted:
+            xs, lifts = xs[:-n_lifted], xs[-n_lifted:]
+        else:
+            lifts = []
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         it = iter(xs)
@@ -200,15 +227,21 @@ def capture(
         a, kw = _cast_floating(tree_unflatten(full, in_spec), input_dtype)
         state = dict(zip(pnames, p))
         state.update(zip(bnames, bclones))
-        with _compat.reparametrize(model, state), _track_modules(model, stack), \
-                _track_checkpoints():
+        taps, tapped = rec["taps"], rec["tapped"]
+        with _lifting(lifted, lifts), _compat.reparametrize(model, state), \
+                hooks.tapping(model, traced_hooks, taps, tapped), \
+                _track_modules(model, stack), _track_checkpoints(), \
+                guards.recording(model) as reads:
+            rec["reads"] = reads
             out = _cast_floating(forward(model, *a, **kw), output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+        n_user = len(touts)
+        touts = touts + tapped
         rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
         rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
-        diff = [i for i, o in enumerate(touts) if o.requires_grad]
+        diff = [i for i, o in enumerate(touts[:n_user]) if o.requires_grad]
         wrt = [t for t in p if t.requires_grad] + [x for x in xs if x.requires_grad]
         rec["diff"], rec["tangents"], grads = diff, [], ()
         if with_grad and diff and wrt:
@@ -236,6 +269,7 @@ def capture(
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
         raise _explain(exc, stack) from exc
 
+    guards.refuse_unfollowable(rec["reads"], _class_name(model))
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN):
             raise AutoshardError(
@@ -263,8 +297,24 @@ def capture(
         mutated_buffers=[],
         has_backward=has_backward,
     )
+    cap.guards = guards.build(model, rec["reads"], names, hooks.signature, lifted)
+    cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
+    cap.lifted, cap.traced_hooks = list(lifted), traced_hooks
     _tag(cap, rec, grads_for)
     return cap
+
+
+@contextlib.contextmanager
+def _lifting(lifted, values):
+    """The lifted float attributes read as the graph's inputs ``values`` while tracing."""
+    old = [mod.__dict__[name] for mod, name in lifted]
+    for (mod, name), v in zip(lifted, values):
+        mod.__dict__[name] = v
+    try:
+        yield
+    finally:
+        for (mod, name), v in zip(lifted, old):
+            mod.__dict__[name] = v
 
 
 def _cast_floating(tree, dtype):

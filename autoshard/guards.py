@@ -1,0 +1,438 @@
+"""Guards: what a captured step read from the Python world, checked before each reuse.
+
+Capture runs the model's forward once, on fake tensors, and keeps the graph. Every
+Python-level value that forward read is recorded while it runs (``recording``) and becomes a
+guard: module attributes it read (numbers, flags, strings, enums, plain tensors, configs),
+the module tree with its parameters, buffers and hooks, the parameters' dtypes and devices,
+and the globals and closure cells of the code it ran. Before a program is reused every guard
+is compared with the value now (``Guards.failure``); the caller then picks the program
+captured for the new values or captures again. What a captured program can never follow is
+refused at capture, naming the call: Python's and NumPy's random numbers and the clock read
+in forward. ``print`` in forward runs at capture only, and says so once.
+
+How reads are seen: each module's class is swapped, for the length of the trace, for a
+subclass whose ``__getattribute__`` notes the instance attributes read; a profile function
+(``sys.setprofile``) sees every function the forward enters outside torch and the standard
+library, whose global names and closure cells are then guarded, and every call of a random
+or clock function from such code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import gc
+import os
+import sys
+import sysconfig
+import types
+import warnings
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from autoshard.errors import AutoshardError
+
+_MISSING = object()
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+            torch.layout, torch.memory_format, enum.Enum)
+_IDENTITY = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+             type, torch.nn.Module)
+# nn.Module's own bookkeeping: the tree and hook guards cover these
+_MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_autoshard", "__dict__", "__class__"})
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_CONTAINER_LIMIT = 16
+
+
+_EXACT = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+
+
+def freeze(value: Any, depth: int = 0) -> Any:
+    """A comparable snapshot of ``value``: scalars by value, tensors by identity and version
+    (an in-place write advances it), containers by their items, anything else by identity
+    (``fields`` snapshots an object's own plain fields)."""
+    cls = type(value)  # not value.__class__: a config may compute its attributes
+    if cls in _EXACT or issubclass(cls, _SCALARS):
+        if cls is float and value != value:
+            return (float, "nan")
+        return (cls, value)
+    if issubclass(cls, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if depth < 2 and cls in (tuple, list, set, frozenset, dict) and \
+            len(value) <= _CONTAINER_LIMIT:
+        if cls is dict:
+            return (cls, tuple((k, freeze(v, depth + 1)) for k, v in value.items()))
+        items = sorted(value, key=repr) if cls in (set, frozenset) else value
+        return (cls, tuple(freeze(v, depth + 1) for v in items))
+    return ("id", id(value))
+
+
+def is_plain_object(value: Any) -> bool:
+    """An object whose own fields a forward may read (a config): not a scalar, tensor,
+    container, function, class or module."""
+    return (not issubclass(type(value), _SCALARS + _IDENTITY + (
+        torch.Tensor, tuple, list, set, frozenset, dict))
+        and isinstance(getattr(value, "__dict__", None), dict))
+
+
+def fields(obj: Any) -> tuple:
+    """An object's own plain fields (scalars), as a comparable value."""
+    return tuple((k, type(v), v) for k, v in vars(obj).items()
+                 if type(v) in _EXACT or issubclass(type(v), _SCALARS))
+
+
+def show(frozen: Any) -> str:
+    """A frozen value as a person reads it."""
+    if frozen is _MISSING:
+        return "(absent)"
+    if isinstance(frozen, tuple) and len(frozen) == 2 and isinstance(frozen[0], type) \
+            and issubclass(frozen[0], _SCALARS):
+        return repr(frozen[1])
+    if isinstance(frozen, tuple) and frozen and frozen[0] == "tensor":
+        return f"tensor object {frozen[1]:#x} at version {frozen[2]}"
+    if isinstance(frozen, tuple) and frozen and frozen[0] in ("id", "obj"):
+        return f"object {frozen[1]:#x}"
+    return repr(frozen)[:80]
+
+
+class Guard:
+    """One recorded value: where it lives (``what``), how to read it now (``get``, frozen),
+    and the value the program was captured with."""
+
+    __slots__ = ("what", "get", "expected", "kind", "key")
+
+    def __init__(self, what: str, get: Callable[[], Any], kind: str = "value", key=None):
+        self.what, self.get, self.kind, self.key = what, get, kind, key
+        self.expected = get()
+
+
+class Guards:
+    """The guards of one captured program, checked in order before each reuse."""
+
+    def __init__(self, guards: list, pins: list):
+        self.guards = guards
+        self._pins = pins  # objects guarded by identity stay alive, so their ids stay theirs
+
+    def __len__(self) -> int:
+        return len(self.guards)
+
+    def failure(self) -> Optional[Guard]:
+        """The first guard whose value changed, or None when the program still holds."""
+        for g in self.guards:
+            if g.get() != g.expected:
+                return g
+        return None
+
+    def change(self, g: Guard) -> str:
+        now = g.get()
+        if g.kind == "tree":
+            (names0, ids0), (names1, ids1) = g.expected, now
+            was, new = dict(zip(names0, ids0)), dict(zip(names1, ids1))
+            parts = [f"'{n}' added" for n in new if n not in was]
+            parts += [f"'{n}' removed" for n in was if n not in new]
+            parts += [f"'{n}' replaced" for n in new if n in was and new[n] != was[n]]
+            return f"{g.what}: {', '.join(parts) or 'reordered'}"
+        if g.kind == "dtype":
+            changed = [f"{d0} on {v0} -> {d1} on {v1}"
+                       for (d0, v0), (d1, v1) in zip(g.expected, now) if (d0, v0) != (d1, v1)]
+            return f"{g.what}: {changed[0] if changed else 'changed'}"
+        return f"{g.what}: {show(g.expected)} -> {show(now)}"
+
+
+# --- what the forward reads -------------------------------------------------------------------
+
+_STDLIB = tuple(os.path.realpath(p) + os.sep for p in
+                {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
+_TORCH = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+_OWN = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_OWN_DIRS = tuple(_OWN + d + os.sep for d in ("autoshard", "passes", "runtime"))
+_SITE = ("site-packages", "dist-packages")
+# libraries torch itself calls while tracing: not the model's code
+_INFRA = ("sympy", "mpmath", "typing_extensions", "numpy", "networkx", "optree", "filelock",
+          "fsspec", "jinja2", "tabulate", "packaging")
+
+
+def _is_user_file(filename: str) -> bool:
+    """Code whose Python-level reads a capture must guard: anything but torch, autoshard and
+    the standard library (libraries such as transformers are the user's code here)."""
+    if filename.startswith("<"):
+        return filename.startswith("<string") or filename.startswith("<ipython")
+    path = os.path.realpath(filename)
+    if path.startswith(_TORCH) or path.startswith(_OWN_DIRS):
+        return False
+    for site in _SITE:
+        at = path.find(os.sep + site + os.sep)
+        if at >= 0:
+            top = path[at + len(site) + 2:].split(os.sep, 1)[0]
+            return top.split(".", 1)[0] not in _INFRA
+    return not path.startswith(_STDLIB)
+
+
+def _nondeterministic() -> dict:
+    """Builtins a captured step cannot follow, by object: Python's and NumPy's random
+    numbers and the clock."""
+    import random
+    import time
+
+    found = {}
+    for name in ("random", "getrandbits", "randbytes"):
+        fn = getattr(random._inst, name, None)
+        if fn is not None:
+            found[fn] = f"random.{name}"
+    for name in ("time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic",
+                 "monotonic_ns", "process_time", "process_time_ns"):
+        found[getattr(time, name)] = f"time.{name}"
+    found[os.urandom] = "os.urandom"
+    return found
+
+
+def _numpy_random_call(fn) -> Optional[str]:
+    owner = getattr(fn, "__self__", None)
+    np = sys.modules.get("numpy")
+    if np is None or owner is None:
+        return None
+    kinds = (np.random.RandomState, np.random.Generator, np.random.BitGenerator)
+    if isinstance(owner, kinds):
+        return f"numpy.random {getattr(fn, '__name__', '?')}"
+    return None
+
+
+class _Reads:
+    """What one trace read: module attributes, code run outside torch, refused calls."""
+
+    def __init__(self):
+        self.attrs: dict = {}  # (id(module), name) -> module
+        self.codes: dict = {}  # code -> frame globals, for code run outside torch
+        self.closures: set = set()  # codes with free variables
+        self.refused: list = []  # (call, where)
+        self.printed: list = []  # where print ran
+        self._user: dict = {}  # code -> bool
+        self._bad = _nondeterministic()
+        import random
+
+        self._random_file = os.path.realpath(random.__file__)
+
+    def kind(self, code) -> int:
+        """1: user code, 2: the random module, 0: anything else."""
+        known = self._user.get(code)
+        if known is None:
+            if os.path.realpath(code.co_filename) == self._random_file:
+                known = 2
+            else:
+                known = int(_is_user_file(code.co_filename))
+            self._user[code] = known
+        return known
+
+    def user(self, code) -> bool:
+        return self.kind(code) == 1
+
+    def profile(self, frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            kind = self.kind(code)
+            if kind == 1:
+                if code not in self.codes:
+                    self.codes[code] = frame.f_globals
+                    if code.co_freevars:
+                        self.closures.add(code)
+            elif kind == 2:
+                caller = frame.f_back
+                if caller is not None and self.user(caller.f_code):
+                    self.refused.append((f"random.{code.co_name}", _where(caller)))
+        elif event == "c_call" and self.user(frame.f_code):
+            try:
+                bad = self._bad.get(arg)
+            except TypeError:  # an unhashable callable
+                bad = None
+            bad = bad or _numpy_random_call(arg)
+            if bad is not None:
+                self.refused.append((bad, _where(frame)))
+            elif arg is print:
+                self.printed.append(_where(frame))
+
+
+def _where(frame) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+_recorders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_active: list = []  # the _Reads of the trace in progress
+
+
+def _reading_getattribute(self, name, _get=object.__getattribute__):
+    value = _get(self, name)
+    if _active and name not in _MODULE_INTERNALS and name in _get(self, "__dict__"):
+        _active[-1].attrs[(id(self), name)] = self
+    return value
+
+
+def _recorder(cls: type) -> type:
+    """``cls`` with attribute reads noted, under the same names."""
+    sub = _recorders.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__getattribute__": _reading_getattribute,
+                                          "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__,
+                                          "_autoshard_recorder": True})
+        _recorders[cls] = sub
+    return sub
+
+
+def user_class(mod: torch.nn.Module) -> type:
+    """The class of ``mod`` as its user wrote it, while a trace swaps it for a recorder."""
+    cls = type(mod)
+    return cls.__mro__[1] if cls.__dict__.get("_autoshard_recorder") else cls
+
+
+@contextlib.contextmanager
+def recording(model: torch.nn.Module):
+    """Note what the forward run inside reads; yields the ``_Reads``."""
+    reads = _Reads()
+    mods = list(dict.fromkeys(model.modules()))
+    classes = [type(m) for m in mods]
+    swapped = []
+    try:
+        for m, cls in zip(mods, classes):
+            try:
+                m.__class__ = _recorder(cls)
+                swapped.append((m, cls))
+            except TypeError:  # a class whose layout forbids it: its reads go unseen
+                pass
+        _active.append(reads)
+        states = _random_states()
+        previous = sys.getprofile()
+        sys.setprofile(reads.profile)
+        try:
+            yield reads
+        finally:
+            sys.setprofile(previous)
+            _active.pop()
+        if not reads.refused:  # drawn where the profile cannot see (a compiled function)
+            for name, (get, before) in states.items():
+                if not _same_state(get(), before):
+                    reads.refused.append((name, "a call the trace could not place"))
+    finally:
+        for m, cls in swapped:
+            m.__class__ = cls
+
+
+def _random_states() -> dict:
+    import random
+
+    states = {"random (Python's global random state advanced)": (random.getstate,
+                                                                  random.getstate())}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        states["numpy.random (NumPy's global random state advanced)"] = (
+            np.random.get_state, np.random.get_state())
+    return states
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return a == b
+
+
+def refuse_unfollowable(reads: _Reads, model_name: str) -> None:
+    """Refuse a capture that called what its graph cannot repeat; say once that print ran at
+    capture only."""
+    if reads.refused:
+        call, where = reads.refused[0]
+        raise AutoshardError(
+            f"{model_name}.forward calls {call} at {where}; a captured step would keep the "
+            "value it drew at capture on every call (and ranks with other seeds would run "
+            "different programs). Draw it with torch (torch.rand, torch.randint, "
+            "torch.bernoulli: traced, fresh on every call), or draw it outside the model and "
+            "pass it in as an input.")
+    for where in dict.fromkeys(reads.printed):
+        warnings.warn(f"print() in the model's forward ({where}) ran once, while the step "
+                      "was captured, on fake tensors; the captured step does not run it. "
+                      "Print from a forward hook (it runs on every call with real tensors) "
+                      "or from the training loop.", stacklevel=2)
+
+
+def build(model: torch.nn.Module, reads: _Reads, names: dict, hooked: Callable,
+          lifted=()) -> Guards:
+    """The guards of a program whose forward read ``reads``: ``names`` maps a module's id to
+    its path; ``hooked(module)`` the module's user hooks (a change to them recaptures);
+    ``lifted``: (module, attribute) of floats the graph takes as inputs, guarded only to
+    stay floats."""
+    lifted = {(id(m), n) for m, n in lifted}
+    objects: dict = {}
+    guards, pins = [], []
+    mods = list(dict.fromkeys(model.modules()))
+    for m in mods:
+        path = names.get(id(m), "?") or "(root)"
+        for attr in ("_modules", "_parameters", "_buffers"):
+            d = getattr(m, attr)
+            guards.append(Guard(f"module '{path}' {attr[1:]}",
+                                lambda d=d: (tuple(d), tuple(map(id, d.values()))), "tree"))
+        guards.append(Guard(f"hooks of module '{path}'", lambda m=m: hooked(m), "hooks"))
+        pins.extend(m._parameters.values())
+        pins.extend(m._buffers.values())
+        pins.extend(m._modules.values())
+    params = [p for m in mods for p in m._parameters.values() if p is not None]
+    guards.append(Guard("the parameters' dtype and device",
+                        lambda ps=params: tuple((p.dtype, p.device) for p in ps), "dtype"))
+    for (_, name), m in reads.attrs.items():
+        d = m.__dict__
+        path = names.get(id(m), "?") or "(root)"
+        what = f"attribute '{name}' of module '{path}' ({user_class(m).__name__})"
+        if (id(m), name) in lifted:
+            guards.append(Guard(what, lambda d=d, n=name: type(d.get(n)) is float, "lifted",
+                                key=(m, name)))
+            continue
+        guards.append(Guard(what, lambda d=d, n=name: freeze(d.get(n, _MISSING)), "attr",
+                            key=(m, name)))
+        value = d.get(name)
+        pins.append(value)
+        if is_plain_object(value) and id(value) not in objects:
+            objects[id(value)] = value  # a config many modules share: its fields, once
+            guards.append(Guard(f"fields of {type(value).__name__} object read as "
+                                f"'{path}.{name}'", lambda o=value: fields(o), "fields"))
+    seen = set()
+    for code, glb in reads.codes.items():
+        for name in code.co_names:
+            if (id(glb), name) in seen or name not in glb:
+                continue
+            seen.add((id(glb), name))
+            mod, value = glb.get("__name__", "?"), glb[name]
+            if issubclass(type(value), _IDENTITY):  # a function, class or module: the same one
+                guards.append(Guard(f"global '{name}' of {mod} (replaced)",
+                                    lambda g=glb, n=name, v=value: g.get(n) is v, "global"))
+            else:
+                guards.append(Guard(f"global '{name}' of {mod}",
+                                    lambda g=glb, n=name: freeze(g.get(n, _MISSING)), "global"))
+            pins.append(value)
+    if reads.closures:
+        for fn in gc.get_referrers(*reads.closures):
+            if not isinstance(fn, types.FunctionType) or fn.__closure__ is None:
+                continue
+            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+                try:
+                    value = cell.cell_contents
+                except ValueError:
+                    continue
+                if isinstance(value, _IDENTITY):
+                    continue  # the wrapped function of a decorator, a module
+                guards.append(Guard(f"closure variable '{var}' of {fn.__qualname__}",
+                                    lambda c=cell: freeze(_cell(c)), "closure"))
+                pins.append(value)
+    return Guards(guards, pins)
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _MISSING
