@@ -48,6 +48,11 @@ class _State:
     variants: dict = dataclasses.field(default_factory=dict)
     traced_hooks: frozenset = frozenset()  # forward hooks that return a value (hooks.Replaces)
     lifted: dict = dataclasses.field(default_factory=dict)  # (id, name) -> float attributes
+    entry: str = "forward"  # what this state's programs run, for messages
+    # (module, attribute) of every entry installed (submodules' forwards, methods), and the
+    # path of each submodule by id
+    entries: list = dataclasses.field(default_factory=list)
+    entry_names: dict = dataclasses.field(default_factory=dict)
 
 
 class ShardedModule(torch.nn.Module):
@@ -58,123 +63,32 @@ class ShardedModule(torch.nn.Module):
     _autoshard: _State
 
     def forward(self, *args, **kwargs):
-        st = self._autoshard
-        if st.exported is not None and st.exported.inference and torch.is_grad_enabled():
-            with torch.no_grad():  # an inference load holds forward-only programs
-                return self.forward(*args, **kwargs)
-        leaves, _ = tree_flatten((args, kwargs))
-        key = self._signature(leaves, args, kwargs)
-        st.agreement.step += 1
-        st.agreement(f"step {st.agreement.step}: forward", _describe(args, kwargs, key),
-                     exact=repr(key))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        for _ in range(2):  # again only if a hook turned out to change values
-            prog = self._program_for(args, kwargs, key)
-            st.last = prog
-            params = [mod._parameters[name] for mod, name in st.param_refs]
-            buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
-            replicas = _refresh_replicas(st, prog, params)
-            lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
-                      for m, n in prog.captured.lifted]
-            user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas,
-                                      st.pending)
-            if not prog.captured.taps:
-                break
-            try:
-                hooks.replay(prog.captured.taps, user[len(user) - prog.captured.n_taps:],
-                             st.traced_hooks)
-                break
-            except hooks.Replaces as r:  # trace it into the step and run the call again
-                st.traced_hooks = st.traced_hooks | {r.key}
-        if new_bufs:
-            with torch.no_grad():
-                for i, new in zip(prog.mutated_slots, new_bufs):
-                    buffers[i].copy_(new)
-        return prog.unflatten(user)
+        from autoshard.capture import tracing
 
-    def _program_for(self, args, kwargs, key) -> Program:
-        """The program for this call: the one whose guards all hold, or a new capture. A
-        float attribute that changed is read as an input from then on; a change that cannot
-        be followed (a new unsharded parameter, a device move), or a signature captured
-        ``RECAPTURE_LIMIT`` times, is refused naming it."""
-        st = self._autoshard
-        prog = st.programs.get(key)
-        if prog is not None and _holds(st, prog):
-            return prog
-        for other in st.variants.get(key, ()):
-            if other is not prog and _holds(st, other):
-                st.programs[key] = other
-                return other
-        if prog is not None and prog.captured.traced_hooks == st.traced_hooks:
-            _follow(self, st, prog.captured.guards, len(st.variants.get(key, ())))
-        return self._compile_for(args, kwargs, key, sharded=True)
+        if tracing():  # called from a registered method being captured: traced with it
+            return self._autoshard.orig_forward(self, *args, **kwargs)
+        return _call(self, self._autoshard, args, kwargs)
 
     # --- compile -------------------------------------------------------------------------
 
     def compile(self, *args, **kwargs) -> "ShardedModule":  # type: ignore[override]
         """Capture and compile for these example inputs now instead of on the first call."""
-        leaves, _ = tree_flatten((args, kwargs))
-        key = self._signature(leaves, args, kwargs)
-        if key not in self._autoshard.programs:
-            self._compile_for(args, kwargs, key, sharded=True)
+        st = self._autoshard
+        key = _signature(self, st, args, kwargs)
+        if key not in st.programs:
+            _compile_for(self, st, args, kwargs, key, sharded=True)
         return self
 
-    def _signature(self, leaves, args, kwargs):
-        st = self._autoshard
-        parts = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                if x.device != st.device:
-                    raise AutoshardError(
-                        f"an input tensor is on {x.device} but this rank's mesh device is "
-                        f"{st.device}; move inputs with .to({str(st.device)!r}) before calling "
-                        "the model"
-                    )
-                parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
-            else:
-                parts.append(("const", type(x).__name__, repr(x)))
-        _, spec = tree_flatten((args, kwargs))
-        grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
-        # gradients: reduced, kept local, or reduced with what earlier steps kept
-        sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
-                 else "local") if torch.is_grad_enabled() else "-")
-        return (str(spec), tuple(parts), self.training, torch.is_grad_enabled(), grads,
-                _compat.autocast_state(st.device.type), sync)
-
-    def _compile_for(self, args, kwargs, key, *, sharded: bool) -> Program:
-        st = self._autoshard
-        if st.exported is not None:
-            return self._stored(args, kwargs, key)
-        try:
-            prog = _compile(self, st, args, kwargs)
-        except AutoshardError as e:
-            if sharded:
-                raise AutoshardError(
-                    f"{e}\nThe parameters are already sharded; call sharded.full_state_dict() "
-                    "to get the full tensors back (for example to load into an unsharded "
-                    "copy), or pass example_inputs= to autoshard() so capture runs before "
-                    "anything is sharded."
-                ) from e.__cause__
-            raise
-        prog.described = (_describe(args, kwargs, key), key[2], key[3])
-        st.programs[key] = prog
-        st.variants.setdefault(key, []).append(prog)
-        return prog
-
-    def _stored(self, args, kwargs, key) -> Program:
-        """A loaded module's program for this call: one of the export's, or an error."""
-        st = self._autoshard
-        prog = st.exported.program(repr(key), self)
-        if prog is None:
-            calls = "\n".join(f"  {c}" for c in st.exported.calls)
-            raise AutoshardError(
-                f"this model was loaded from the export {st.exported.path}, which holds no "
-                f"program for this call:\n  {_describe(args, kwargs, key)}\nIt holds:\n"
-                f"{calls}\nCall it as one of those (the model's source, which could capture "
-                "another, is not part of an export), or export again after compiling this "
-                "call (sharded.compile(*inputs)).")
-        st.programs[key] = prog
-        return prog
+    def register_forward_method(self, name: str) -> None:
+        """Run the method ``name`` (``encode``, ``get_text_features``: code that reads the
+        parameters outside ``forward``) as a captured step of its own, with its gathers and
+        reductions, as FSDP2's ``register_fsdp_forward_method`` does. A submodule's own
+        ``forward`` needs no registration: calling ``sharded.lm_head(h)`` directly works."""
+        fn = getattr(type(self), name, None)
+        if not callable(fn) or name == "forward":
+            raise ValueError(f"{_user_class_name(self)} has no method {name!r} to register "
+                             "(forward is always captured)")
+        _install_entry(self, self._autoshard, name, fn)
 
     def export(self, path, *, inference: bool = True) -> None:
         """Write the compiled programs, the plan and the parameters to the directory ``path``
@@ -250,6 +164,158 @@ class ShardedModule(torch.nn.Module):
         localize_state_dict(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         optim.note_update(list(self.parameters()))
+
+
+def _call(module, st: _State, args, kwargs):
+    """One call of an entry (a sharded model's forward, a submodule called directly, a
+    registered method): its program for these inputs, run on the current parameters."""
+    if st.exported is not None and st.exported.inference and torch.is_grad_enabled():
+        with torch.no_grad():  # an inference load holds forward-only programs
+            return _call(module, st, args, kwargs)
+    leaves, _ = tree_flatten((args, kwargs))
+    key = _signature(module, st, args, kwargs)
+    st.agreement.step += 1
+    st.agreement(f"step {st.agreement.step}: {st.entry}", _describe(args, kwargs, key),
+                 exact=repr(key))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    for _ in range(2):  # again only if a hook turned out to change values
+        prog = _program_for(module, st, args, kwargs, key)
+        st.last = prog
+        params = [mod._parameters[name] for mod, name in st.param_refs]
+        buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
+        replicas = _refresh_replicas(st, prog, params)
+        lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
+                  for m, n in prog.captured.lifted]
+        user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas, st.pending)
+        if not prog.captured.taps:
+            break
+        try:
+            hooks.replay(prog.captured.taps, user[len(user) - prog.captured.n_taps:],
+                         st.traced_hooks)
+            break
+        except hooks.Replaces as r:  # trace it into the step and run the call again
+            st.traced_hooks = st.traced_hooks | {r.key}
+    if new_bufs:
+        with torch.no_grad():
+            for i, new in zip(prog.mutated_slots, new_bufs):
+                buffers[i].copy_(new)
+    return prog.unflatten(user)
+
+
+def _program_for(module, st: _State, args, kwargs, key) -> Program:
+    """The program for this call: the one whose guards all hold, or a new capture. A float
+    attribute that changed is read as an input from then on; a change that cannot be
+    followed (a new unsharded parameter, a device move), or a signature captured
+    ``RECAPTURE_LIMIT`` times, is refused naming it."""
+    prog = st.programs.get(key)
+    if prog is not None and _holds(st, prog):
+        return prog
+    for other in st.variants.get(key, ()):
+        if other is not prog and _holds(st, other):
+            st.programs[key] = other
+            return other
+    if prog is not None and prog.captured.traced_hooks == st.traced_hooks:
+        _follow(module, st, prog.captured.guards, len(st.variants.get(key, ())))
+    return _compile_for(module, st, args, kwargs, key, sharded=True)
+
+
+def _signature(module, st: _State, args, kwargs):
+    parts = []
+    leaves, spec = tree_flatten((args, kwargs))
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if x.device != st.device:
+                raise AutoshardError(
+                    f"an input tensor is on {x.device} but this rank's mesh device is "
+                    f"{st.device}; move inputs with .to({str(st.device)!r}) before calling "
+                    "the model"
+                )
+            parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
+        else:
+            parts.append(("const", type(x).__name__, repr(x)))
+    grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
+    # gradients: reduced, kept local, or reduced with what earlier steps kept
+    sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
+             else "local") if torch.is_grad_enabled() else "-")
+    return (str(spec), tuple(parts), module.training, torch.is_grad_enabled(), grads,
+            _compat.autocast_state(st.device.type), sync)
+
+
+def _compile_for(module, st: _State, args, kwargs, key, *, sharded: bool) -> Program:
+    if st.exported is not None:
+        return _stored(module, st, args, kwargs, key)
+    try:
+        prog = _compile(module, st, args, kwargs)
+    except AutoshardError as e:
+        if sharded:
+            raise AutoshardError(
+                f"{e}\nThe parameters are already sharded; call sharded.full_state_dict() "
+                "to get the full tensors back (for example to load into an unsharded "
+                "copy), or pass example_inputs= to autoshard() so capture runs before "
+                "anything is sharded."
+            ) from e.__cause__
+        raise
+    prog.described = (_describe(args, kwargs, key), key[2], key[3])
+    st.programs[key] = prog
+    st.variants.setdefault(key, []).append(prog)
+    return prog
+
+
+def _stored(module, st: _State, args, kwargs, key) -> Program:
+    """A loaded module's program for this call: one of the export's, or an error."""
+    prog = st.exported.program(repr(key), module)
+    if prog is None:
+        calls = "\n".join(f"  {c}" for c in st.exported.calls)
+        raise AutoshardError(
+            f"this model was loaded from the export {st.exported.path}, which holds no "
+            f"program for this call:\n  {_describe(args, kwargs, key)}\nIt holds:\n"
+            f"{calls}\nCall it as one of those (the model's source, which could capture "
+            "another, is not part of an export), or export again after compiling this "
+            "call (sharded.compile(*inputs)).")
+    st.programs[key] = prog
+    return prog
+
+
+def _entry_state(root_st: _State, module, name: str, fn) -> _State:
+    """The state of an entry other than the root's forward: the root's mesh, config and
+    agreement, its own programs over ``module``'s parameters."""
+    st = _State(root_st.mesh, root_st.device, root_st.config, fn, fqn_aliases(module),
+                agreement=root_st.agreement, entry=name)
+    st.param_refs = _refs(module, "_parameters", module.named_parameters())
+    st.buffer_refs = _refs(module, "_buffers", module.named_buffers())
+    return st
+
+
+def _install_entry(module, root_st: _State, name: str, fn) -> None:
+    """Make ``module.<name>`` run as its own captured step when called from outside a
+    capture; inside one (the root's forward calling it) the original runs, to be traced."""
+    import functools
+
+    from autoshard.capture import tracing
+
+    label = f"{_user_class_name(module)}.{name}" if name != "forward" else \
+        f"{root_st.entry_names.get(id(module), '?')} (called directly)"
+    state: list = []
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        if tracing():
+            return fn(module, *args, **kwargs)
+        if not state:
+            state.append(_entry_state(root_st, module, label, fn))
+        st = state[0]
+        st.grad_sync = root_st.grad_sync
+        return _call(module, st, args, kwargs)
+
+    entry._autoshard_entry = True
+    module.__dict__[name] = entry
+    root_st.entries.append((module, name))
+
+
+def _user_class_name(module) -> str:
+    from autoshard.capture import _class_name
+
+    return _class_name(module)
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
@@ -662,6 +728,16 @@ def _refs(model, attr: str, named) -> list:
     return out
 
 
+def _install_submodule_entries(model, st: _State) -> None:
+    """Every submodule holding parameters can be called directly (a chunked loss calling
+    ``lm_head``, one block run alone): its forward becomes an entry of its own."""
+    for path, mod in model.named_modules():
+        if mod is model or "forward" in mod.__dict__ or next(mod.parameters(), None) is None:
+            continue
+        st.entry_names[id(mod)] = path
+        _install_entry(mod, st, "forward", type(mod).forward)
+
+
 def _sharded_class(cls: type) -> type:
     if issubclass(cls, ShardedModule):
         return cls
@@ -744,11 +820,13 @@ def autoshard(
         model._autoshard = st
         st.param_refs = _refs(model, "_parameters", model.named_parameters())
         st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
+        _install_submodule_entries(model, st)
         if example_inputs is not None:
-            leaves, _ = tree_flatten((args, kwargs))
-            model._compile_for(args, kwargs, model._signature(leaves, args, kwargs),
-                               sharded=False)
+            _compile_for(model, st, args, kwargs, _signature(model, st, args, kwargs),
+                         sharded=False)
     except BaseException:
+        for mod, name in st.entries:
+            mod.__dict__.pop(name, None)
         undo()
         model.__class__ = cls
         model.__dict__.pop("_autoshard", None)

@@ -71,6 +71,24 @@ class _TensorSlot:
 TENSOR = _TensorSlot()
 
 
+_tracing_depth = [0]
+
+
+def tracing() -> bool:
+    """Whether a capture is tracing a forward now (a submodule's or method's entry then
+    runs the original code, to be traced; see ``api._install_entry``)."""
+    return _tracing_depth[0] > 0
+
+
+@contextlib.contextmanager
+def _traced():
+    _tracing_depth[0] += 1
+    try:
+        yield
+    finally:
+        _tracing_depth[0] -= 1
+
+
 def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
     if t.device.type == "meta":  # planning a meta-device model: buffers live on ``device``
         with fake_mode:
@@ -231,7 +249,7 @@ def capture(
         with _lifting(lifted, lifts), _compat.reparametrize(model, state), \
                 hooks.tapping(model, traced_hooks, taps, tapped), \
                 _track_modules(model, stack), _track_checkpoints(), \
-                guards.recording(model) as reads:
+                guards.recording(model) as reads, _traced():
             rec["reads"] = reads
             out = _cast_floating(forward(model, *a, **kw), output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
