@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import autoshard
-from autoshard.runtime.storage import init_steps
+from autoshard.runtime.materialize import init_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):
