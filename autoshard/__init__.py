@@ -21,6 +21,7 @@ from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 from autoshard.check import CheckReport, check  # noqa: E402
 from autoshard.runtime.export import load  # noqa: E402
+from autoshard.runtime.materialize import deferred_init  # noqa: E402
 
-__all__ = ["autoshard", "plan", "check", "load", "CheckReport", "ShardedModule", "Config", "Plan",
-           "AutoshardError"]
+__all__ = ["autoshard", "plan", "check", "load", "deferred_init", "CheckReport", "ShardedModule",
+           "Config", "Plan", "AutoshardError"]

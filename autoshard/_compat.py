@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
@@ -309,3 +310,9 @@ def new_node(graph, target, args, kwargs, name=None):
     if args or kwargs:
         new._update_args_kwargs(args, kwargs)
     return new
+
+
+def set_versions(tensors, versions) -> None:
+    """Set the tensors' version counters (``t._version``): a meta-device model's counters say
+    how often its constructor wrote each tensor, and materialising it writes through them."""
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))

@@ -771,11 +771,15 @@ def autoshard(
     A meta-device model is materialised one module at a time: the module's own tensors are
     allocated full size on the mesh device, initialised, cut to this rank's rows and freed
     before the next, so memory peaks near this rank's shards plus the largest module. The
-    initialisation replays what building the model on the device does, in its order: every
-    layer's ``reset_parameters()`` (children first, in registration order), a Hugging Face
-    model's ``_init_weights`` (its post_init, rotary ``inv_freq`` included), then
-    ``param_init_fn``; with the same seed the shards are bitwise the rows of the model built
-    on the device. A tensor nothing initialises raises ``ValueError`` naming it.
+    initialisation replays what building the model on the device does, in its order: for a
+    model built under ``autoshard.deferred_init()``, every op its constructor ran on its
+    tensors; otherwise every layer's ``reset_parameters()`` (children first, in registration
+    order) and a Hugging Face model's ``_init_weights`` (its post_init, rotary ``inv_freq``
+    included); then ``param_init_fn``. With the same seed the shards are bitwise the rows of
+    the model built on the device. A tensor nothing initialises, and one the constructor wrote
+    beyond what can be replayed (an ``nn.init`` call in ``__init__`` of a model built under
+    plain ``torch.device("meta")``) that ``param_init_fn`` does not initialise, raise
+    ``ValueError`` naming it.
 
     All or nothing: if anything fails (a model another wrapper such as FSDP2's
     ``fully_shard`` already distributes, an initialisation error, a capture error with

@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import sys
+import weakref
 from typing import Callable, Optional
 
 import torch
+import torch.utils._pytree as _pytree
+import torch.utils.weak as weakref_utils
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_map_only
 
@@ -59,6 +63,9 @@ class _Step:
     # a deep copy of another module at construction (nn.TransformerEncoder's layers): it
     # draws what that step drew, from the same generator state, and advances nothing
     same_draws_as: Optional[int] = None
+    # a step replaying one op recorded by deferred_init(): its tape and the op's index there
+    tape: Optional["_Tape"] = None
+    entry: Optional[int] = None
 
 
 def _slots(model: torch.nn.Module) -> dict:
@@ -147,40 +154,371 @@ def _construction_copies(model: torch.nn.Module) -> dict:
     return out
 
 
+# --- recording what a constructor initialises: deferred_init() ----------------------------------
+#
+# A model built under plain ``torch.device("meta")`` has lost what its constructor wrote beyond
+# its layers' reset_parameters() (nanoGPT's ``self.apply(self._init_weights)``, a ViT's
+# ``nn.Parameter(torch.randn(...))``, a rotary table): meta tensors hold no values. Built under
+# ``deferred_init()``, every op the constructor runs on meta tensors is recorded in order; a
+# step per op that writes a model tensor replays it on the device, the ops it reads from
+# (intermediates, other tensors' values at that point) recomputed with the random number
+# generator rewound to where each of them drew, so the values are those building on the device
+# gives, whatever order the module-by-module materialisation runs them in.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ref:
+    """A recorded meta tensor: which storage, and how it views it."""
+
+    key: StorageWeakRef
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    size: int  # elements of dtype in the storage
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "_Ref":
+        st = t.untyped_storage()
+        return cls(StorageWeakRef(st), tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                   t.dtype, st.nbytes() // max(t.element_size(), 1))
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    """One op the constructor ran, with its meta tensors as ``_Ref``s."""
+
+    index: int
+    func: Callable
+    args: tuple
+    kwargs: dict
+    writes: list  # storage keys written in place
+    fresh: list  # (position in the flat outputs, _Ref) of outputs with storage of their own
+    reads: list  # storage keys of every meta tensor argument
+    random: bool  # draws from the random number generator
+    overwrites: set  # storage keys it gives every element of without reading them
+
+    @property
+    def empty(self) -> bool:
+        return self.func._schema.name in _EMPTY_OPS
+
+    def created(self) -> list:
+        return [] if self.empty else [r.key for _, r in self.fresh]
+
+
+_SERIALS = itertools.count()
+
+
+class _Record(_compat.TorchDispatchMode):
+    """Records every op on meta tensors while a model is built (see ``deferred_init``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.serial = next(_SERIALS)  # records in the order they were made
+        self.entries = []
+        self.storages = []  # keeps every recorded storage alive: its key stays unique
+        self.marks = {}  # id(module) -> (weakref, number of entries when a tensor or child
+        #                  was last registered on it)
+        self.tensors = []  # parameters, buffers and modules registered while recording
+        self.created = set()  # storage keys of every tensor the recorded ops made
+
+    def _ref(self, t: torch.Tensor):
+        if t.device.type != "meta":
+            return t  # a real tensor: its value is there
+        self.storages.append(t.untyped_storage())
+        return _Ref.of(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat = [t for t in _pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if not any(t.device.type == "meta" for t in flat):
+            return out
+        schema = func._schema
+        writes = []
+        for i, a in enumerate(schema.arguments):
+            val = args[i] if i < len(args) else kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write:
+                writes.extend(_swr(t) for t in _tensors(val) if t.device.type == "meta")
+        outs = _pytree.tree_leaves(out)
+        fresh = [(i, _Ref.of(o)) for i, (o, r) in enumerate(zip(outs, _returns(schema, outs)))
+                 if isinstance(o, torch.Tensor) and o.device.type == "meta" and r is None]
+        self.created.update(r.key for _, r in fresh)
+        rargs, rkwargs = tree_map_only(torch.Tensor, self._ref, (args, kwargs))
+        for o in outs:
+            if isinstance(o, torch.Tensor) and o.device.type == "meta":
+                self.storages.append(o.untyped_storage())
+        reads = [r.key for r in _pytree.tree_leaves((rargs, rkwargs)) if isinstance(r, _Ref)]
+        overwrites = set()
+        if schema.name not in _EMPTY_OPS:
+            overwrites.update(_swr(o) for o in outs if isinstance(o, torch.Tensor)
+                              and o.device.type == "meta" and _whole(o))
+        if schema.name in _OVERWRITE_OPS:
+            for i, a in enumerate(schema.arguments):
+                val = args[i] if i < len(args) else kwargs.get(a.name)
+                if a.alias_info is not None and a.alias_info.is_write:
+                    overwrites.update(_swr(t) for t in _tensors(val)
+                                      if t.device.type == "meta" and _whole(t))
+        overwrites &= set(writes) | {r.key for _, r in fresh}
+        self.entries.append(_Entry(len(self.entries), func, rargs, rkwargs, writes, fresh, reads,
+                                   torch.Tag.nondeterministic_seeded in func.tags, overwrites))
+        return out
+
+    def _registered(self, module, name, value):
+        self.marks[id(module)] = (weakref.ref(module), len(self.entries))
+        self.tensors.append(value)
+
+    def recorded(self) -> list:
+        """The meta tensors registered while recording that the recorded ops made, those of
+        registered modules too (layers deep-copied in a constructor register nothing)."""
+        out, seen = [], set()
+        for v in self.tensors:
+            ts = ([v] if isinstance(v, torch.Tensor) else
+                  list(v.parameters()) + list(v.buffers()) if isinstance(v, torch.nn.Module)
+                  else [])
+            for t in ts:
+                if (id(t) not in seen and t.device.type == "meta"
+                        and _swr(t) in self.created):
+                    seen.add(id(t))
+                    out.append(t)
+        return out
+
+    def mark(self, module: torch.nn.Module):
+        """Where ``module``'s construction ended on the tape (its last registration)."""
+        ref, pos = self.marks.get(id(module), (None, None))
+        return pos if ref is not None and ref() is module else None
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """``t`` covers all of its storage."""
+    size = t.untyped_storage().nbytes() // max(t.element_size(), 1)
+    return t.storage_offset() == 0 and t.is_contiguous() and t.numel() == size
+
+
+def _returns(schema, outs) -> list:
+    """The alias info of each flat output (a tensor list returns as many as it holds)."""
+    infos = [r.alias_info for r in schema.returns]
+    if len(infos) == len(outs):
+        return infos
+    return [infos[0] if infos else None] * len(outs)
+
+
+# recorded tensor -> (its _Record, its version counter when recording ended); filled only
+# inside deferred_init(), an entry goes when its tensor does
+_RECORDED = weakref_utils.WeakIdKeyDictionary()
+
+
+@contextlib.contextmanager
+def deferred_init():
+    """Build a model on the meta device and record how its constructor initialises it, so that
+    ``autoshard()`` gives each tensor exactly the values building it on the device gives::
+
+        with autoshard.deferred_init():
+            model = GPT(config)          # on the meta device: no memory
+        torch.manual_seed(0)             # the seed the device build would use
+        model = autoshard(model)         # each rank: its rows of what GPT(config) draws
+
+    Everything the constructor does to the tensors is recorded (``torch.nn.init`` calls, in-place
+    ops, ``nn.Parameter(torch.randn(...))``, tables computed from ``torch.arange``, deep copies of
+    layers) and replayed by ``autoshard()`` module by module; a Hugging Face model's
+    ``_init_weights`` (which transformers skips on the meta device) runs where its post_init
+    ran. Outside this context a constructor's own initialisation is lost on the meta device;
+    ``autoshard()`` then refuses a tensor whose constructor wrote it beyond its layer's
+    ``reset_parameters()``. Values the recording cannot see are not replayed: the data of
+    ``torch.tensor(...)`` on the meta device (a tensor initialised only that way is named as
+    uninitialised), and writes through ``.data`` made after the context ends.
+
+    The recording is kept, for each parameter and buffer registered inside the context, while
+    that tensor lives; nothing is recorded outside the context.
+    """
+    from torch.nn.modules import module as nn_module
+
+    rec = _Record()
+    hooks = [nn_module.register_module_parameter_registration_hook(rec._registered),
+             nn_module.register_module_buffer_registration_hook(rec._registered),
+             nn_module.register_module_module_registration_hook(rec._registered)]
+    try:
+        with torch.device("meta"), rec:
+            yield
+    finally:
+        for h in hooks:
+            h.remove()
+    for t in rec.recorded():
+        _RECORDED[t] = (rec, t._version)
+    rec.tensors = []
+
+
+class _Tape:
+    """One record's ops as init steps of a model: a step for each op that writes a model
+    tensor (``run``), and one for each other op that draws random numbers (only to draw them,
+    as building on the device does)."""
+
+    def __init__(self, rec: _Record, lookup: dict):
+        self.rec, self.entries = rec, rec.entries
+        self.lookup = lookup  # storage key -> _Slot of the model's meta tensors
+        self.writers = {}  # storage key -> indices of the entries that write it, in order
+        for e in self.entries:
+            for k in dict.fromkeys(e.writes + e.created()):
+                self.writers.setdefault(k, []).append(e.index)
+        self.step_of = {}  # entry index -> its step's index (set by init_steps)
+        self.mat = None  # the _Materializer running the steps
+
+    def step(self, e: _Entry, names: dict, root: torch.nn.Module) -> Optional[_Step]:
+        written = [self.lookup[k] for k in e.writes + e.created() if k in self.lookup]
+        if not written and not e.random:
+            return None  # an intermediate: computed where a step reads it
+        m = written[0].module if written else root
+        label = f"{e.func} (recorded by deferred_init)"
+        return _Step(m, names[id(m)], label, functools.partial(self.run, e.index), True,
+                     tape=self, entry=e.index)
+
+    def _program(self, e: _Entry, own: set) -> list:
+        """The entries to run before ``e`` so that what it reads (but ``own``) has its value:
+        for each storage, its writes back to the last one that overwrites all of it."""
+        need, stack = set(), [(k, e.index) for k in e.reads if k not in own]
+        while stack:
+            key, before = stack.pop()
+            for i in reversed(self.writers.get(key, ())):
+                if i >= before:
+                    continue
+                w = self.entries[i]
+                if i not in need:
+                    need.add(i)
+                    stack.extend((k, i) for k in w.reads if k not in w.overwrites)
+                if key in w.overwrites:
+                    break
+        return sorted(need)
+
+    def run(self, index: int) -> None:
+        """Replay entry ``index`` on the device (inside a step: model tensors it writes are the
+        step's stand-ins); what it reads is recomputed first, each op that draws random
+        numbers from where it drew them when the model was built."""
+        mat, e = self.mat, self.entries[index]
+        device = mat.device
+        own = {k for k in e.writes + e.created() if k in self.lookup}
+        env = {}
+
+        def local(r: _Ref) -> torch.Tensor:
+            base = env.get(r.key)
+            if base is None:
+                base = env[r.key] = torch.empty(r.size, dtype=r.dtype, device=device)
+            return base.as_strided(r.shape, r.stride, r.offset)
+
+        def target(r: _Ref) -> torch.Tensor:
+            if r.key in own:  # through the step's mode: its stand-in for the model tensor
+                return self.lookup[r.key].tensor.as_strided(r.shape, r.stride, r.offset)
+            return local(r)
+
+        start = _rng_state(device)
+        if own:  # (a step that only draws needs no values)
+            for i in self._program(e, own):
+                w = self.entries[i]
+                if w.random:
+                    _set_rng_state(device, mat.states[self.step_of[i]])
+                self._exec(w, local, device)
+            _set_rng_state(device, start)
+        self._exec(e, target, device)
+
+    @staticmethod
+    def _exec(e: _Entry, resolve: Callable, device: torch.device) -> None:
+        if e.empty:
+            return  # uninitialised memory: nothing to compute
+        args, kwargs = tree_map_only(_Ref, resolve, (e.args, e.kwargs))
+        args, kwargs = tree_map_only(
+            torch.device, lambda d: device if d.type == "meta" else d, (args, kwargs))
+        outs = _pytree.tree_leaves(e.func(*args, **kwargs))
+        for pos, r in e.fresh:
+            resolve(r).copy_(outs[pos])
+
+
 def init_steps(model: torch.nn.Module, param_init_fn=None) -> list:
     """The initialisation calls building ``model`` on a device makes, in their order:
 
-    1. every module's ``reset_parameters()`` (modules with parameters or buffers of their
-       own), children before their parent, in registration order (the layers of an
+    1. for tensors built under ``deferred_init()``: every op their constructor ran on them,
+       in the order it ran (a Hugging Face model's post_init where it ran);
+    2. every other module's ``reset_parameters()`` (modules with parameters or buffers of
+       their own), children before their parent, in registration order (the layers of an
        ``nn.TransformerEncoder``/``Decoder``, deep copies of one layer, draw its values);
-    2. for a Hugging Face ``PreTrainedModel`` (also one nested inside, e.g. ``LlamaModel``
+    3. for a Hugging Face ``PreTrainedModel`` (also one nested inside, e.g. ``LlamaModel``
        inside ``LlamaForCausalLM``), right after its own modules: its post_init, which calls
        ``_init_weights`` on each of its modules not initialised yet, children first;
-    3. ``param_init_fn(module)`` on every module, children first (``model.apply``'s order),
+    4. ``param_init_fn(module)`` on every module, children first (``model.apply``'s order),
        as code run after the model is built (after weights are tied).
     """
     names = {id(m): n for n, m in model.named_modules()}
     copies = _construction_copies(model)
-    steps, hf_done, reset_step = [], set(), {}
+    slots = _slots(model)
+    records = {}
+    for s in slots.values():
+        if s.meta and s.tensor in _RECORDED:
+            rec = _RECORDED[s.tensor][0]
+            records[id(rec)] = rec
+    records = sorted(records.values(), key=lambda r: r.serial)
+    steps, hf_done, reset_step, hf_at = [], set(), {}, {}
     for m in _post_order(model):
         reset = _reset_method(m)
-        if reset is not None:
+        if reset is not None and not _built_recorded(m, names):
             source = copies.get(id(m))
             reset_step[id(m)] = len(steps)
             steps.append(_Step(m, names[id(m)], f"{type(m).__name__}.{reset[1]}", reset[0],
                                True, reset_step.get(id(source)) if source else None))
         if _hf_pretrained(m):
+            post_init = []
             for x in _post_order(m):
                 if id(x) in hf_done or getattr(x, "_is_hf_initialized", False):
                     continue
                 hf_done.add(id(x))
-                steps.append(_Step(x, names[id(x)], f"{type(m).__name__}._init_weights",
-                                   functools.partial(_hf_init_weights, m, x), True))
+                post_init.append(_Step(x, names[id(x)], f"{type(m).__name__}._init_weights",
+                                       functools.partial(_hf_init_weights, m, x), True))
+            # built under deferred_init(): where its constructor ended on the tape
+            at = next(((r, pos) for r in records if (pos := r.mark(m)) is not None), None)
+            if at is None:
+                steps.extend(post_init)
+            else:
+                hf_at.setdefault((id(at[0]), at[1]), []).extend(post_init)
+    recorded = []
+    if records:
+        lookup = {_swr(s.tensor): s for s in slots.values() if s.meta}
+        for rec in records:
+            tape = _Tape(rec, lookup)
+            for e in rec.entries:
+                recorded.extend(hf_at.pop((id(rec), e.index), []))
+                step = tape.step(e, names, model)
+                if step is not None:
+                    recorded.append(step)
+            recorded.extend(hf_at.pop((id(rec), len(rec.entries)), []))
+        for s in steps:
+            if s.same_draws_as is not None:
+                s.same_draws_as += len(recorded)
+    steps = recorded + steps
+    for i, s in enumerate(steps):
+        if s.tape is not None:
+            s.tape.step_of[s.entry] = i
     if param_init_fn is not None:
         for m in _post_order(model):
             steps.append(_Step(m, names[id(m)], "param_init_fn",
                                functools.partial(param_init_fn, m), False))
     return steps
+
+
+def _built_recorded(m: torch.nn.Module, names: dict) -> bool:
+    """Whether ``m``'s own meta tensors were built under ``deferred_init()`` (so its
+    reset_parameters() is on the tape); ``ValueError`` if only some of them were."""
+    own = [(n, t, kind) for kind, table in (("parameter", m._parameters),
+                                              ("buffer", m._buffers))
+           for n, t in table.items() if t is not None and t.device.type == "meta"]
+    flags = [t in _RECORDED for _, t, _ in own]
+    if all(flags) or not any(flags):
+        return bool(own) and all(flags)
+    n, _, kind = own[flags.index(False)]
+    path = names[id(m)]
+    raise ValueError(
+        f"{kind} '{path + '.' if path else ''}{n}' ({type(m).__name__}) belongs to a module "
+        "built under deferred_init() but was not made by an op it recorded (it was created "
+        "outside the block, or by torch.tensor(...), whose data the meta device drops), so "
+        "autoshard cannot tell how building on the device initialises it. Create it inside "
+        "the block from torch factory functions (torch.full, torch.zeros, ...), or pass "
+        "param_init_fn. The model is unchanged.")
 
 
 _EMPTY_OPS = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
@@ -312,6 +650,11 @@ class _Materializer:
         self.local = local  # (_Slot, full tensor) -> what this rank keeps
         self.lookup = {k: s for s in slots.values() if (k := _swr(s.tensor)) is not None}
         self.tensors = {}  # id(slot) -> kept tensor (local shard of a parameter, or buffer)
+        self.states = []  # step index -> generator state before it (pass 1)
+        self.writes = None  # id(slot) -> in-place writes of construction steps (pass 1)
+        for step in steps:
+            if step.tape is not None:
+                step.tape.mat = self
 
     # -- running one step -------------------------------------------------------------------
 
@@ -351,6 +694,8 @@ class _Materializer:
                     else:
                         full, valid = self._stand_in(slot), not slot.meta
                     mode.use(full, _Use(slot, counts(slot), valid))
+                    if counts(slot):  # the same stand-in however the step reaches it
+                        mode.subs[id(slot)] = full
                     installed[(is_param, name)] = (slot, full)
                     table[name] = (torch.nn.Parameter(full, requires_grad=t.requires_grad)
                                    if is_param else full)
@@ -361,6 +706,8 @@ class _Materializer:
                 raise AutoshardError(
                     f"initialising the meta-device model failed in {step.label} on module "
                     f"'{step.path}' ({type(m).__name__}): {type(e).__name__}: {e}") from e
+            if self.writes is not None and step.before_ties:
+                self._count_writes(m, mode, installed)
             after = {}
             for (is_param, name), (slot, full) in installed.items():
                 table = m._parameters if is_param else m._buffers
@@ -390,6 +737,53 @@ class _Materializer:
             m._buffers.update(buffers)
         self._check_untouched(step)
         return mode, after
+
+    def _count_writes(self, m, mode: _StepMode, installed: dict) -> None:
+        """Add the in-place writes a construction step made to each model tensor (its
+        version counter's count) to ``self.writes``: what building on the meta device counted
+        on the tensor, if the constructor did nothing else to it."""
+        seen = {}
+        for (is_param, name), (slot, full) in installed.items():
+            now = (m._parameters if is_param else m._buffers).get(name)
+            if mode.uses[_swr(full)].counts:
+                seen[id(slot)] = now if isinstance(now, torch.Tensor) else full
+        for sid, full in mode.subs.items():
+            if mode.uses[_swr(full)].counts:
+                seen.setdefault(sid, full)
+        for sid, t in seen.items():
+            self.writes[sid] = self.writes.get(sid, 0) + t._version
+
+    def _check_lost_writes(self, history: dict) -> None:
+        """A meta tensor the constructor wrote more often than the steps replayed (an
+        ``nn.init`` call in ``__init__`` beyond its layer's reset_parameters(), or a write
+        after a deferred_init() block) would get other values than building on the device:
+        refused, naming it, unless param_init_fn initialises it."""
+        lost = []
+        meta = [s for s in self.slots.values() if s.meta]
+        for s, version in zip(meta, self.versions):
+            rec = _RECORDED.get(s.tensor)
+            # a step reaching a tensor of another module writes through its meta tensor
+            expected = rec[1] if rec is not None else (
+                self.writes.get(id(s), 0) + s.tensor._version - version)
+            if version > expected and not any(
+                    self.steps[i].label == "param_init_fn" for i in history.get(id(s), ())):
+                lost.append(s)
+        if not lost:
+            return
+        names = ", ".join(s.describe() for s in lost[:8])
+        more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
+        after = any(_RECORDED.get(s.tensor) is not None for s in lost)
+        raise ValueError(
+            f"the model is on the meta device and {names}{more} "
+            + ("was" if len(lost) == 1 else "were")
+            + (" written after its deferred_init() block ended"
+               if after else " written while the model was built (an nn.init call or an "
+               "in-place op in a constructor, beyond its layer's reset_parameters())")
+            + ": those values are not on the meta device, so autoshard cannot give them as "
+            "building the model on the device does. Build the model under "
+            "`with autoshard.deferred_init():` (every init its constructor makes is then "
+            "recorded and replayed), or pass autoshard(model, param_init_fn=fn) where fn(module) "
+            "initialises these tensors. The model is unchanged.")
 
     def _check_untouched(self, step: _Step) -> None:
         """A step may only change tensors through autoshard's stand-ins: the model itself (its
@@ -427,6 +821,8 @@ class _Materializer:
         if missing:  # say so before running anything
             _raise_uninitialised(missing, self.steps)
         start = _rng_state(self.device)
+        meta = [s.tensor for s in self.slots.values() if s.meta]
+        self.versions = [t._version for t in meta]  # steps reaching them bump them
         tables = [(m, dict(m._parameters), dict(m._buffers)) for m in self.model.modules()]
         data = {id(s): s.tensor.data for s in self.slots.values()}
         ok = False
@@ -438,6 +834,7 @@ class _Materializer:
             raise
         finally:
             changed = self._restore(tables, data)
+            _compat.set_versions(meta, self.versions)
         if ok and changed:
             raise AutoshardError(
                 f"initialising the meta-device model replaced {changed[0]} instead of "
@@ -466,8 +863,12 @@ class _Materializer:
         return changed
 
     def _passes(self) -> None:
-        states, kept, history = [], {}, {}  # history: id(slot) -> steps that wrote it
+        states, kept, history = self.states, {}, {}  # history: id(slot) -> steps writing it
+        self.writes = {}
         sources = {s.same_draws_as for s in self.steps}
+        # a recorded op that draws: ops reading what it drew rewind to where it drew
+        sources.update(i for i, s in enumerate(self.steps)
+                       if s.tape is not None and s.tape.entries[s.entry].random)
         for i, step in enumerate(self.steps):
             resume = None
             if step.same_draws_as is not None:
@@ -504,6 +905,8 @@ class _Materializer:
         missing = [s for s in self.slots.values() if s.meta and id(s) not in history]
         if missing:
             _raise_uninitialised(missing, self.steps)
+        self._check_lost_writes(history)
+        self.writes = None
 
         groups = {}
         for s in self.slots.values():

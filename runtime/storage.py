@@ -148,10 +148,12 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     and buffers are allocated full size on ``device``, initialised, sliced to this rank's rows
     and freed before the next module, so host/device memory peaks near this rank's shards plus
     the largest module. They are initialised as building the model on ``device`` would
-    (``init_steps``: each layer's ``reset_parameters()``, a Hugging Face model's
+    (``materialize.init_steps``: the ops a constructor run under ``deferred_init()``
+    recorded, or each layer's ``reset_parameters()`` and a Hugging Face model's
     ``_init_weights``), then by ``param_init_fn(module)`` if given, children first; with the
     same seed, the shards are bitwise the rows of the model built on ``device``. A meta
-    tensor nothing initialises raises ``ValueError`` naming it.
+    tensor nothing initialises, or whose constructor's writes cannot be replayed, raises
+    ``ValueError`` naming it.
 
     Rows are split over the mesh's last dimension and replicated over the others (a 2-D
     ("replicate", "shard") mesh, HSDP); ``strategy="ddp"``: every parameter is replicated

@@ -11,6 +11,7 @@ module's own tensors, the bound materialising module by module aims at.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import autoshard
+from autoshard import deferred_init as autoshard_deferred_init
 from autoshard.runtime.materialize import init_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +40,76 @@ def embedding_init(module: nn.Module) -> None:
 
 
 INIT_FNS = {"gpt": embedding_init}
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's initialisation: the constructor ties the head to the token embedding, applies
+    its own _init_weights (std 0.02, zero biases) and then draws every c_proj weight again
+    with std 0.02 / sqrt(2 * n_layer)."""
+
+    def __init__(self, vocab=64, block=16, n_layer=2, dim=32):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, dim), wpe=nn.Embedding(block, dim),
+            h=nn.ModuleList(nn.ModuleDict(dict(
+                ln_1=nn.LayerNorm(dim), c_attn=nn.Linear(dim, 3 * dim),
+                c_proj=nn.Linear(dim, dim))) for _ in range(n_layer)),
+            ln_f=nn.LayerNorm(dim)))
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+class Drawn(nn.Module):
+    """Values a constructor computes itself: a parameter from torch.randn scaled out of place,
+    a rotary table from torch.arange, a weight scaled in place after its layer drew it, and
+    layers deep-copied from one (nn.TransformerEncoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.cls = nn.Parameter(torch.randn(1, 8) * 0.02)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)),
+                             persistent=False)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            8, 2, 16, dropout=0.0), 2, enable_nested_tensor=False)
+        with torch.no_grad():
+            self.proj.weight.mul_(0.5)
+
+
+# built under autoshard.deferred_init(), with no param_init_fn
+DEFERRED_CASES = {"nanogpt": NanoGPT, "drawn": Drawn, "gpt": CASES["gpt"][0],
+                  "hf_llama": CASES["hf_llama"][0], "hf_gpt2": CASES["hf_gpt2"][0]}
+DEFERRED_WORLD2 = ["nanogpt", "drawn"]
+
+
+def device_state(build) -> tuple:
+    """``build()`` on the CPU with seed 0: every parameter and buffer, and the next draws."""
+    torch.manual_seed(0)
+    model = build()
+    after = torch.rand(4)
+    state = {k: v.detach() for k, v in model.named_parameters()}
+    state.update({k: v.detach() for k, v in model.named_buffers()})
+    return state, after
+
+
+def shard_deferred(build, **kwargs) -> nn.Module:
+    """``build()`` under autoshard.deferred_init(), then autoshard() with seed 0."""
+    with autoshard_deferred_init():
+        model = build()
+    torch.manual_seed(0)
+    return autoshard(model, **kwargs)
 
 
 def build_on_device(name: str) -> nn.Module:
@@ -79,6 +151,9 @@ def meta_init_worker(rank, world, names):
             res["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
         res["after_rng"] = torch.rand(4)  # the generator stands where the device build left it
         out[name] = res
+    for name in DEFERRED_WORLD2:
+        model = shard_deferred(DEFERRED_CASES[name])
+        out["deferred_" + name] = {"state": local_state(model), "after_rng": torch.rand(4)}
     out["memory"] = profiled_peak(wide_gpt)
     return out
 

@@ -15,12 +15,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from autoshard import AutoshardError, autoshard
+from autoshard import AutoshardError, autoshard, deferred_init
 from autoshard.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
 from harness import run_ranks
-from init_workers import (META_CASES, build_on_device, build_on_meta, local_state,
-                          meta_init_worker, shard_on_meta)
+from init_workers import (DEFERRED_CASES, DEFERRED_WORLD2, META_CASES, NanoGPT, build_on_device,
+                          build_on_meta, device_state, local_state, meta_init_worker,
+                          shard_deferred, shard_on_meta)
 from models import CASES, MLP, Odd, call
 
 
@@ -158,8 +159,71 @@ def test_hf_llama_with_tied_embeddings(mesh):
         assert torch.equal(got[k], v.detach()), k
 
 
+# --- what a constructor initialises itself ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(DEFERRED_CASES))
+def test_deferred_init_equals_device_build_world1(mesh, name):
+    """Built under deferred_init(), with no param_init_fn: every value the constructor gives
+    (nanoGPT's _init_weights and scaled c_proj, torch.randn parameters, arange tables, deep
+    copies, a Hugging Face post_init) is the device build's, bit for bit."""
+    want, ref_after = device_state(DEFERRED_CASES[name])
+    model = shard_deferred(DEFERRED_CASES[name], mesh=mesh)
+    assert torch.equal(torch.rand(4), ref_after)
+    got = local_state(model)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    if name == "nanogpt":
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert abs(got["transformer.wte.weight"].std().item() - 0.02) < 0.003
+        assert abs(got["transformer.h.0.c_proj.weight"].std().item() - 0.01) < 0.002
+        assert torch.count_nonzero(got["transformer.h.0.c_attn.bias"]) == 0
+
+
+@pytest.mark.parametrize("build, says", [
+    (NanoGPT, "parameter 'transformer.wte.weight' (Embedding)"),
+    (DEFERRED_CASES["gpt"], "parameter 'wte.weight' (Embedding)")])
+def test_constructor_init_lost_on_the_meta_device_is_named(mesh, build, says):
+    """Built under plain torch.device("meta"), what the constructor drew beyond
+    reset_parameters() is gone: refused, naming the tensor and both fixes."""
+    with torch.device("meta"):
+        model = build()
+    snap = _snapshot(model)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError) as e:
+        autoshard(model, mesh=mesh)
+    msg = str(e.value)
+    assert says in msg and "deferred_init()" in msg and "param_init_fn" in msg
+    assert "ln_f" not in msg  # reset_parameters() gives those what the device build does
+    _assert_unchanged(model, snap)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(p._version > 1 for n, p in model.named_parameters() if n.endswith("wte.weight"))
+
+
+def test_write_after_deferred_init_is_named(mesh):
+    with deferred_init():
+        model = MLP()
+    nn.init.zeros_(model.out.weight)  # outside the recording: not replayable
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match=r"parameter 'out.weight' \(Linear\) was written after "
+                       r"its deferred_init\(\) block ended"):
+        autoshard(model, mesh=mesh)
+    _assert_unchanged(model, snap)
+
+
 def test_meta_init_equals_device_build_world2():
     results = run_ranks(2, meta_init_worker, META_CASES)
+    for name in DEFERRED_WORLD2:  # built under deferred_init()
+        want, ref_after = device_state(DEFERRED_CASES[name])
+        params = dict(shard_deferred(DEFERRED_CASES[name]).named_parameters())
+        for rank, res in enumerate(results):
+            got = res["deferred_" + name]
+            assert got["state"].keys() == want.keys(), name
+            for k, v in want.items():
+                expect = _rows(v, rank, 2) if k in params else v
+                assert torch.equal(got["state"][k], expect), f"{name} rank {rank}: {k}"
+            assert torch.equal(got["after_rng"], ref_after), name
     for name in META_CASES:
         ref, want, ref_after = _device_state(name)
         for rank, res in enumerate(results):
