@@ -14,6 +14,11 @@ left alone, as is every other optimizer class.
 
 The post-hook also notes, for every optimizer, that its autoshard parameters changed
 (``note_update``), so that a ZeRO-1 replica is gathered again before the next step reads it.
+
+The pre-hook refuses an optimizer holding a parameter ``autoshard()`` replaced (one built
+before the call, from the model's old parameters, which nothing reads any more): its first
+step raises ``AutoshardError`` naming the parameter. Each optimizer is looked through once,
+and again only when its param groups change, so a step pays a dictionary look-up.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from autoshard.errors import AutoshardError
+
 # their foreach update on CPU equals the per-parameter loop bit for bit (NAdam's and RAdam's
 # foreach arithmetic differs, so they keep the loop)
 BITWISE_FOREACH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop,
@@ -34,7 +41,9 @@ BITWISE_FOREACH = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.o
 
 _MARK = "_autoshard_sharded"
 _UPDATED = "_autoshard_updated"  # the last update's number (see ``updated``)
+_REPLACED = "_autoshard_replaced"  # on a parameter autoshard() replaced: where it was
 _updates = itertools.count(1)
+_checked = weakref.WeakKeyDictionary()  # optimizer -> its param groups when last looked at
 _switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
 _hooks = []
 
@@ -47,6 +56,35 @@ def mark(param: torch.nn.Parameter) -> None:
                        register_optimizer_step_post_hook(_post)))
 
 
+def mark_replaced(old: torch.nn.Parameter, where: str) -> None:
+    """Note that autoshard() replaced ``old`` (``where``: its FQN and the model's class), so
+    that an optimizer still holding it is refused at its first step."""
+    setattr(old, _REPLACED, where)
+
+
+def unmark_replaced(old: torch.nn.Parameter) -> None:
+    """``old`` is the model's again (autoshard() failed and put it back)."""
+    if hasattr(old, _REPLACED):
+        delattr(old, _REPLACED)
+
+
+def _check_replaced(optimizer) -> None:
+    groups = optimizer.param_groups
+    seen = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    if _checked.get(optimizer) == seen:
+        return
+    stale = [getattr(p, _REPLACED) for g in groups for p in g["params"]
+             if hasattr(p, _REPLACED)]
+    if stale:
+        more = f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""
+        raise AutoshardError(
+            f"{type(optimizer).__name__} holds parameter {stale[0]}{more} as it was before "
+            "autoshard() replaced it by a DTensor shard: the model no longer reads it, so "
+            "stepping it would train nothing. Build the optimizer after autoshard(model), "
+            "from sharded.parameters() (nothing was stepped).")
+    _checked[optimizer] = seen
+
+
 def _eligible(group: dict) -> bool:
     return (group.get("foreach", False) is None and not group.get("fused")
             and not group.get("differentiable") and not isinstance(group.get("lr"), torch.Tensor)
@@ -55,6 +93,7 @@ def _eligible(group: dict) -> bool:
 
 
 def _pre(optimizer, args, kwargs) -> None:
+    _check_replaced(optimizer)
     if type(optimizer) not in BITWISE_FOREACH:
         return
     groups = [i for i, g in enumerate(optimizer.param_groups) if _eligible(g)]

@@ -103,6 +103,7 @@ class StagedShards:
     params: dict  # id(old parameter) -> new DTensor parameter
     buffers: dict  # id(old buffer) -> new buffer (on the mesh device)
     flags: list  # (module, attribute, value) to set (Hugging Face's _is_hf_initialized)
+    names: dict = dataclasses.field(default_factory=dict)  # id(old parameter) -> its FQN
 
     def commit(self) -> Callable[[], None]:
         """Put the new tensors in place (every reference of a tied one) and return ``undo()``,
@@ -118,8 +119,13 @@ class StagedShards:
                     m._buffers[name] = self.buffers[id(b)]
         for m, a, v in self.flags:
             m.__dict__[a] = v
+        olds = {id(p): p for _, params, _ in saved for p in params.values() if p is not None}
+        for p in olds.values():  # an optimizer built over them is refused at its first step
+            optim.mark_replaced(p, f"'{self.names[id(p)]}' of {type(self.model).__name__}")
 
         def undo():
+            for p in olds.values():
+                optim.unmark_replaced(p)
             for m, params, buffers in saved:
                 m._parameters.clear()
                 m._parameters.update(params)
@@ -217,7 +223,8 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
         new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
         optim.mark(new)
         params[sid] = new
-    return StagedShards(model, params, buffers, flags)
+    names = {sid: slot.fqn for sid, slot in slots.items() if slot.is_param}
+    return StagedShards(model, params, buffers, flags, names)
 
 
 def shard_module(model: torch.nn.Module, mesh, device: torch.device, *,

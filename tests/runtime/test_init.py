@@ -75,6 +75,7 @@ def _assert_unchanged(model, snap):
     for key, (t, device, value) in tensors.items():
         t2 = now[key][0]
         assert t2 is t, key  # the very same object
+        assert not hasattr(t, "_autoshard_replaced"), key  # an optimizer over it may step
         if t is not None:
             assert t2.device == device, key
             if value is not None:

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from autoshard import autoshard
+from autoshard import AutoshardError, autoshard
 from autoshard.models import GPT, gpt_loss
 from autoshard.runtime import optim
 
@@ -64,3 +64,34 @@ def test_groups_the_user_configured_and_other_tensors_are_left_alone():
     assert optim._eligible(nadam.param_groups[0])
     optim._pre(nadam, (), {})  # NAdam's foreach arithmetic differs: it keeps the loop
     assert nadam.param_groups[0]["foreach"] is None
+
+
+@pytest.mark.filterwarnings("ignore:autoshard. no process group")
+def test_an_optimizer_built_before_autoshard_is_refused_at_its_first_step():
+    """autoshard() replaces every parameter; an optimizer over the old ones would train
+    nothing, silently. Its first step raises naming a parameter, before changing anything;
+    an optimizer over the new parameters, or over unrelated tensors, steps as usual."""
+    torch.manual_seed(0)
+    model = GPT()
+    old = list(model.parameters())
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    unrelated = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    sharded = autoshard(model)
+    both = torch.optim.SGD([{"params": list(sharded.parameters())}, {"params": old[1:2]}],
+                           lr=0.1)
+    x = torch.randint(0, 96, (2, 16))
+    gpt_loss(sharded(x), torch.roll(x, -1, 1)).backward()
+    for p in old:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in old]
+    for opt, fqn in ((early, "wte.weight"), (both, "wpe.weight")):
+        with pytest.raises((AutoshardError, ValueError)) as e:
+            opt.step()
+        msg = str(e.value)
+        assert f"'{fqn}'" in msg and "after autoshard" in msg, msg
+    assert all(torch.equal(a, b) for a, b in zip(old, before))  # nothing stepped
+    unrelated.param_groups[0]["params"][0].grad = torch.ones(3)
+    unrelated.step()
+    assert torch.equal(unrelated.param_groups[0]["params"][0].detach(), torch.full((3,), 0.9))
+    good = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    good.step()
