@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -42,7 +43,7 @@ class _State:
     grad_sync: bool = True  # set_requires_gradient_sync
     # FQN -> full local gradient accumulated by steps without gradient sync
     pending: dict = dataclasses.field(default_factory=dict)
-    # FQN -> (full replica in the compute dtype, the update number it was gathered at)
+    # FQN -> (full replica in the compute dtype, _stamp of the parameter it was gathered from)
     replicas: dict = dataclasses.field(default_factory=dict)
     # signature -> every program captured for it, one per guarded state (autoshard.guards)
     variants: dict = dataclasses.field(default_factory=dict)
@@ -475,27 +476,51 @@ def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad
 
 def _refresh_replicas(st: _State, prog: Program, params: list) -> dict:
     """Each replica (``ParamSpec.replica``) the program reads, gathered again from the shards
-    where the optimizer (or anything else) changed them since: per unit and compute dtype one
-    all-gather over the mesh's shard dimension, as the plan's "after step" entries say.
-    Returns FQN -> replica."""
+    where anything wrote them since (``_written``): per unit and compute dtype one all-gather
+    over the mesh's shard dimension, as the plan's "after step" entries say. Whether a group
+    is gathered is agreed on first (``Agreement.any``, one 32-byte all-gather): a write on
+    some ranks only still changes the full parameter every rank reads, as FSDP2's gather of
+    the shards would, and every rank issues the same all-gathers. Returns FQN -> replica."""
     specs = prog.captured.params
     if not any(s.replica for s in specs):
         return {}
     at = {s.fqn: i for i, s in enumerate(specs)}
     group = st.mesh.get_group(st.mesh.ndim - 1)
-    out = {}
+    groups = []  # (compute dtype, parameter indices) per unit, in plan order
     for unit in prog.plan.units:
         by_dtype = {}
         for f in unit.fqns:
             if specs[at[f]].replica:
                 by_dtype.setdefault(specs[at[f]].compute_dtype, []).append(at[f])
-        for dtype, idx in by_dtype.items():
-            stale = [i for i in idx if st.replicas.get(specs[i].fqn, (None, None))[1]
-                     != optim.updated(params[i])]
-            if stale:  # every rank's optimizer stepped alike: all gather, or none
-                _gather_replicas(st, prog, params, idx, dtype, group)
-            out.update((specs[i].fqn, st.replicas[specs[i].fqn][0]) for i in idx)
+        groups += by_dtype.items()
+    written = [any(_written(st.replicas.get(specs[i].fqn), params[i]) for i in idx)
+               for _, idx in groups]
+    written = st.agreement.any(f"step {st.agreement.step}: replicas", written)
+    out = {}
+    for (dtype, idx), stale in zip(groups, written):
+        if stale:
+            _gather_replicas(st, prog, params, idx, dtype, group)
+        out.update((specs[i].fqn, st.replicas[specs[i].fqn][0]) for i in idx)
     return out
+
+
+def _stamp(param) -> tuple:
+    """What a replica gathered from ``param`` stays valid for: its local tensor (by identity:
+    ``swap_tensors``, a new parameter object) and that tensor's version (a write to
+    ``to_local()``), the DTensor's own version (in-place ops on the parameter, which do not
+    advance the local tensor's), and its last noted update (an optimizer step, whose
+    foreach ops advance neither version; ``runtime.optim.note_update``)."""
+    local = param._local_tensor
+    return weakref.ref(local), local._version, param._version, optim.updated(param)
+
+
+def _written(entry, param) -> bool:
+    """Whether ``param`` may have changed since its replica ``entry`` was gathered."""
+    if entry is None:
+        return True
+    ref, *versions = entry[1]
+    now = _stamp(param)
+    return ref() is not param._local_tensor or versions != list(now[1:])
 
 
 def _gather_replicas(st, prog, params, idx, dtype, group) -> None:
@@ -515,8 +540,7 @@ def _gather_replicas(st, prog, params, idx, dtype, group) -> None:
             lay = specs[i].layout
             full = cols[:, off:off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
             off += lay.local_numel
-            st.replicas[specs[i].fqn] = (full[:lay.shape[0]].clone(),
-                                         optim.updated(params[i]))
+            st.replicas[specs[i].fqn] = (full[:lay.shape[0]].clone(), _stamp(params[i]))
 
 
 def _refresh_entries(plan, ctx, profile) -> None:

@@ -27,7 +27,8 @@ _SHOWN = {
 }
 
 
-# before each forward and each backward the ranks all-gather a digest of what they run
+# before each forward and each backward the ranks all-gather a digest of what they run, and
+# before a ZeRO-1 call which replicas any rank's writes made stale
 # (autoshard.runtime.dist.Agreement): the only collectives outside the compiled graphs
 AGREEMENT_BYTES = 32
 
@@ -166,8 +167,8 @@ class Plan:
             ("communication per step (buffers)", _fmt_bytes(p["comm_bytes"])),
             ("sent per rank per step", _fmt_bytes(p["sent_bytes"])),
             ("  ranks' agreement (outside the graphs)",
-             f"2 all-gathers of {AGREEMENT_BYTES} B per rank" if self.world_size > 1
-             else "none (one rank)"),
+             f"{2 + (self.strategy == 'zero1')} all-gathers of {AGREEMENT_BYTES} B per rank"
+             if self.world_size > 1 else "none (one rank)"),
             ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
             *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),

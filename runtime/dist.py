@@ -152,7 +152,8 @@ _NOTE_BYTES = 2048  # on a mismatch, each rank's description (UTF-8, truncated)
 
 class Agreement:
     """Every collective autoshard runs outside its compiled graphs goes through here: before
-    a forward (its input signature), before a backward, and after compiling (the schedule).
+    a forward (its input signature), before a backward, after compiling (the schedule), and
+    before a ZeRO-1 call, which replicas to gather again (``any``).
     All ranks all-gather a digest of what they are about to do; on a mismatch a second
     all-gather exchanges what each rank described, and every rank raises ``AutoshardError``
     naming them. Because every agreement has the same size and kind, a rank that is at
@@ -192,8 +193,32 @@ class Agreement:
         mine = f"{what}{': ' + detail if detail else ''}"
         digest = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()
         digests = self._gather(torch.tensor(list(digest), dtype=torch.uint8), what)
-        if len(set(digests)) == 1:
-            return
+        if len(set(digests)) > 1:
+            self._differ(what, mine)
+
+    def any(self, what: str, flags: list) -> list:
+        """``flags`` (booleans, the same number on every rank) ORed over the ranks: which
+        any rank set. One agreement of the same size and kind as every other: its first 16
+        bytes name ``what`` (a rank at another agreement is an error on every rank, as in
+        ``__call__``), the other 16 carry flag i in bit i mod 128 (flags sharing a bit are
+        set together, which only ever sets more)."""
+        if self.world == 1 or self.fake:
+            return list(flags)
+        bits = bytearray(16)
+        for i, f in enumerate(flags):
+            if f:
+                bits[i % 128 // 8] |= 1 << (i % 8)
+        head = hashlib.sha256(what.encode()).digest()[:16]
+        got = self._gather(torch.tensor(list(head + bits), dtype=torch.uint8), what)
+        if len({g[:16] for g in got}) > 1:
+            self._differ(what, what)
+        merged = [0] * 16
+        for g in got:
+            merged = [a | b for a, b in zip(merged, g[16:])]
+        return [bool(merged[i % 128 // 8] >> (i % 8) & 1) for i in range(len(flags))]
+
+    def _differ(self, what: str, mine: str) -> None:
+        """The ranks are at different agreements: exchange what each describes and raise."""
         note = mine.encode()[:_NOTE_BYTES].ljust(_NOTE_BYTES, b"\0")
         notes = self._gather(torch.tensor(list(note), dtype=torch.uint8), what)
         lines = "\n".join(f"  rank {r}: {n.rstrip(bytes(1)).decode(errors='replace')}"

@@ -112,9 +112,10 @@ def _post(optimizer, args, kwargs) -> None:
 
 def note_update(params) -> None:
     """Note that ``params`` changed in place (an optimizer step, a state-dict load): what is
-    derived from their values (a ZeRO-1 replica) is gathered again before it is read. The
-    in-place updates of an optimizer step do not advance a DTensor's version counter, so
-    this is how they are seen."""
+    derived from their values (a ZeRO-1 replica) is gathered again before it is read. An
+    optimizer's foreach updates advance neither the DTensor's version counter nor its local
+    tensor's (torch's foreach ops on tensor subclasses), so this is how they are seen; the
+    other in-place writes advance one of the two (``autoshard.api._stamp``)."""
     n = next(_updates)
     for p in params:
         setattr(p, _UPDATED, n)
