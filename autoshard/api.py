@@ -112,6 +112,23 @@ class ShardedModule(torch.nn.Module):
                             f"{requires_gradient_sync!r}")
         self._autoshard.grad_sync = requires_gradient_sync
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's ``set_gradient_divide_factor``: from the next call, each reduced gradient
+        is the sum over the ranks divided by ``factor`` (1.0: their sum, for a loss summed
+        rather than averaged over the global batch) instead of their mean; on one rank, the
+        gradient divided by it. Applies to every parameter (FSDP2 sets it per module: the
+        same factor on every module is this). The division is a node of the step's graphs,
+        so a new factor compiles the step once more (``Config.gradient_divide_factor``)."""
+        st = self._autoshard
+        st.config = dataclasses.replace(st.config, gradient_divide_factor=factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2's switch of the same name: from the next call, the gradient collectives
+        sum, and the division (by the factor, or by the ranks for the mean) is a step of its
+        own (``Config.force_sum_reduction_for_comms``)."""
+        st = self._autoshard
+        st.config = dataclasses.replace(st.config, force_sum_reduction_for_comms=enable)
+
     # --- inspection ------------------------------------------------------------------------
 
     @property
@@ -238,6 +255,7 @@ def _signature(module, st: _State, args, kwargs):
     # gradients: reduced, kept local, or reduced with what earlier steps kept
     sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
              else "local") if torch.is_grad_enabled() else "-")
+    sync += _divides(st.config) if sync.startswith("sync") else ""
     return (str(spec), tuple(parts), module.training, torch.is_grad_enabled(), grads,
             _compat.autocast_state(st.device.type), sync)
 
@@ -305,7 +323,7 @@ def _install_entry(module, root_st: _State, name: str, fn) -> None:
         if not state:
             state.append(_entry_state(root_st, module, label, fn))
         st = state[0]
-        st.grad_sync = root_st.grad_sync
+        st.grad_sync, st.config = root_st.grad_sync, root_st.config  # the root's setters
         return _call(module, st, args, kwargs)
 
     entry._autoshard_entry = True
@@ -344,7 +362,8 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
         group_name = tuple(f"{group_name}:{d}" for d in range(len(mesh_shape)))
     strategy = "zero3" if config.strategy == "auto" else config.strategy
     specs = param_specs(model, mp, mesh_shape=mesh_shape, offload=offloads(config),
-                        strategy=strategy)
+                        strategy=strategy, grad_divide=config.gradient_divide_factor,
+                        force_sum=config.force_sum_reduction_for_comms)
 
     def trace(specs):
         return capture(
@@ -648,6 +667,13 @@ def _program(st: _State, cap, ctx, plan) -> Program:
                    compiled=st.config.compile)
     st.last = prog
     return prog
+
+
+def _divides(config: Config) -> str:
+    """How the gradient reduction divides, for the input signature: "" for the default
+    mean, so the programs compiled, and exported, without a setting keep their keys."""
+    f, forced = config.gradient_divide_factor, config.force_sum_reduction_for_comms
+    return (f" / {f!r}" if f is not None else "") + (" (sum)" if forced else "")
 
 
 def _describe(args, kwargs, key) -> str:

@@ -120,6 +120,12 @@ class Config:
         collectives inside the compiled code in the plan's order (checked on the generated
         code; see ``autoshard.runtime.compiled``). The plan is the same; the first call of
         each input signature takes longer. Default False: the graphs run as fx code.
+    gradient_divide_factor: FSDP2's ``set_gradient_divide_factor``: each reduced gradient is
+        the sum over the ranks divided by this (1.0: the sum, for a loss summed rather than
+        averaged over the global batch) instead of their mean. None (default): the mean.
+        ``ShardedModule.set_gradient_divide_factor`` changes it after ``autoshard()``.
+    force_sum_reduction_for_comms: FSDP2's switch of the same name: the collectives sum, and
+        the division (by the factor, or by the ranks for the mean) is a step of its own.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
         group autoshard creates when there is none (default 300 s; torch's own default is
@@ -151,6 +157,8 @@ class Config:
     strategy: str = "zero3"
     partial_mesh: bool = False
     compile: bool = False
+    gradient_divide_factor: Optional[float] = None
+    force_sum_reduction_for_comms: bool = False
 
     def __post_init__(self):
         _one_of("policy", self.policy, POLICIES,
@@ -166,7 +174,8 @@ class Config:
                 f"Config(strategy='zero2') keeps every unit gathered from forward to backward; "
                 f"reshard_after_forward={self.reshard_after_forward!r} says otherwise. Leave "
                 "it at 'auto', or use strategy='zero3' to choose per unit")
-        for name in ("prefetch", "verify", "partial_mesh", "compile"):
+        for name in ("prefetch", "verify", "partial_mesh", "compile",
+                     "force_sum_reduction_for_comms"):
             _flag(name, getattr(self, name))
         if isinstance(self.recompute, dict):
             _recompute_blocks(self.recompute)
@@ -187,6 +196,13 @@ class Config:
                 0 < self.timeout < float("inf")):
             raise ValueError(f"Config.timeout must be a positive number of seconds or a "
                              f"datetime.timedelta, got {self.timeout!r}")
+        f = self.gradient_divide_factor
+        if f is not None:
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf"):
+                raise ValueError(f"Config.gradient_divide_factor must be a positive number "
+                                 f"(each reduced gradient is the ranks' sum divided by it; 1.0: "
+                                 f"the sum) or None for the mean, got {f!r}")
+            self.gradient_divide_factor = float(f)
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
         if self.offload_state is not None and (

@@ -94,6 +94,9 @@ class Plan:
     strategy: str = "zero3"  # Config.strategy as planned ("auto" resolved)
     mesh_shape: list = dataclasses.field(default_factory=list)  # (replicate, shard) for HSDP
     grad_sync: bool = True  # False: gradients stay local (set_requires_gradient_sync)
+    # how the ranks' gradients become one (ParamSpec.scaling): "mean", or "sum / f" where
+    # set_gradient_divide_factor(f), with ", sum collectives" where forced to sum
+    reduction: str = "mean"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -156,6 +159,7 @@ class Plan:
             ("strategy", self.strategy + ("" if self.grad_sync else
                                           ", gradients accumulated locally (no sync)")),
             ("policy", self.policy),
+            ("gradient reduction", self.reduction),
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
             ("resharded after forward", self.reshard or "-"),
@@ -341,7 +345,8 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
                 recompute=recompute[0], recompute_blocks=recompute[1],
                 offload=offload, offload_params=offload_params if offload else None,
                 reshard=reshard, strategy=strategy, mesh_shape=list(mesh_shape),
-                grad_sync=grad_sync, candidates=[dict(c) for c in candidates])
+                grad_sync=grad_sync, candidates=[dict(c) for c in candidates],
+                reduction=_reduction(specs.values()))
     if profile is not None:
         plan.device = profile.to_dict()
     if prediction is not None:
@@ -356,6 +361,15 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         plan.memory_timeline = p.timeline
         plan.events = p.events
     return plan
+
+
+def _reduction(specs) -> str:
+    """How the plan's gradients are reduced, as ``Plan.reduction`` says it."""
+    s = next(iter(specs), None)
+    if s is None or s.scaling[0] == "avg":
+        return "mean"
+    out = "mean" if s.grad_divide is None else f"sum / {s.grad_divide:g}"
+    return out + (", sum collectives" if s.force_sum else "")
 
 
 def _numel(shape) -> int:

@@ -72,8 +72,10 @@ class ParamSpec:
     it is stored.
 
     Its gradient is reduced over every mesh dimension once per synchronised step
-    (``reduction``): reduce-scattered over the dimension it is sharded over, then averaged
-    (all-reduced) over each it is replicated over."""
+    (``reduction``): reduce-scattered over the dimension it is sharded over, then all-reduced
+    over each it is replicated over; averaged over all those ranks, or, with
+    ``grad_divide``, summed and divided by it, as FSDP2's ``set_gradient_divide_factor``
+    (``force_sum``: its ``set_force_sum_reduction_for_comms``; see ``scaling``)."""
 
     fqn: str
     shape: tuple
@@ -85,6 +87,8 @@ class ParamSpec:
     placements: Optional[tuple] = None
     device: str = "device"
     replica: bool = False
+    grad_divide: Optional[float] = None
+    force_sum: bool = False
 
     def __post_init__(self):
         self.shape = tuple(self.shape)
@@ -134,6 +138,32 @@ class ParamSpec:
         out += [("ar", d, n) for d, (n, p) in dims
                 if n > 1 and not (isinstance(p, Shard) and self.sharded)]
         return tuple(out)
+
+    @property
+    def scaling(self) -> tuple:
+        """How its reduction makes one gradient of the ranks' gradients, by FSDP2's rule
+        (``_fsdp_collectives._get_gradient_divide_factors``): ``(op, before, after)``, the
+        collectives' reduce op, ``"avg"`` or ``"sum"``, and what the gradient is divided by
+        before the first collective and after the last (None: nothing).
+
+        By default the mean over every rank it is reduced over: ``avg`` collectives. With
+        ``grad_divide`` f, the sum over them divided by f (f = 1: the sum); with
+        ``force_sum`` (and no f, f = those ranks), the same with sum collectives only. The
+        division comes after the sum, in the reduce dtype, as FSDP2's sum-only path does
+        it (its other path has NCCL multiply by 1/f first, which gloo cannot; the results
+        differ by rounding, not at all for f = 1); in float16, whose range is small, it is
+        split around the sum into a power of two and the rest, as FSDP2 splits it. Applied
+        also where nothing is reduced (one rank), as FSDP2 does."""
+        if self.grad_divide is None and not self.force_sum:
+            return "avg", None, None
+        f = float(self.grad_divide if self.grad_divide is not None
+                  else math.prod(n for _, _, n in self.reduction))
+        before = 1.0
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16):
+            while f % before == 0 and f / before > before:
+                before *= 2
+        after = f / before
+        return "sum", (before if before != 1 else None), (after if after != 1 else None)
 
     @property
     def group_size(self) -> int:
@@ -198,11 +228,13 @@ def hosted(params, fraction: float) -> set:
 
 
 def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
-                offload: float = 0.0, strategy: str = "zero3") -> list:
+                offload: float = 0.0, strategy: str = "zero3", grad_divide=None,
+                force_sum: bool = False) -> list:
     """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``'s
     last dimension (replicated over the others) as ``strategy`` says; ``mp_policy``: a
     MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies it; ``offload``: the
-    fraction of the sharded state kept in host memory (``hosted``)."""
+    fraction of the sharded state kept in host memory (``hosted``); ``grad_divide`` and
+    ``force_sum``: how every gradient's reduction divides (``ParamSpec.scaling``)."""
     named = list(model.named_parameters())
     host = hosted([(f, p.shape) for f, p in named], offload)
     specs = []
@@ -214,7 +246,8 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
                                mesh_shape=tuple(mesh_shape),
                                placements=placements_for(p.shape, len(mesh_shape), strategy),
                                device="host" if fqn in host else "device",
-                               replica=strategy == "zero1" and p.ndim > 0))
+                               replica=strategy == "zero1" and p.ndim > 0,
+                               grad_divide=grad_divide, force_sum=force_sum))
     return specs
 
 

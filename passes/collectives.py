@@ -86,7 +86,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     ``offloaded_units``),
     its gradients reduced after the last of them is complete, as ``ParamSpec.reduction``
     says (a reduce_scatter+wait over the shard dimension, an all_reduce+wait over each
-    replicated one; none with ``ctx.grad_sync`` off: full local gradients are returned); an
+    replicated one; none with ``ctx.grad_sync`` off: full local gradients are returned),
+    with the reduce op and divisions of ``ParamSpec.scaling``; an
     ``autoshard::free`` after the last read of every gathered buffer, full parameter, full
     gradient and send buffer; a collective's input is freed after its wait, not its issue.
     Freed explicitly rather than left to its last reference, a send buffer goes at a fixed
@@ -140,23 +141,29 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         fqns = [f for f in unit.fqns if f in grad_at]
         if not ctx.grad_sync:
             fqns = []  # gradients stay full and local (ctx.grad_sync)
-        key = lambda f: (specs[f].reduction, specs[f].reduce_dtype, specs[f].dtype)  # noqa
-        for (steps, *dtypes), group_fqns in _by_dtype(fqns, key):
+        key = lambda f: (specs[f].reduction, specs[f].reduce_dtype, specs[f].dtype,  # noqa
+                         specs[f].scaling)
+        for (steps, *dtypes, scaling), group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
             if not steps:  # one rank, nothing to reduce over: cast to the storage dtype
-                if all(g.meta["val"].dtype == dtypes[1] for g in grads):
+                # (divided by the factor, if one is set, as FSDP2 divides on one rank)
+                div = math.prod(d for d in scaling[1:] if d is not None)
+                if div == 1 and all(g.meta["val"].dtype == dtypes[1] for g in grads):
                     continue
                 before = max(grads, key=pos.__getitem__).next
-                locals_, new = splice(gm, lambda *gs: [g.to(dtypes[1]) for g in gs], grads,
-                                      before, _plain_tags(meta.RS_UNPACK, unit.index, meta.BWD),
-                                      key=("cast", dtypes[1], len(grads)))
+                locals_, new = splice(
+                    gm, lambda *gs: [g.to(dtypes[1]) if div == 1
+                                     else (g.to(dtypes[0]) / div).to(dtypes[1]) for g in gs],
+                    grads, before, _plain_tags(meta.RS_UNPACK, unit.index, meta.BWD),
+                    key=("cast", *dtypes, div, len(grads)))
                 for f, loc in zip(group_fqns, locals_):
                     outs[grad_at[f]] = loc
                 continue
             sums = (_add_accumulated(gm, pos, unit.index, grads, group_fqns)
                     if ctx.accumulated else [])
             locals_, new = _reduce(gm, pos, unit.index, sums or grads,
-                                   [specs[f] for f in group_fqns], steps, groups, *dtypes)
+                                   [specs[f] for f in group_fqns], steps, groups, *dtypes,
+                                   scaling)
             for f, loc in zip(group_fqns, locals_):
                 outs[grad_at[f]] = loc
             roots.update((r, unit.index) for r in _freed_roots(new))
@@ -305,14 +312,16 @@ def group_names(ctx) -> tuple:
     return (g,) if isinstance(g, str) else tuple(g)
 
 
-def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dtype):
-    """Reduce (average) full gradients ``grads`` of the parameters ``specs`` describe over the
-    mesh, as ``steps`` (``ParamSpec.reduction``) says, in ``reduce_dtype``, right after the
-    last of them: a reduce-scatter over the dimension they are sharded over, then an
-    all-reduce over each they are replicated over; the local gradients (shards, or full
-    gradients where nothing is sharded) come out in ``storage_dtype``, an offloaded
-    parameter's copied to the host (a blocking copy: the optimizer step on the host reads
-    it)."""
+def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dtype,
+            scaling=("avg", None, None)):
+    """Reduce full gradients ``grads`` of the parameters ``specs`` describe over the mesh, as
+    ``steps`` (``ParamSpec.reduction``) says, in ``reduce_dtype``, right after the last of
+    them: a reduce-scatter over the dimension they are sharded over, then an all-reduce over
+    each they are replicated over, each with the reduce op of ``scaling``
+    (``ParamSpec.scaling``: averaged, or summed and divided before the first and after the
+    last); the local gradients (shards, or full gradients where nothing is sharded) come out
+    in ``storage_dtype``, an offloaded parameter's copied to the host (a blocking copy: the
+    optimizer step on the host reads it)."""
     lays = [s.layout for s in specs]
     hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
@@ -330,9 +339,13 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
                 g = torch.nn.functional.pad(g, pad)
             cols.append(g.reshape(steps[0][2], -1))
         flat = (torch.cat(cols, dim=int(scatter)) if len(cols) > 1 else cols[0]).reshape(-1)
-        return _collective(flat, steps[0], groups)
+        if scaling[1] is not None:
+            flat = flat / scaling[1]
+        return _collective(flat, steps[0], groups, scaling[0])
 
     def unpack(buf):
+        if scaling[2] is not None:
+            buf = buf / scaling[2]
         off, outs = 0, []
         for lay in lays:
             shape = lay.local_shape if scatter else lay.shape
@@ -342,7 +355,7 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
         return [_TO_COPY(o, dtype=storage_dtype, device=HOST) if h else o.to(storage_dtype)
                 for o, h in zip(outs, hosted)]
 
-    key = ("rs", steps, groups, reduce_dtype, storage_dtype, tuple(hosted),
+    key = ("rs", steps, groups, reduce_dtype, storage_dtype, scaling, tuple(hosted),
            tuple(lay.shape for lay in lays))
     kinds = {_RS: meta.RS_ISSUE, _AR: meta.AR_ISSUE}
     new, waited = [], None
@@ -352,7 +365,8 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
             tag = _comm_tags(unit, meta.BWD, kinds, meta.RS_PACK)
             handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step), key=key + (0,))
         else:
-            handle, n1 = splice(gm, lambda x, s=step: _collective(x, s, groups), [waited],
+            handle, n1 = splice(gm, lambda x, s=step: _collective(x, s, groups, scaling[0]),
+                                [waited],
                                 before, _grouped(_comm_tags(unit, meta.BWD, kinds, None), step),
                                 key=key + (k,))
         waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(wait_kind, unit, meta.BWD),
@@ -364,12 +378,13 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
     return locals_, new + n3
 
 
-def _collective(flat, step, groups):
-    """One reduction step (``ParamSpec.reduction``) over its mesh dimension's group."""
+def _collective(flat, step, groups, op="avg"):
+    """One reduction step (``ParamSpec.reduction``) over its mesh dimension's group, with the
+    reduce op ``op`` (``ParamSpec.scaling``)."""
     kind, dim, n = step
     if kind == "rs":
-        return _RS(flat, "avg", n, groups[dim])
-    return _AR(flat, "avg", groups[dim])
+        return _RS(flat, op, n, groups[dim])
+    return _AR(flat, op, groups[dim])
 
 
 def _grouped(tag, step):

@@ -40,7 +40,8 @@ def verify(gm: fx.GraphModule, ctx) -> None:
       4. each gradient is reduced exactly once, after its last accumulation, over every
          mesh dimension as its ``ParamSpec.reduction`` says (reduce-scattered over the
          dimension it is sharded over, all-reduced over each it is replicated over, in that
-         order), or, with ``ctx.grad_sync`` off, not at all (returned full and local);
+         order), each with the reduce op its ``ParamSpec.scaling`` says, or, with
+         ``ctx.grad_sync`` off, not at all (returned full and local);
       1 holds for gathered parameters (``ParamSpec.gathers``); the others are read whole.
       5. with a prefetch bound, the gathered bytes in flight never exceed it.
     """
@@ -146,6 +147,10 @@ def _check_reductions(gm, pos, specs, sync: bool):
         while meta.is_collective_issue(base):
             kind = "rs" if meta.tag(base, meta.COMM) == meta.RS_ISSUE else "ar"
             done.append((kind, meta.group_size(base)))
+            op = specs[r[meta.FQN]].scaling[0]
+            if base.args[1] != op:
+                _fail(f"gradient of {r[meta.FQN]} is reduced by {base.name} with reduce op "
+                      f"{base.args[1]!r}; its ParamSpec.scaling says {op!r}")
             base = alias_base(base.args[0])
         want = [(k, n) for k, _, n in specs[r[meta.FQN]].reduction] if sync else []
         if done[::-1] != want:

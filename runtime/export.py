@@ -142,7 +142,7 @@ def _spec_doc(p: ParamSpec) -> dict:
             "requires_grad": p.requires_grad, "compute_dtype": _dtype(p.compute_dtype),
             "reduce_dtype": _dtype(p.reduce_dtype), "mesh_shape": list(p.mesh_shape),
             "placements": ["S0" if pl.is_shard() else "R" for pl in p.placements],
-            "device": p.device}
+            "device": p.device, "grad_divide": p.grad_divide, "force_sum": p.force_sum}
 
 
 def _spec(d: dict, mesh_shape=None, device=None) -> ParamSpec:
@@ -155,7 +155,8 @@ def _spec(d: dict, mesh_shape=None, device=None) -> ParamSpec:
         mesh_shape=tuple(d["mesh_shape"]) if same else mesh_shape,
         placements=[Shard(0) if pl == "S0" else Replicate() for pl in d["placements"]]
         if same else None,
-        device=d["device"] if device is None else device)
+        device=d["device"] if device is None else device,
+        grad_divide=d.get("grad_divide"), force_sum=d.get("force_sum", False))
 
 
 def _dtype(d: torch.dtype) -> str:

@@ -49,6 +49,11 @@ BAD = [
      "Config(strategy='ddp') keeps every parameter whole on the device"),
     ({"partial_mesh": 1}, TypeError, "Config.partial_mesh must be True or False"),
     ({"compile": "inductor"}, TypeError, "Config.compile must be True or False"),
+    ({"gradient_divide_factor": 0}, ValueError, "Config.gradient_divide_factor must be a "
+                                                "positive number"),
+    ({"gradient_divide_factor": True}, ValueError, "Config.gradient_divide_factor must be"),
+    ({"force_sum_reduction_for_comms": None}, TypeError,
+     "Config.force_sum_reduction_for_comms must be True or False"),
 ]
 
 

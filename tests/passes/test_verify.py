@@ -71,6 +71,17 @@ def test_gradient_returned_without_reduce_scatter_is_caught():
         verify(gm, ctx)
 
 
+def test_a_reduction_with_another_reduce_op_than_the_spec_is_caught():
+    """A gradient summed where its ParamSpec says averaged (or the reverse, with a divide
+    factor set) is an error naming the reduce ops."""
+    gm, ctx = _gpt()
+    rs = _first(gm, meta.RS_ISSUE)
+    rs.update_arg(1, "sum")
+    with pytest.raises(VerificationError, match="reduce op 'sum'; its ParamSpec.scaling says "
+                                                "'avg'"):
+        verify(gm, ctx)
+
+
 def _reductions(gm):
     """Per gradient output, the collectives it went through, first first."""
     from autoshard.graph import alias_base
