@@ -282,10 +282,17 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
         return _AG(flat, N, group, out=buf), flat
 
     def unpack(buf):
+        # each rank's shards sit side by side in its slice of the buffer, so a parameter's
+        # rows are strided by the slice's length. A parameter with one row per rank (no more
+        # rows than ranks) reshapes to a strided view of the buffer; one with more is copied
+        # by the reshape. Ops must see what eager gives them, a contiguous nn.Parameter
+        # (CPU BatchNorm, for one, rounds otherwise on a strided weight), so the view is
+        # copied too: ``contiguous`` copies only a view that is not contiguous already.
         cols, off, fulls = buf.view(N, -1), 0, []
         for lay in lays:
             full = cols[:, off : off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
-            fulls.append(full[: lay.shape[0]] if lay.padded_rows != lay.shape[0] else full)
+            full = full[: lay.shape[0]] if lay.padded_rows != lay.shape[0] else full
+            fulls.append(full.contiguous())
             off += lay.local_numel
         return fulls
 

@@ -129,3 +129,18 @@ def call(name, model, x):
 def build(name):
     torch.manual_seed(0)
     return CASES[name][0]()
+
+
+class TinyNorm(nn.Module):
+    """Parameters no larger than two ranks: a BatchNorm1d(2) (one row per rank at world size
+    2), a Linear into it with 2 rows, and a (1, 3) parameter (fewer rows than ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 2)
+        self.norm = nn.BatchNorm1d(2)
+        self.out = nn.Linear(2, 3)
+        self.shift = nn.Parameter(torch.randn(1, 3))
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.inp(x)))) + self.shift

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from autoshard import meta
+from autoshard.graph import alias_base
 from autoshard.models import GPT
 from autoshard.passes import assign_units_pass, insert_collectives_pass, verify
 from autoshard.passes.verify import VerificationError
 from graphs import captured, run
-from models import Odd
+from models import Odd, TinyNorm
 
 
 def _comm(gm):
@@ -59,6 +60,27 @@ def test_placeholders_hold_padded_local_shards_and_grads_come_back_sharded():
              if r[meta.ROLE] == meta.OUT_GRAD}
     assert "frozen.weight" not in grads and "frozen.bias" not in grads
     assert tuple(grads["embed.weight"].meta["val"].shape) == (2, 6)
+    verify(gm, ctx)
+
+
+@pytest.mark.parametrize("model,x,world", [(TinyNorm, torch.randn(4, 6), 2),
+                                            (Odd, torch.randn(4, 6), 4)],
+                         ids=["tiny_norm-world2", "odd-world4"])
+def test_gathered_parameters_reach_their_ops_contiguous_and_copies_are_freed(model, x, world):
+    """A parameter with one row per rank would be a strided view of the gathered buffer
+    (TinyNorm's at world size 2); ops read every full parameter contiguous, as eager's, and
+    the storage it lives in (a copy of part of the buffer, or the buffer) is freed."""
+    torch.manual_seed(0)
+    gm, ctx = captured(model(), x, world_size=world)
+    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    shapes = {p.fqn: p.shape for p in ctx.captured.params if p.gathers}
+    read = {a for n in gm.graph.nodes if not meta.is_comm(n) and n.op != "output"
+            for a in n.all_input_nodes if meta.tag(a, meta.COMM) == meta.AG_UNPACK}
+    assert read and all(a.meta["val"].is_contiguous() for a in read)
+    assert {tuple(a.meta["val"].shape) for a in read} <= set(shapes.values())
+    # the storage each lives in, the gathered buffer or a copy of part of it, is freed
+    freed = {alias_base(t) for n in gm.graph.nodes if meta.is_free(n) for t in n.args[0]}
+    assert all(alias_base(a) in freed for a in read)
     verify(gm, ctx)
 
 
