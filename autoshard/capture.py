@@ -53,6 +53,11 @@ class Captured:
     # (module, attribute) of float attributes read as graph inputs, after the tensor inputs
     lifted: list = dataclasses.field(default_factory=list)
     traced_hooks: frozenset = frozenset()  # hooks traced into the graph (hooks.Replaces)
+    # the grad mode the forward was traced in (its backward ran with grad off, as autograd
+    # runs every backward formula without create_graph). Some kernels read it at run time
+    # and not only their arguments: the CPU LSTM/GRU kernel (oneDNN's) returns the workspace
+    # its backward needs only with grad on. So the forward graph runs in this mode.
+    grad_enabled: bool = False
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -276,6 +281,7 @@ def capture(
         rec["grad_mask"] = [g is not None for g in grads]
         return touts, [g for g in grads if g is not None], bclones
 
+    grad_mode = torch.is_grad_enabled()
     try:
         with _compat.preserve_node_meta():
             gm = _compat.make_fx(joint, tracing_mode="fake",
@@ -314,6 +320,7 @@ def capture(
         input_grads=input_grads,
         mutated_buffers=[],
         has_backward=has_backward,
+        grad_enabled=grad_mode,
     )
     cap.guards = guards.build(model, rec["reads"], names, hooks.signature, lifted)
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])

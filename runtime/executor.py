@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.utils._pytree import tree_unflatten
 
@@ -31,6 +33,11 @@ class Program:
             # the backward takes its inputs boxed: saved activations die at their last use
             self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
         self._bwd_retained = None
+        # forward ops the backward recomputes ran, when traced, in the forward's grad mode,
+        # and torch.utils.checkpoint recomputes them in it too: a backward holding any runs
+        # in that mode (the backward's own ops read none, given inputs that require no grad)
+        self.bwd_grad_enabled = captured.grad_enabled and split.bwd is not None and any(
+            meta.tag(n, meta.RECOMPUTED) for n in split.bwd.graph.nodes)
         roles = split.fwd_roles
         self.n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in roles)
         self.mutated = [r[meta.FQN] for r in roles if r[meta.ROLE] == meta.OUT_BUFFER]
@@ -85,8 +92,9 @@ class Program:
             outs = _Step.apply(self, params, pending, len(buffers), self.anchor(), *fed,
                                *buffers, *inputs)
         else:
-            with torch.no_grad(), self.no_autocast():
-                outs = self.call(self.fwd, *fed, *buffers, *inputs)
+            with self.forward_mode():
+                outs = self.call(self.fwd, *_detached(fed), *_detached(buffers),
+                                 *_detached(inputs))
         user = list(outs[: self.n_user])
         return user, list(outs[self.n_user : self.n_user + len(self.mutated)])
 
@@ -136,6 +144,15 @@ class Program:
             f"{timeout}: a rank stopped, hangs, or failed during the step.\n  "
             f"{str(exc).splitlines()[0][:300]}")
 
+    @contextlib.contextmanager
+    def forward_mode(self):
+        """The forward graph runs in the grad mode capture traced it in (also inside the
+        autograd.Function, which runs with grad off): a kernel may read the mode, as the CPU
+        LSTM/GRU kernel does to decide whether to keep its backward's workspace. Its inputs
+        are detached first, so grad on records no autograd history."""
+        with torch.set_grad_enabled(self.captured.grad_enabled), self.no_autocast():
+            yield
+
     def no_autocast(self):
         """The graphs hold autocast's casts already (capture traced them): run them as
         written, also when called inside ``torch.autocast``."""
@@ -176,6 +193,11 @@ def _failing_node(gm, exc):
     return next((n for n in gm.graph.nodes if n.name in names and meta.is_comm(n)), None)
 
 
+def _detached(tensors) -> list:
+    return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
+            for t in tensors]
+
+
 def _accumulate(param, grad_local: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -189,8 +211,8 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: Program, params: list, pending, n_buffers: int, anchor, *flat):
         n_p = len(program.fqns)
-        with program.no_autocast():
-            res = program.call(program.fwd, *flat)
+        with program.forward_mode():
+            res = program.call(program.fwd, *_detached(flat))
         n_out = program.n_user + len(program.mutated)
         ctx.save_for_backward(*res[n_out:])
         ctx.set_materialize_grads(False)  # an output no loss reads gets None, as in eager
@@ -218,7 +240,7 @@ class _Step(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
         if program.agreement is not None:
             program.agreement(f"step {ctx.step}: backward")
-        with program.no_autocast():
+        with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
             res = program.call(program.backward_graph(), args)
         input_grads = [None] * ctx.n_inputs
         for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):

@@ -175,6 +175,7 @@ def _captured_doc(cap: Captured) -> dict:
         "input_grads": list(cap.input_grads),
         "mutated_buffers": list(cap.mutated_buffers),
         "has_backward": cap.has_backward,
+        "grad_enabled": cap.grad_enabled,
         "grad_tangents": [[r, k, sorted(deps)] for (r, k), deps in cap.grad_tangents.items()],
     }
 
@@ -186,6 +187,8 @@ def _captured(doc: dict, params: list, gm) -> Captured:
         out_consts=[_unconst(c) for c in doc["out_consts"]],
         diff_outputs=list(doc["diff_outputs"]), input_grads=list(doc["input_grads"]),
         mutated_buffers=list(doc["mutated_buffers"]), has_backward=doc["has_backward"],
+        # an export written before the grad mode was recorded: a backward means grad on
+        grad_enabled=doc.get("grad_enabled", doc["has_backward"]),
         grad_tangents={(r, k): frozenset(deps) for r, k, deps in doc["grad_tangents"]},
         pristine=gm)
 
