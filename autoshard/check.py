@@ -342,24 +342,30 @@ def _split(example_inputs):
 
 class _Recorder(fx.Interpreter):
     """Runs a graph on real tensors and hands each node's value to ``on_value`` as soon as
-    it is computed (later in-place writes and frees must not change what is compared)."""
+    it is computed (later in-place writes and frees must not change what is compared).
+    Each node runs in the grad mode ``grad_mode(node)``: the one the executor runs it in."""
 
-    def __init__(self, gm: fx.GraphModule, on_value: Callable):
+    def __init__(self, gm: fx.GraphModule, on_value: Callable, grad_mode: Callable):
         super().__init__(gm, garbage_collect_values=True)
         self.on_value = on_value
+        self.grad_mode = grad_mode
 
     def run_node(self, n: fx.Node):
-        out = super().run_node(n)
+        with torch.set_grad_enabled(self.grad_mode(n)):
+            out = super().run_node(n)
         if n.op not in ("placeholder", "output"):
             self.on_value(n, out)
         return out
 
 
-def _run(gm: fx.GraphModule, args: list, on_value: Callable):
+def _run(gm: fx.GraphModule, args: list, on_value: Callable, grad_mode: Callable):
+    """``grad_mode(node)``: the grad mode to run ``node`` in, that of its trace (kernels may
+    read it: see ``Captured.grad_enabled``); the arguments require no grad, so none is
+    recorded."""
     # the graphs hold autocast's casts already (capture traced them): run them as written
     device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    with torch.no_grad(), torch.autocast(device_type, enabled=False):
-        return _Recorder(gm, on_value).run(*args, enable_io_processing=False)
+    with torch.autocast(device_type, enabled=False):
+        return _Recorder(gm, on_value, grad_mode).run(*args, enable_io_processing=False)
 
 
 def _op_name(n: fx.Node) -> str:
@@ -373,7 +379,17 @@ def _op_name(n: fx.Node) -> str:
 
 def _comparable(n: fx.Node, value) -> bool:
     return (n.op == "call_function" and isinstance(value, torch.Tensor)
-            and n.target not in _UNINITIALISED and not meta.is_comm(n))
+            and n.target not in _UNINITIALISED and not meta.is_comm(n)
+            and not _opaque(n, value))
+
+
+def _opaque(n: fx.Node, value: torch.Tensor) -> bool:
+    """Whether ``value`` has another shape than the one traced for ``n``: a kernel's private
+    buffer that the trace cannot describe (the CPU LSTM kernel's workspace is empty when
+    traced and sized by oneDNN when run), whose bytes, padding included, mean nothing
+    outside that kernel. Never compared."""
+    traced = n.meta.get("val")
+    return isinstance(traced, torch.Tensor) and tuple(traced.shape) != tuple(value.shape)
 
 
 @dataclasses.dataclass
@@ -383,7 +399,7 @@ class _Recorded:
     module: str
 
 
-def _record_pristine(gm, args) -> tuple:
+def _record_pristine(gm, args, grad_enabled: bool) -> tuple:
     values = {}
 
     def keep(n, v):
@@ -391,7 +407,9 @@ def _record_pristine(gm, args) -> tuple:
             values[n.name] = _Recorded(v.detach().clone(), _op_name(n),
                                        meta.tag(n, meta.MODULE) or "")
 
-    out = _run(gm, args, keep)
+    # the joint graph's forward was traced in the step's grad mode, its backward (inside
+    # autograd.grad) with grad off
+    out = _run(gm, args, keep, lambda n: grad_enabled and meta.is_forward(n))
     return values, list(out)
 
 
@@ -703,7 +721,7 @@ def _localise(eager_model, sharded, init_params, init_buffers, example_inputs, t
              + [x.detach().clone() for x in inputs] + graph_tangents)
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        recorded, pouts = _record_pristine(gm, pargs)
+        recorded, pouts = _record_pristine(gm, pargs, cap.grad_enabled)
     roles = meta.output_roles(gm)
     out_nodes = list(meta.output_node(gm).args[0])
     e_touts = [x for x in tree_flatten(e_out)[0] if isinstance(x, torch.Tensor)]
@@ -767,11 +785,14 @@ def _localise(eager_model, sharded, init_params, init_buffers, example_inputs, t
              + [x.detach().clone() for x in inputs])
     with torch.random.fork_rng(devices=_rng_devices(device)):
         torch.manual_seed(seed)
-        fouts = list(_run(prog.split.fwd, fargs, compare("fwd")))
+        # in the grad modes the executor runs them in
+        fwd_mode, bwd_mode = prog.captured.grad_enabled, prog.bwd_grad_enabled
+        fouts = list(_run(prog.split.fwd, fargs, compare("fwd"), lambda n: fwd_mode))
         bouts = []
         if prog.split.bwd is not None:
             saved = fouts[prog.n_user + len(prog.mutated):]
-            bouts = list(_run(prog.split.bwd, saved + graph_tangents, compare("bwd")))
+            bouts = list(_run(prog.split.bwd, saved + graph_tangents, compare("bwd"),
+                              lambda n: bwd_mode))
 
     # 3. the graphs' gradient shards against the captured graph's gradients
     output_diff = None
