@@ -131,6 +131,28 @@ def build(name):
     return CASES[name][0]()
 
 
+class Recurrent(nn.Module):
+    """A recurrent layer (nn.LSTM or nn.GRU: bidirectional, two layers) and a linear head on
+    (batch, time, features) inputs, the layer called batch-first or time-first, with dropout
+    between its layers or none, optionally under torch.utils.checkpoint."""
+
+    def __init__(self, cls=nn.LSTM, batch_first=True, dropout=0.0, checkpointed=False):
+        super().__init__()
+        self.rnn = cls(5, 6, num_layers=2, bidirectional=True, batch_first=batch_first,
+                       dropout=dropout)
+        self.head = nn.Linear(12, 3)
+        self.checkpointed = checkpointed
+
+    def _rnn(self, x):
+        if not self.rnn.batch_first:
+            return self.rnn(x.transpose(0, 1))[0].transpose(0, 1)
+        return self.rnn(x)[0]
+
+    def forward(self, x):
+        h = checkpoint(self._rnn, x, use_reentrant=False) if self.checkpointed else self._rnn(x)
+        return self.head(h)
+
+
 class TinyNorm(nn.Module):
     """Parameters no larger than two ranks: a BatchNorm1d(2) (one row per rank at world size
     2), a Linear into it with 2 rows, and a (1, 3) parameter (fewer rows than ranks)."""

@@ -1,0 +1,109 @@
+"""What each rank runs in test_kernels.py, and the unsharded eager reference: small models
+whose kernels depend on more than their arguments' values (the grad mode, a parameter's
+layout), trained with AdamW."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard import Config
+from models import Recurrent, TinyNorm
+
+STEPS = 4
+BATCH = 4
+LR = 1e-2
+
+# name -> model factory (seeded by ``build``); every nn.LSTM / nn.GRU flavour the tests cover
+RECURRENT = {
+    "lstm": lambda: Recurrent(nn.LSTM, batch_first=True),
+    "lstm_time_first_dropout": lambda: Recurrent(nn.LSTM, batch_first=False, dropout=0.25),
+    "gru": lambda: Recurrent(nn.GRU, batch_first=False),
+    "gru_dropout": lambda: Recurrent(nn.GRU, batch_first=True, dropout=0.25),
+    # the layer under torch.utils.checkpoint: the backward recomputes the LSTM kernel
+    "lstm_checkpointed": lambda: Recurrent(nn.LSTM, checkpointed=True),
+}
+MODELS = {**RECURRENT, "tiny_norm": TinyNorm}
+
+
+def build(name):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def batch(name, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    shape = (BATCH, 6) if name == "tiny_norm" else (BATCH, 7, 5)
+    return torch.randn(*shape, generator=gen), torch.randn(BATCH, *(
+        (3,) if name == "tiny_norm" else (7, 3)), generator=gen)
+
+
+def _seed(step, rank):
+    torch.manual_seed(1000 * step + rank)  # the same dropout masks in eager and sharded
+
+
+def reference(name, world):
+    """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
+    averaged over ranks, then AdamW."""
+    model = build(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(name, step)
+        total = 0.0
+        for rank, (xr, yr) in enumerate(zip(x.chunk(world), y.chunk(world))):
+            _seed(step, rank)
+            loss = F.mse_loss(model(xr), yr) / world
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(model, name, rank, world):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(name, step)
+        _seed(step, rank)
+        loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([loss.item()])
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return losses
+
+
+def _full_params(model):
+    return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+
+
+def kernel_worker(rank, world, names):
+    """Each model trained by autoshard, then checked by ``autoshard.check`` on one step;
+    the tiny-norm model also trained by FSDP2 (fully_shard of the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for name in names:
+        sharded = autoshard.autoshard(build(name), config=Config(policy="module", verify=True))
+        losses = _train(sharded, name, rank, world)
+        params = _full_params(sharded)
+        x, _ = batch(name, 0)
+        _seed(0, rank)
+        report = autoshard.check(build(name), (x.chunk(world)[rank],),
+                                 config=Config(policy="module"), localise=True)
+        results[name] = {"losses": losses, "params": params,
+                         "check": (report.ok, report.first_difference, str(report))}
+    if "tiny_norm" in names:
+        model = build("tiny_norm")
+        fully_shard(model)
+        results["fsdp2:tiny_norm"] = {"losses": _train(model, "tiny_norm", rank, world),
+                                      "params": _full_params(model)}
+    return results
