@@ -251,13 +251,16 @@ def _signature(module, st: _State, args, kwargs):
             parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
         else:
             parts.append(("const", type(x).__name__, repr(x)))
-    grads = tuple(mod._parameters[name].requires_grad for mod, name in st.param_refs)
+    params = [mod._parameters[name] for mod, name in st.param_refs]
+    grads = tuple(p.requires_grad for p in params)
+    # the parameters' dtypes: a cast on one rank only (.double()) is then named as such
+    dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
     # gradients: reduced, kept local, or reduced with what earlier steps kept
     sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
              else "local") if torch.is_grad_enabled() else "-")
     sync += _divides(st.config) if sync.startswith("sync") else ""
     return (str(spec), tuple(parts), module.training, torch.is_grad_enabled(), grads,
-            _compat.autocast_state(st.device.type), sync)
+            _compat.autocast_state(st.device.type), sync, dtypes)
 
 
 def _compile_for(module, st: _State, args, kwargs, key, *, sharded: bool) -> Program:
@@ -691,6 +694,8 @@ def _describe(args, kwargs, key) -> str:
     training, grad, autocast = key[2], key[3], key[5]
     casts = [f"{t} {str(d).replace('torch.', '')}" for t, on, d in autocast if on]
     mode = ("train" if training else "eval") + (", grad" if grad else ", no grad")
+    if len(key) > 7 and key[7] != ("float32",):
+        mode += f", parameters {' and '.join(key[7])}"
     mode += f", autocast {', '.join(casts)}" if casts else ""
     return f"{', '.join(parts)} ({mode})"
 

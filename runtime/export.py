@@ -386,6 +386,16 @@ def _programs(model) -> dict:
     if st.exported is not None:
         out = {key: st.exported.program(key, model) for key in st.exported.entries}
     out.update((repr(key), prog) for key, prog in st.programs.items())
+    for prog in out.values():
+        lifted = getattr(prog.captured, "lifted", None)
+        if lifted:  # fed from the module's attribute on each call: an export has no module
+            mod, name = lifted[0]
+            raise AutoshardError(
+                f"the program for {getattr(prog, 'described', ('a call',))[0]} reads "
+                f"the float attribute '{name}' of {type(mod).__name__} as an input, because it "
+                "changed between calls (autoshard.guards); an export holds no Python module "
+                "to read it from. Make the value a buffer (register_buffer) to export it, or "
+                "export a model on which it stays fixed.")
     return out
 
 
