@@ -10,10 +10,10 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autoshard.capture import capture
+from autoshard.capture import capture, flat_inputs
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat, depth, hooks, meta
+from autoshard import _compat, depth, hooks, meta, state
 from autoshard.config import offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
@@ -195,7 +195,8 @@ def _call(module, st: _State, args, kwargs):
     st.agreement.step += 1
     st.agreement(f"step {st.agreement.step}: {st.entry}", _describe(args, kwargs, key),
                  exact=repr(key))
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    tensors = flat_inputs(leaves)
+    objects = [x for x in leaves if state.is_state(x)]
     for _ in range(2):  # again only if a hook turned out to change values
         prog = _program_for(module, st, args, kwargs, key)
         st.last = prog
@@ -205,11 +206,12 @@ def _call(module, st: _State, args, kwargs):
         lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
                   for m, n in prog.captured.lifted]
         user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas, st.pending)
-        if not prog.captured.taps:
+        cap = prog.captured
+        if not cap.taps:
             break
         try:
-            hooks.replay(prog.captured.taps, user[len(user) - prog.captured.n_taps:],
-                         st.traced_hooks)
+            end = len(user) - cap.n_state
+            hooks.replay(cap.taps, user[end - cap.n_taps:end], st.traced_hooks)
             break
         except hooks.Replaces as r:  # trace it into the step and run the call again
             st.traced_hooks = st.traced_hooks | {r.key}
@@ -217,7 +219,10 @@ def _call(module, st: _State, args, kwargs):
         with torch.no_grad():
             for i, new in zip(prog.mutated_slots, new_bufs):
                 buffers[i].copy_(new)
-    return prog.unflatten(user)
+    written = user[len(user) - prog.captured.n_state:] if prog.captured.n_state else []
+    for k, description in prog.captured.state_in:  # the objects, left as eager leaves them
+        state.apply(objects[k], description, state.tensors(objects[k]), written)
+    return prog.unflatten(user, objects, written)
 
 
 def _program_for(module, st: _State, args, kwargs, key) -> Program:
@@ -249,6 +254,8 @@ def _signature(module, st: _State, args, kwargs):
                     "the model"
                 )
             parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
+        elif state.is_state(x):
+            parts.append(("state", state.signature(x)))
         else:
             parts.append(("const", type(x).__name__, repr(x)))
     params = [mod._parameters[name] for mod, name in st.param_refs]

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autoshard import _compat, guards, hooks, meta
+from autoshard import _compat, guards, hooks, meta, state
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, written_inputs
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
@@ -53,6 +53,11 @@ class Captured:
     # (module, attribute) of float attributes read as graph inputs, after the tensor inputs
     lifted: list = dataclasses.field(default_factory=list)
     traced_hooks: frozenset = frozenset()  # hooks traced into the graph (hooks.Replaces)
+    # objects among the inputs the forward updates (autoshard.state): (input object number,
+    # its description after the forward); their new tensors are the last ``n_state``
+    # tensor outputs of the forward
+    state_in: list = dataclasses.field(default_factory=list)
+    n_state: int = 0
     # the grad mode the forward was traced in (its backward ran with grad off, as autograd
     # runs every backward formula without create_graph). Some kernels read it at run time
     # and not only their arguments: the CPU LSTM/GRU kernel (oneDNN's) returns the workspace
@@ -61,6 +66,29 @@ class Captured:
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateIn:
+    """An input leaf that is an object holding state: the ``index``-th such object of the
+    call; its ``n`` tensors are graph inputs at its place."""
+
+    index: int
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOut:
+    """An output leaf that is the call's ``index``-th input object, updated."""
+
+    index: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NewState:
+    """An output leaf that is an object the forward created (``state.describe``)."""
+
+    description: Any
 
 
 class _TensorSlot:
@@ -209,8 +237,12 @@ def capture(
     names = _module_names(model)
     hooks.refuse_backward_hooks(model, names)
     leaves, in_spec = tree_flatten((args, kwargs))
-    in_consts = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-    tensors_in = [x for x in leaves if isinstance(x, torch.Tensor)]
+    objects = [x for x in leaves if state.is_state(x)]
+    count = iter(range(len(objects)))
+    in_consts = [TENSOR if isinstance(x, torch.Tensor) else
+                 StateIn(next(count), len(state.tensors(x))) if state.is_state(x) else x
+                 for x in leaves]
+    tensors_in = flat_inputs(leaves)
 
     # real tensors the forward reads that are neither parameters nor buffers (a module-level
     # constant, a plain tensor attribute) are traced as graph constants, as eager reads them
@@ -246,12 +278,20 @@ def capture(
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         it = iter(xs)
-        full = [next(it) if c is TENSOR else c for c in in_consts]
+        full, shadows = [], []
+        for c in in_consts:
+            if isinstance(c, StateIn):
+                fakes = [next(it) for _ in range(c.n)]
+                shadows.append((state.shadow(objects[c.index], iter(fakes)),
+                                {id(f): i for i, f in enumerate(fakes)}))
+                full.append(shadows[-1][0])
+            else:
+                full.append(next(it) if c is TENSOR else c)
         a, kw = _cast_floating(tree_unflatten(full, in_spec), input_dtype)
-        state = dict(zip(pnames, p))
-        state.update(zip(bnames, bclones))
+        values = dict(zip(pnames, p))
+        values.update(zip(bnames, bclones))
         taps, tapped = rec["taps"], rec["tapped"]
-        with _lifting(lifted, lifts), _compat.reparametrize(model, state), \
+        with _lifting(lifted, lifts), _compat.reparametrize(model, values), \
                 hooks.tapping(model, traced_hooks, taps, tapped), \
                 _track_modules(model, stack), _track_checkpoints(), \
                 guards.recording(model) as reads, _traced():
@@ -261,7 +301,17 @@ def capture(
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
         n_user = len(touts)
-        touts = touts + tapped
+        souts: list = []  # what the forward left in objects, after the taps
+        rec["state_in"] = [(k, state.describe(sh, ins, souts)) for k, (sh, ins) in
+                           enumerate(shadows)]
+        whose = {id(sh): k for k, (sh, _) in enumerate(shadows)}
+        for i, o in enumerate(out_leaves):
+            if id(o) in whose:
+                out_leaves[i] = StateOut(whose[id(o)])
+            elif state.is_state(o):
+                out_leaves[i] = NewState(state.describe(o, {}, souts))
+        rec["n_state"] = len(souts)
+        touts = touts + tapped + [t.detach() for t in souts]
         rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
         rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
         diff = [i for i, o in enumerate(touts[:n_user]) if o.requires_grad]
@@ -295,7 +345,7 @@ def capture(
 
     guards.refuse_unfollowable(rec["reads"], _class_name(model))
     for leaf in rec["out_consts"]:
-        if leaf is not TENSOR and not isinstance(leaf, _PLAIN):
+        if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
             raise AutoshardError(
                 f"{type(model).__name__}.forward returned a {type(leaf).__name__} among its "
                 "outputs; autoshard returns tensors and plain Python values only. For Hugging "
@@ -325,6 +375,7 @@ def capture(
     cap.guards = guards.build(model, rec["reads"], names, hooks.signature, lifted)
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
     cap.lifted, cap.traced_hooks = list(lifted), traced_hooks
+    cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
     _tag(cap, rec, grads_for)
     return cap
 
@@ -340,6 +391,18 @@ def _lifting(lifted, values):
     finally:
         for (mod, name), v in zip(lifted, old):
             mod.__dict__[name] = v
+
+
+def flat_inputs(leaves) -> list:
+    """The graph's input tensors of a call's leaves: each tensor, and the tensors each object
+    holding state holds (``autoshard.state``), in order."""
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif state.is_state(x):
+            out.extend(t.detach() for t in state.tensors(x))
+    return out
 
 
 def _cast_floating(tree, dtype):

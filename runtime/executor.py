@@ -164,9 +164,17 @@ class Program:
         # outputs part of the autograd graph so that backward() reaches it
         return torch.empty(0, requires_grad=True)
 
-    def unflatten(self, user: list):
+    def unflatten(self, user: list, objects=(), written=()):
+        """The forward's output from the graph's tensors: ``objects``, the call's input
+        objects holding state, and ``written``, the tensors the forward left in objects
+        (``autoshard.state``), for the outputs that are such objects."""
+        from autoshard import state
+        from autoshard.capture import NewState, StateOut
+
         it = iter(user)
-        leaves = [next(it) if c is TENSOR else c for c in self.captured.out_consts]
+        leaves = [next(it) if c is TENSOR else objects[c.index] if isinstance(c, StateOut)
+                  else state.build(c.description, written) if isinstance(c, NewState) else c
+                  for c in self.captured.out_consts]
         return tree_unflatten(leaves, self.captured.out_spec)
 
 

@@ -80,3 +80,22 @@ def entry_worker(rank, world, _):
     return {"losses": losses, "ref_losses": ref_losses,
             "params": full if rank == 0 else None,
             "ref_params": ref.state_dict() if rank == 0 else None}
+
+
+def generate_worker(rank, world, _):
+    """Hugging Face ``generate`` with its KV cache on a sharded Llama: each rank its own
+    prompts, ``synced_gpus`` so that every rank runs the same number of forwards (as with
+    FSDP2 or ZeRO-3)."""
+    from autoshard.models import tiny_hf
+
+    torch.manual_seed(0)
+    model = tiny_hf("llama", use_cache=True).eval()
+    ref = tiny_hf("llama", use_cache=True).eval()
+    ref.load_state_dict(model.state_dict())
+    prompts = torch.randint(1, 96, (2 * world, 5), generator=torch.Generator().manual_seed(7))
+    mine = prompts.chunk(world)[rank]
+    sharded = autoshard(model)
+    kw = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(mine))
+    got = sharded.generate(mine, synced_gpus=world > 1, **kw)
+    want = ref.generate(mine, **kw)
+    return {"got": got, "want": want}
