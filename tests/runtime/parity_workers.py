@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -107,8 +108,33 @@ def parity_worker(rank, world, names):
         results[f"offload:{name}"] = offload_worker(rank, world, name)
     for name in MP_NAMES:
         results[f"mp:{name}"] = mp_worker(rank, world, name)
-        results[f"fsdp2-mp:{name}"] = fsdp2_worker(rank, world, name, mp=True)
+        with traced_mask():  # FSDP2's eager runs the attention autoshard's capture traced
+            results[f"fsdp2-mp:{name}"] = fsdp2_worker(rank, world, name, mp=True)
     return results
+
+
+@contextlib.contextmanager
+def traced_mask():
+    """Eager Hugging Face models build the explicit causal mask that transformers builds when
+    it traces. Since transformers 5, eager reads the position ids to make sure they hold no
+    packed sequences and then leaves the mask out (SDPA ``is_causal``, and for grouped-query
+    attention SDPA's own key/value head sharing); on fake tensors it cannot read them, so the
+    traced step masks explicitly and repeats the key/value heads (``repeat_kv``). The two are
+    the same in exact arithmetic, but in bf16 the second rounds each query head's key/value
+    gradient before summing them. With the same mask, eager and the captured step run the
+    same ops."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:  # no Hugging Face model to run
+        yield
+        return
+    name = "_ignore_causal_mask_sdpa"
+    saved = getattr(masking, name)  # an AttributeError if transformers renamed it
+    setattr(masking, name, lambda *a, **k: False)
+    try:
+        yield
+    finally:
+        setattr(masking, name, saved)
 
 
 # CPUOffloadPolicy: the same programs with every offloaded shard copied in and its gradient
