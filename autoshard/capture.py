@@ -347,9 +347,9 @@ def capture(
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
             raise AutoshardError(
-                f"{type(model).__name__}.forward returned a {type(leaf).__name__} among its "
-                "outputs; autoshard returns tensors and plain Python values only. For Hugging "
-                "Face models pass use_cache=False (config.use_cache=False)."
+                f"{_class_name(model)}.forward returned a {type(leaf).__name__} among its "
+                "outputs; a captured step returns tensors, plain Python values and objects "
+                "holding them (a KV cache), not functions, classes or modules."
             )
     wrt_specs = [p for p in params if p.requires_grad]
     input_rg = [i for i, x in enumerate(finputs) if x.requires_grad]
