@@ -675,6 +675,7 @@ def _program(st: _State, cap, ctx, plan) -> Program:
     prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
                    st.device.type, agreement=st.agreement,
                    compiled=st.config.compile)
+    prog.hook_owner = st
     st.last = prog
     return prog
 

@@ -58,6 +58,9 @@ class Captured:
     # tensor outputs of the forward
     state_in: list = dataclasses.field(default_factory=list)
     n_state: int = 0
+    # module calls whose backward hooks run after the backward graph (hooks.BackwardTap),
+    # fed by its hook-gradient outputs
+    backward_taps: list = dataclasses.field(default_factory=list)
     # the grad mode the forward was traced in (its backward ran with grad off, as autograd
     # runs every backward formula without create_graph). Some kernels read it at run time
     # and not only their arguments: the CPU LSTM/GRU kernel (oneDNN's) returns the workspace
@@ -266,7 +269,7 @@ def capture(
     pnames = [p.fqn for p in params]
     bnames = list(buffers)
     n_p, n_b = len(params), len(bnames)
-    rec: dict = {"taps": [], "tapped": []}
+    rec: dict = {"taps": [], "tapped": [], "btaps": [], "hgrads": []}
     stack: list = []
 
     def joint(*flat):
@@ -292,7 +295,8 @@ def capture(
         values.update(zip(bnames, bclones))
         taps, tapped = rec["taps"], rec["tapped"]
         with _lifting(lifted, lifts), _compat.reparametrize(model, values), \
-                hooks.tapping(model, traced_hooks, taps, tapped), \
+                hooks.tapping(model, traced_hooks, taps, tapped, rec["btaps"],
+                              rec["hgrads"]), \
                 _track_modules(model, stack), _track_checkpoints(), \
                 guards.recording(model) as reads, _traced():
             rec["reads"] = reads
@@ -329,7 +333,7 @@ def capture(
             with torch.autocast(device.type, enabled=False):
                 grads = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
         rec["grad_mask"] = [g is not None for g in grads]
-        return touts, [g for g in grads if g is not None], bclones
+        return touts, [g for g in grads if g is not None], bclones, list(rec["hgrads"])
 
     grad_mode = torch.is_grad_enabled()
     try:
@@ -376,6 +380,7 @@ def capture(
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
     cap.lifted, cap.traced_hooks = list(lifted), traced_hooks
     cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
+    cap.backward_taps = rec["btaps"] if has_backward else []
     _tag(cap, rec, grads_for)
     return cap
 
@@ -437,7 +442,7 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
         phs.append(ph)
 
     out = meta.output_node(gm)
-    touts, grads, bclones = out.args[0]
+    touts, grads, bclones, hook_grads = out.args[0]
     roles = [{meta.ROLE: meta.OUT_FWD, meta.INDEX: i} for i in range(len(touts))]
     n_param_grads = len(grads_for)
     for k, g in enumerate(grads):
@@ -455,14 +460,15 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
         else:
             clone.replace_all_uses_with(clone.args[0])
             graph.erase_node(clone)
-    out.args = (list(touts) + list(grads) + kept,)
+    roles += [{meta.ROLE: meta.OUT_HOOK_GRAD, meta.INDEX: k} for k in range(len(hook_grads))]
+    out.args = (list(touts) + list(grads) + kept + list(hook_grads),)
     meta.tags(out)[meta.OUTPUTS] = roles
     deps: dict = {}
     for n in graph.nodes:
         deps[n] = ({meta.tag(n, meta.INDEX)} if meta.is_tangent(n)
                    else set().union(*(deps[a] for a in n.all_input_nodes)))
     for v, r in zip(out.args[0], roles):
-        if r[meta.ROLE] in (meta.OUT_GRAD, meta.OUT_INPUT_GRAD):
+        if r[meta.ROLE] in (meta.OUT_GRAD, meta.OUT_INPUT_GRAD, meta.OUT_HOOK_GRAD):
             key = r.get(meta.FQN, r.get(meta.INDEX))
             cap.grad_tangents[(r[meta.ROLE], key)] = frozenset(deps[v])
 

@@ -10,8 +10,14 @@ computes: the first time one does, ``replay`` raises ``Replaces`` and the caller
 again with that hook traced into the step (its tensor work then runs inside the graph on
 every call; its Python side effects ran at that capture only).
 
-Backward hooks of a module are refused at capture, naming the module: the captured
-backward is one graph and does not stop at module boundaries. A parameter's
+A module's full backward hooks (and backward pre-hooks) are kept out of the trace the same
+way: the module's tensor inputs and outputs pass through a view of their own while tracing,
+whose gradients (the module's share, as torch's BackwardHook gives) become extra outputs of
+the backward graph; after it runs, and before any gradient is accumulated, each hook is
+called with the real gradients, latest module first (``replay_backward``). A backward hook
+that returns replacement gradients cannot be honoured by a backward already run: that
+backward raises, its gradients are not accumulated, and from the next call the hook is
+traced into the step. The deprecated ``register_backward_hook`` is refused. A parameter's
 ``register_post_accumulate_grad_hook`` runs in the runtime, once per backward, on the
 sharded gradient (see ``runtime.executor``).
 """
@@ -76,34 +82,63 @@ def signature(mod) -> tuple:
             tuple(_mm._global_backward_pre_hooks), tuple(_mm._global_backward_hooks))
 
 
+def _backward_hooks(mod, kind: str, traced: frozenset) -> list:
+    """(hook, key) of the backward hooks ``replay_backward`` runs for ``mod``: "pre"
+    (``register_full_backward_pre_hook``) or "full", global ones first."""
+    if kind == _PRE:
+        pairs = [(h, ("global", hid)) for hid, h in _mm._global_backward_pre_hooks.items()]
+        pairs += [(h, (id(mod), "bwd_pre", hid)) for hid, h in mod._backward_pre_hooks.items()]
+    else:
+        pairs = [(h, ("global", hid)) for hid, h in _mm._global_backward_hooks.items()]
+        pairs += [(h, (id(mod), "bwd", hid)) for hid, h in mod._backward_hooks.items()]
+    return [p for p in pairs if p[1] not in traced]
+
+
 def refuse_backward_hooks(model, names: dict) -> None:
-    if _mm._global_backward_hooks or _mm._global_backward_pre_hooks:
+    """Only full backward hooks can be run from the captured backward: the deprecated
+    ``register_backward_hook`` (on a module's last op) is refused, naming the module."""
+    if _mm._global_backward_hooks and not _mm._global_is_full_backward_hook:
         raise AutoshardError(
-            "a global module backward hook is registered "
-            "(torch.nn.modules.module.register_module_full_backward_hook); autoshard's captured "
-            "backward is one graph and runs no module backward hooks. Remove it, or use "
-            "register_post_accumulate_grad_hook on the parameters.")
+            "a global module backward hook registered without full=True is set; autoshard "
+            "runs full backward hooks only (register_module_full_backward_hook).")
     for m in model.modules():
-        hooks = {**m._backward_hooks, **m._backward_pre_hooks}
-        if hooks:
-            fn = next(iter(hooks.values()))
+        if m._backward_hooks and m._is_full_backward_hook is False:
+            fn = next(iter(m._backward_hooks.values()))
             raise AutoshardError(
                 f"module '{names.get(id(m), '?') or '(root)'}' ({type(m).__name__}) has a "
-                f"backward hook ({getattr(fn, '__qualname__', fn)!r}); autoshard's captured "
-                "backward is one graph and runs no module backward hooks. Remove it before "
-                "autoshard(), or watch gradients with register_post_accumulate_grad_hook on "
-                "the parameters (it runs once per backward on the sharded gradient).")
+                f"backward hook registered with register_backward_hook "
+                f"({getattr(fn, '__qualname__', fn)!r}), which torch deprecates and autoshard "
+                "cannot run; use register_full_backward_hook (it runs on every backward, "
+                "with the module's real gradients).")
+
+
+@dataclasses.dataclass
+class BackwardTap:
+    """One call of a module with backward hooks: the gradients its hooks are given are
+    hook gradient outputs of the backward graph; ``inputs``/``outputs``: per tensor
+    positional input / tensor output, that output's number among them, or None (no
+    gradient: eager gives None there too)."""
+
+    module: Any
+    inputs: list
+    outputs: list
 
 
 @contextlib.contextmanager
-def tapping(model, traced: frozenset, taps: list, tensors: list):
-    """Keep the user's forward hooks out of the trace (except ``traced`` ones) and record,
-    for each hooked module call, a ``Tap`` in ``taps`` and its tensors (detached) in
-    ``tensors``."""
+def tapping(model, traced: frozenset, taps: list, tensors: list, backward_taps: list,
+            grads: list):
+    """Keep the user's forward and backward hooks out of the trace (except ``traced`` ones)
+    and record, for each hooked module call, a ``Tap`` in ``taps`` and its tensors
+    (detached) in ``tensors``; for each call of a module with backward hooks a
+    ``BackwardTap`` in ``backward_taps``, whose gradients the traced backward appends to
+    ``grads``."""
     saved_global = [(d, dict(d)) for d in (_mm._global_forward_pre_hooks,
                                           _mm._global_forward_hooks)]
     moved, handles = [], []
     has_global = any(saved for _, saved in saved_global)
+    saved_bwd = [(d, dict(d)) for d in (_mm._global_backward_pre_hooks,
+                                       _mm._global_backward_hooks)]
+    has_global_bwd = any(saved for _, saved in saved_bwd)
 
     def note(mod, kind, tree):
         leaves, spec = tree_flatten(tree)
@@ -131,6 +166,19 @@ def tapping(model, traced: frozenset, taps: list, tensors: list):
             if fwd:
                 handles.append(m.register_forward_hook(
                     lambda mod, a, kw, out: note(mod, _FWD, (a, kw, out)), with_kwargs=True))
+            bwd = (_backward_hooks(m, _PRE, traced) + _backward_hooks(m, "full", traced)
+                   if (m._backward_hooks or m._backward_pre_hooks or has_global_bwd) else [])
+            if bwd:
+                for d in (m._backward_pre_hooks, m._backward_hooks):
+                    moved.append((d, dict(d)))
+                    for _, key in bwd:
+                        if key[0] == id(m):
+                            d.pop(key[2], None)
+                handles.extend(_grad_taps(m, backward_taps, grads))
+        for d, saved in saved_bwd:
+            for hid in saved:
+                if ("global", hid) not in traced:
+                    del d[hid]
         yield
     finally:
         for h in handles:
@@ -138,7 +186,7 @@ def tapping(model, traced: frozenset, taps: list, tensors: list):
         for d, original in moved:  # in their order, traced ones among them
             d.clear()
             d.update(original)
-        for d, saved in saved_global:
+        for d, saved in saved_global + saved_bwd:
             d.clear()
             d.update(saved)
 
@@ -162,4 +210,60 @@ def replay(taps: list, tensors: list, traced: frozenset) -> None:
                 out = (hook(tap.module, args, kwargs, result) if with_kwargs
                        else hook(tap.module, args, result))
             if out is not None:
+                raise Replaces(key)
+
+
+def _grad_taps(mod, backward_taps: list, grads: list) -> list:
+    """Hooks that route, while tracing, the gradients a module's backward hooks would be
+    given into ``grads``: the module's tensor inputs and outputs pass through a view of
+    their own, whose gradient is the module's share alone (as torch's BackwardHook does)."""
+    calls: list = []
+
+    def watch(t, slots, i):
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            return t
+        t = t.view_as(t)
+
+        def keep(g):
+            slots[i] = len(grads)
+            grads.append(g)
+        t.register_hook(keep)
+        return t
+
+    def pre(m, args):
+        tap = BackwardTap(m, [None] * sum(isinstance(a, torch.Tensor) for a in args), [])
+        backward_taps.append(tap)
+        calls.append(tap)
+        k = iter(range(len(args)))
+        return tuple(watch(a, tap.inputs, next(k)) if isinstance(a, torch.Tensor) else a
+                     for a in args)
+
+    def post(m, args, out):
+        tap = calls.pop()
+        leaves, spec = tree_flatten(out)
+        n = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        tap.outputs = [None] * len(n)
+        for j, i in enumerate(n):
+            leaves[i] = watch(leaves[i], tap.outputs, j)
+        return tree_unflatten(leaves, spec)
+
+    return [mod.register_forward_pre_hook(pre, prepend=True),
+            mod.register_forward_hook(post)]
+
+
+def replay_backward(backward_taps: list, grads: list, traced: frozenset) -> None:
+    """Run the backward hooks kept out of the trace, latest module call first as eager's
+    backward reaches them, on the real gradients; a hook that returns a replacement raises
+    ``Replaces`` (the step's gradients are not accumulated)."""
+    for tap in reversed(backward_taps):
+        pre, full = (_backward_hooks(tap.module, k, traced) for k in (_PRE, "full"))
+        if not (pre or full):
+            continue
+        gout = tuple(None if i is None else grads[i] for i in tap.outputs)
+        gin = tuple(None if i is None else grads[i] for i in tap.inputs)
+        for hook, key in pre:
+            if hook(tap.module, gout) is not None:
+                raise Replaces(key)
+        for hook, key in full:
+            if hook(tap.module, gin, gout) is not None:
                 raise Replaces(key)

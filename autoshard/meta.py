@@ -38,6 +38,8 @@ OUT_FWD = "output"  # a forward output leaf
 OUT_GRAD = "grad"  # gradient of the parameter FQN
 OUT_INPUT_GRAD = "input_grad"  # gradient of user input INDEX
 OUT_BUFFER = "mutated_buffer"  # new value of the buffer FQN
+# a gradient a module backward hook is given (autoshard.hooks): hook gradient INDEX
+OUT_HOOK_GRAD = "hook_grad"
 
 FWD = "fwd"
 BWD = "bwd"

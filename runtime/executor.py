@@ -52,11 +52,13 @@ class Program:
             for lay, r in zip(self.layouts, at)
         ]
         slot = {f: i for i, f in enumerate(self.fqns)}
+        kinds = {meta.OUT_GRAD: "param", meta.OUT_HOOK_GRAD: "hook"}
         self.grad_slots = [
             ("param", slot[r[meta.FQN]]) if r[meta.ROLE] == meta.OUT_GRAD
-            else ("input", r[meta.INDEX])
+            else (kinds.get(r[meta.ROLE], "input"), r[meta.INDEX])
             for r in split.bwd_roles
         ]
+        self.hook_owner = None  # the state whose traced_hooks a replacing hook joins
         self.grad_tangents = [
             captured.grad_tangents[(r[meta.ROLE], r.get(meta.FQN, r.get(meta.INDEX)))]
             for r in split.bwd_roles
@@ -152,6 +154,27 @@ class Program:
         are detached first, so grad on records no autograd history."""
         with torch.set_grad_enabled(self.captured.grad_enabled), self.no_autocast():
             yield
+
+    def run_backward_hooks(self, res, given) -> None:
+        """The module backward hooks kept out of the trace, on this backward's gradients,
+        before any of them is accumulated (``autoshard.hooks``)."""
+        from autoshard import hooks
+
+        grads = {}
+        for (kind, i), g, deps in zip(self.grad_slots, res, self.grad_tangents):
+            if kind == "hook":
+                grads[i] = g if deps & given else None
+        cap = self.captured
+        try:
+            hooks.replay_backward(cap.backward_taps, grads, cap.traced_hooks)
+        except hooks.Replaces as r:
+            if self.hook_owner is not None:
+                self.hook_owner.traced_hooks = self.hook_owner.traced_hooks | {r.key}
+            raise AutoshardError(
+                "a module backward hook returned replacement gradients, which a backward "
+                "already run cannot take: this backward's gradients were not accumulated. "
+                "From the next call on the hook is traced into the step; run this step "
+                "again.") from None
 
     def no_autocast(self):
         """The graphs hold autocast's casts already (capture traced them): run them as
@@ -251,8 +274,10 @@ class _Step(torch.autograd.Function):
         with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
             res = program.call(program.backward_graph(), args)
         input_grads = [None] * ctx.n_inputs
+        if program.captured.backward_taps:
+            program.run_backward_hooks(res, given)
         for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
-            if not deps & given:
+            if not deps & given or kind == "hook":
                 continue  # it reads only outputs that got no gradient: None, as in eager
             if kind == "param" and not program.plan.grad_sync:  # full, local: kept
                 f = program.fqns[i]

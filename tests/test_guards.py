@@ -172,6 +172,10 @@ class Noisy(nn.Module):
             x = x * 2
         if self.how == "randint" and random.randint(0, 3) >= 0:
             x = x * 2
+        if self.how == "unseeded" and random.Random().random() < 2.0:
+            x = x * 2
+        if self.how == "seeded" and random.Random(0).random() < 2.0:
+            x = x * 2  # the same draw on every call: nothing to refuse
         if self.how == "numpy":
             x = x * float(np.random.rand())
         if self.how == "time":
@@ -184,12 +188,18 @@ class Noisy(nn.Module):
 @pytest.mark.parametrize("how,call", [
     ("random", "random.random at .*test_guards.py"),
     ("randint", "random.randint at .*test_guards.py"),
+    ("unseeded", "random.__init__ at .*test_guards.py"),
     ("numpy", "numpy.random"),  # a compiled function: seen by the state it advanced
     ("time", "time.time at .*test_guards.py")])
 def test_python_random_and_the_clock_in_forward_are_refused_naming_the_call(how, call):
     _, sharded = _pair(lambda: Noisy(how))
     with pytest.raises(AutoshardError, match=f"calls {call}"):
         sharded(torch.randn(2, 4))
+
+
+def test_a_generator_the_forward_seeds_itself_is_allowed():
+    _, sharded = _pair(lambda: Noisy("seeded"))
+    sharded(torch.randn(2, 4))
 
 
 def test_print_in_forward_warns_that_it_ran_at_capture_only():
@@ -245,10 +255,56 @@ def test_a_hook_that_changes_the_output_is_traced_and_trains_as_in_eager():
         torch.testing.assert_close(p.detach(), q.full_tensor(), rtol=0, atol=1e-6)
 
 
-def test_module_backward_hooks_are_refused_naming_the_module():
+def test_module_backward_hooks_run_on_every_backward_with_real_gradients():
+    ref, sharded = _pair()
+    x = torch.randn(3, 8)
+    seen = {"ref": [], "sharded": []}
+
+    def watcher(tag):
+        def full(mod, grad_input, grad_output):
+            seen[tag].append([None if g is None else g.clone() for g in grad_input + grad_output])
+
+        def pre(mod, grad_output):
+            seen[tag].append([g.clone() for g in grad_output])
+        return full, pre
+
+    for tag, m in (("ref", ref), ("sharded", sharded)):
+        full, pre = watcher(tag)
+        m.a.register_full_backward_hook(full)  # its input needs no gradient: None, as in eager
+        m.b.register_full_backward_pre_hook(pre)
+    for _ in range(2):
+        a, b = _same(ref, sharded, x)
+        a.square().sum().backward()
+        b.square().sum().backward()
+    assert len(seen["ref"]) == len(seen["sharded"]) == 4
+    for want, got in zip(seen["ref"], seen["sharded"]):
+        assert [g is None for g in want] == [g is None for g in got]
+        for w, g in zip(want, got):
+            if w is not None:
+                torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def test_a_backward_hook_that_replaces_gradients_is_named_then_traced():
+    ref, sharded = _pair()
+    x = torch.randn(3, 8)
+    for m in (ref, sharded):
+        m.b.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 0.5,))
+    ref(x).square().sum().backward()
+    with pytest.raises(AutoshardError, match="returned replacement gradients.*not accumulated"):
+        sharded(x).square().sum().backward()
+    assert all(p.grad is None for p in sharded.parameters())
+    sharded(x).square().sum().backward()  # traced from now on
+    for p, q in zip(ref.parameters(), sharded.parameters()):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad, rtol=0, atol=1e-6)
+
+
+def test_a_deprecated_backward_hook_is_refused_naming_the_module():
     _, sharded = _pair()
-    sharded.b.register_full_backward_hook(lambda mod, gin, gout: None)
-    with pytest.raises(AutoshardError, match="module 'b' \\(Linear\\) has a backward hook"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sharded.b.register_backward_hook(lambda mod, gin, gout: None)
+    with pytest.raises(AutoshardError, match="module 'b' \\(Linear\\) has a backward hook registered "
+                                             "with register_backward_hook"):
         sharded(torch.randn(3, 8))
 
 
