@@ -241,9 +241,9 @@ class _Reads:
                     self.codes[code] = frame.f_globals
                     if code.co_freevars:
                         self.closures.add(code)
-            elif kind == 2:
+            elif kind == 2:  # the random module: its global generator, or an unseeded one
                 caller = frame.f_back
-                if caller is not None and self.user(caller.f_code):
+                if caller is not None and self.user(caller.f_code) and _draws(frame):
                     self.refused.append((f"random.{code.co_name}", _where(caller)))
         elif event == "c_call" and self.user(frame.f_code):
             try:
@@ -255,6 +255,20 @@ class _Reads:
                 self.refused.append((bad, _where(frame)))
             elif arg is print:
                 self.printed.append(_where(frame))
+
+
+def _draws(frame) -> bool:
+    """Whether a call into the random module draws from state a captured step cannot
+    repeat: the module's global generator (``random.randint`` is its bound method), or a
+    generator seeded from the operating system (``random.Random()``). A generator the
+    forward seeds itself (``random.Random(self.seed)``) gives the same draws on every call."""
+    import random
+
+    local = frame.f_locals
+    owner = local.get("self")
+    if owner is random._inst or owner is None:
+        return True
+    return frame.f_code.co_name in ("__init__", "seed") and local.get("x", 0) is None
 
 
 def _where(frame) -> str:
