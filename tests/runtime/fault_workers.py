@@ -71,6 +71,12 @@ def fault_worker(rank, world, cases):
                     _step(model, 4)
             r["error"] = _outcome(call)
             model.train()
+        elif case == "dtype_on_rank1":  # a cast on one rank only: named, not a peer's hang
+            if rank == 1:
+                model.double()
+            r["error"] = _outcome(lambda: _step(model, 4))
+            model.float()
+            r["after"] = _outcome(lambda: _step(model, 4))
         elif case == "skipped_backward":  # rank 0 runs forward twice, the others once
             def call():
                 if rank == 0:

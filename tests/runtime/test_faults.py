@@ -7,7 +7,7 @@ from fault_workers import fault_worker, hang_worker
 from harness import run_ranks
 
 
-CASES = ["partial_batch", "eval_on_rank0", "skipped_backward"]
+CASES = ["partial_batch", "eval_on_rank0", "dtype_on_rank1", "skipped_backward"]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,9 @@ def test_ranks_out_of_step_get_an_error_naming_each_rank(out_of_step, case):
         assert "args[0] float32[4, 8]" in results[0]["error"]
         assert "args[0] float32[3, 8]" in results[0]["error"]
         assert all(r["after"] == "ok" for r in results)  # the group is intact: training goes on
+    if case == "dtype_on_rank1":
+        assert "parameters float64" in results[0]["error"], results[0]["error"]
+        assert all(r["after"] == "ok" for r in results)
     if case == "eval_on_rank0":
         assert "eval, no grad" in results[0]["error"] and "train, grad" in results[0]["error"]
 
