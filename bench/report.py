@@ -162,6 +162,23 @@ def membound_section() -> list:
             membound.table(result, "github"), ""] + _membound_misses(result)
 
 
+def _guards(steps: int) -> list:
+    """The guard check's cost per call against the step (``bench.guards``)."""
+    from bench import guards
+
+    rows = [guards.measure(m, max(steps, 10), 2000) for m in compare.MODELS]
+    return ["## Guard check per call", "",
+            "Before each call reuses a captured step, every guard capture recorded (the "
+            "module tree, hooks and dtypes, the attributes, globals and closure cells the "
+            "forward read) is compared with the value now (docs/capture.md). "
+            "`python -m bench.guards`: world size 1, the median of 2000 checks against the "
+            "median training step, same models and batch as above.", "",
+            tabulate([(r["model"], r["guards"], f"{r['check_us']:.0f}", f"{r['step_ms']:.1f}",
+                       f"{100 * r['ratio']:.2f}%") for r in rows],
+                     headers=["model", "guards", "check us", "step ms", "check / step"],
+                     tablefmt="github"), ""]
+
+
 def _membound_misses(result: dict) -> list:
     over = membound.over_budget(result)
     if not over:
@@ -282,6 +299,7 @@ def main(argv=None) -> None:
                                        "comm ms in flight / hidden"], tablefmt="github"), ""]
     lines += membound_section()
     lines += strategies_section()
+    lines += _guards(args.steps)
     lines += ["## Compile cost", "",
               "Capture + passes + prediction of a GPT (dim 64) for world size 2, the median "
               "of 3 fresh processes, with the module policy and with the default (auto) "
