@@ -238,10 +238,17 @@ def shard_module(model: torch.nn.Module, mesh, device: torch.device, *,
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:
-    """The model's state dict with every DTensor gathered to a full tensor (on every rank):
-    DCP's ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))``.
-    Every rank calls it (one all-gather per sharded tensor). For a rank-0 copy in host
-    memory, call that with ``cpu_offload=True`` (the other ranks get an empty dict)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """The model's ``state_dict()`` with every DTensor gathered to a full tensor (on every
+    rank, one all-gather per sharded tensor, in the state dict's order), under the same
+    keys: what the unsharded model's ``state_dict()`` holds and ``load_state_dict`` takes.
+    Gathered from ``state_dict()`` itself rather than through DCP's
+    ``get_model_state_dict``, which maps every key back to a module attribute and so fails
+    (under FSDP2 too) on a model whose state-dict hooks save other keys than its attributes,
+    as torchtitan's fused QKV projection saves ``wq``/``wk``/``wv`` for its ``wqkv``. For a
+    rank-0 copy in host memory, call ``get_model_state_dict(model,
+    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` (the other ranks get
+    an empty dict)."""
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()}
