@@ -317,8 +317,11 @@ def _entry_state(root_st: _State, module, name: str, fn) -> _State:
 
 def _install_entry(module, root_st: _State, name: str, fn) -> None:
     """Make ``module.<name>`` run as its own captured step when called from outside a
-    capture; inside one (the root's forward calling it) the original runs, to be traced."""
+    capture; inside one (the root's forward calling it) the original runs, to be traced.
+    The entry is a method bound to ``module``: a copy of the module (``copy.deepcopy``)
+    gets one bound to the copy, which refuses to run another module's programs."""
     import functools
+    import types
 
     from autoshard.capture import tracing
 
@@ -327,9 +330,14 @@ def _install_entry(module, root_st: _State, name: str, fn) -> None:
     state: list = []
 
     @functools.wraps(fn)
-    def entry(*args, **kwargs):
+    def entry(self, *args, **kwargs):
         if tracing():
-            return fn(module, *args, **kwargs)
+            return fn(self, *args, **kwargs)
+        if self is not module:
+            raise AutoshardError(
+                f"{label}: this module is a copy of one of a sharded model's (copy.deepcopy), "
+                "whose parameters are that model's shards. Copy the model before autoshard(), "
+                "or take sharded.full_state_dict() into an unsharded copy.")
         if not state:
             state.append(_entry_state(root_st, module, label, fn))
         st = state[0]
@@ -337,7 +345,7 @@ def _install_entry(module, root_st: _State, name: str, fn) -> None:
         return _call(module, st, args, kwargs)
 
     entry._autoshard_entry = True
-    module.__dict__[name] = entry
+    module.__dict__[name] = types.MethodType(entry, module)
     root_st.entries.append((module, name))
 
 

@@ -212,6 +212,7 @@ class _Reads:
         self.closures: set = set()  # codes with free variables
         self.refused: list = []  # (call, where)
         self.printed: list = []  # where print ran
+        self.unseen = False  # another profiler was running: the code run went unseen
         self._user: dict = {}  # code -> bool
         self._bad = _nondeterministic()
         import random
@@ -320,12 +321,19 @@ def recording(model: torch.nn.Module):
                 pass
         _active.append(reads)
         states = _random_states()
-        previous = sys.getprofile()
-        sys.setprofile(reads.profile)
+        # a profiler already running (cProfile, a debugger) keeps its place: the code the
+        # forward runs then goes unseen (its globals unguarded), random draws are still
+        # seen by the state they advance
+        profiling = sys.getprofile() is None
+        if profiling:
+            sys.setprofile(reads.profile)
+        else:
+            reads.unseen = True
         try:
             yield reads
         finally:
-            sys.setprofile(previous)
+            if profiling:
+                sys.setprofile(None)
             _active.pop()
         if not reads.refused:  # drawn where the profile cannot see (a compiled function)
             for name, (get, before) in states.items():
@@ -368,6 +376,12 @@ def refuse_unfollowable(reads: _Reads, model_name: str) -> None:
             "different programs). Draw it with torch (torch.rand, torch.randint, "
             "torch.bernoulli: traced, fresh on every call), or draw it outside the model and "
             "pass it in as an input.")
+    if reads.unseen:
+        warnings.warn("a profiler was running while the step was captured, so autoshard did "
+                      "not see the code its forward ran: the globals and closure variables "
+                      "that code read are not guarded (a change to them would not be "
+                      "followed). Capture outside the profiler (sharded.compile(*inputs) "
+                      "first) to guard them.", stacklevel=2)
     for where in dict.fromkeys(reads.printed):
         warnings.warn(f"print() in the model's forward ({where}) ran once, while the step "
                       "was captured, on fake tensors; the captured step does not run it. "

@@ -333,3 +333,15 @@ def test_optimizer_in_backward_trains_like_the_plain_loop():
     assert len(calls) == 3 * len(list(sharded.parameters()))
     for p, q in zip(ref.parameters(), sharded.parameters()):
         torch.testing.assert_close(p.detach(), q.full_tensor(), rtol=0, atol=1e-6)
+
+
+def test_capture_under_another_profiler_says_what_goes_unguarded():
+    import cProfile
+
+    ref, sharded = _pair()
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="profiler was running.*not guarded"):
+        with cProfile.Profile():
+            _same(ref, sharded, x)
+    ref.temperature = sharded.temperature = 0.5  # module attributes are still guarded
+    _same(ref, sharded, x)

@@ -42,3 +42,17 @@ def test_register_forward_method_refuses_what_is_not_a_method():
         sharded = autoshard(Trunk())
     with pytest.raises(ValueError, match="Trunk has no method 'decode'"):
         sharded.register_forward_method("decode")
+
+
+def test_a_copy_of_a_sharded_submodule_refuses_to_run_the_originals_programs():
+    import copy
+
+    from autoshard import AutoshardError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sharded = autoshard(Trunk())
+    head = copy.deepcopy(sharded.lm_head)
+    with pytest.raises(AutoshardError, match="lm_head \\(called directly\\): this module is a "
+                                             "copy"):
+        head(torch.randn(2, 16))
