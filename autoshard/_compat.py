@@ -316,3 +316,21 @@ def set_versions(tensors, versions) -> None:
     """Set the tensors' version counters (``t._version``): a meta-device model's counters say
     how often its constructor wrote each tensor, and materialising it writes through them."""
     torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+def meta_skipping_inits() -> list:
+    """The ``torch.nn.init`` functions that return without writing on the meta device (torch
+    2.13: trunc_normal_, orthogonal_, dirac_, sparse_), as (module, attribute to wrap, public
+    name, whether it draws random numbers). ``deferred_init()`` records each call whole, since
+    the ops it runs on a device are never dispatched on the meta device (trunc_normal_'s
+    rejection loop also depends on the values it draws). trunc_normal_ is reached through its
+    private body, so a function imported with ``from torch.nn.init import trunc_normal_``
+    is recorded too; where that body is gone the public function is wrapped instead."""
+    import torch.nn.init as init
+
+    body = "_no_grad_trunc_normal_" if callable(getattr(init, "_no_grad_trunc_normal_", None)) \
+        else "trunc_normal_"
+    table = ((body, "trunc_normal_", True), ("orthogonal_", "orthogonal_", True),
+             ("dirac_", "dirac_", False), ("sparse_", "sparse_", True))
+    return [(init, attr, f"torch.nn.init.{public}", random) for attr, public, random in table
+            if callable(getattr(init, attr, None))]

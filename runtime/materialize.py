@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import inspect
 import sys
+import threading
 import weakref
 from typing import Callable, Optional
 
@@ -197,10 +199,16 @@ class _Entry:
     reads: list  # storage keys of every meta tensor argument
     random: bool  # draws from the random number generator
     overwrites: set  # storage keys it gives every element of without reading them
+    name: str = ""  # what it is called in messages
+    wrefs: list = dataclasses.field(default_factory=list)  # _Ref of each tensor written
+    vreads: list = dataclasses.field(default_factory=list)  # _Ref of each tensor whose
+    #                                                         values it reads
+    generator: bool = False  # draws from a torch.Generator it was given
 
     @property
     def empty(self) -> bool:
-        return self.func._schema.name in _EMPTY_OPS
+        schema = getattr(self.func, "_schema", None)  # a recorded call has none
+        return schema is not None and schema.name in _EMPTY_OPS
 
     def created(self) -> list:
         return [] if self.empty else [r.key for _, r in self.fresh]
@@ -221,6 +229,7 @@ class _Record(_compat.TorchDispatchMode):
         #                  was last registered on it)
         self.tensors = []  # parameters, buffers and modules registered while recording
         self.created = set()  # storage keys of every tensor the recorded ops made
+        self.paused = 0  # inside a call recorded whole: its ops are not recorded again
 
     def _ref(self, t: torch.Tensor):
         if t.device.type != "meta":
@@ -231,15 +240,24 @@ class _Record(_compat.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.paused:
+            return out
         flat = [t for t in _pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         if not any(t.device.type == "meta" for t in flat):
             return out
         schema = func._schema
-        writes = []
+        view = bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        written, read = [], []  # (meta tensor, whether the op gives it values without reading)
         for i, a in enumerate(schema.arguments):
             val = args[i] if i < len(args) else kwargs.get(a.name)
+            ts = [t for t in _tensors(val) if t.device.type == "meta"]
             if a.alias_info is not None and a.alias_info.is_write:
-                writes.extend(_swr(t) for t in _tensors(val) if t.device.type == "meta")
+                blind = schema.name in _OVERWRITE_OPS or a.is_out
+                written.extend((t, blind) for t in ts)
+            else:
+                read.extend(ts)
+        writes = [_swr(t) for t, _ in written]
         outs = _pytree.tree_leaves(out)
         fresh = [(i, _Ref.of(o)) for i, (o, r) in enumerate(zip(outs, _returns(schema, outs)))
                  if isinstance(o, torch.Tensor) and o.device.type == "meta" and r is None]
@@ -249,20 +267,34 @@ class _Record(_compat.TorchDispatchMode):
             if isinstance(o, torch.Tensor) and o.device.type == "meta":
                 self.storages.append(o.untyped_storage())
         reads = [r.key for r in _pytree.tree_leaves((rargs, rkwargs)) if isinstance(r, _Ref)]
+        # what the op's result does not depend on: its own new outputs, and a tensor an
+        # overwriting op (fill_, copy_, normal_, an out= argument) writes whole without
+        # reading its storage through another argument. An in-place op returns the tensor it
+        # updates (mul_, erfinv_, clamp_): that output is its input, read, never an overwrite.
         overwrites = set()
         if schema.name not in _EMPTY_OPS:
-            overwrites.update(_swr(o) for o in outs if isinstance(o, torch.Tensor)
-                              and o.device.type == "meta" and _whole(o))
-        if schema.name in _OVERWRITE_OPS:
-            for i, a in enumerate(schema.arguments):
-                val = args[i] if i < len(args) else kwargs.get(a.name)
-                if a.alias_info is not None and a.alias_info.is_write:
-                    overwrites.update(_swr(t) for t in _tensors(val)
-                                      if t.device.type == "meta" and _whole(t))
-        overwrites &= set(writes) | {r.key for _, r in fresh}
+            overwrites.update(r.key for pos, r in fresh if _whole(outs[pos]))
+        read_keys = {_swr(t) for t in read}
+        overwrites.update(_swr(t) for t, blind in written
+                          if blind and _whole(t) and _swr(t) not in read_keys)
+        vreads = [] if view else [_Ref.of(t) for t in read] + [
+            _Ref.of(t) for t, blind in written if not blind]
+        gen = any(isinstance(x, torch.Generator) for x in _pytree.tree_leaves((args, kwargs)))
         self.entries.append(_Entry(len(self.entries), func, rargs, rkwargs, writes, fresh, reads,
-                                   torch.Tag.nondeterministic_seeded in func.tags, overwrites))
+                                   torch.Tag.nondeterministic_seeded in func.tags, overwrites,
+                                   str(func), [_Ref.of(t) for t, _ in written], vreads, gen))
         return out
+
+    def record_call(self, name: str, fn: Callable, random: bool, tensor: torch.Tensor,
+                    args: tuple, kwargs: dict, generator: bool) -> None:
+        """Record ``fn(tensor, *args, **kwargs)``, an init function that gives every element
+        of ``tensor`` a value without reading it, as one op (replayed by calling ``fn`` on the
+        device)."""
+        rargs, rkwargs = tree_map_only(torch.Tensor, self._ref, ((tensor,) + tuple(args), kwargs))
+        ref = rargs[0]
+        self.entries.append(_Entry(len(self.entries), fn, rargs, rkwargs, [ref.key], [],
+                                   [ref.key], random, {ref.key} if _whole(tensor) else set(),
+                                   name, [ref], [], generator))
 
     def _registered(self, module, name, value):
         self.marks[id(module)] = (weakref.ref(module), len(self.entries))
@@ -307,6 +339,63 @@ def _returns(schema, outs) -> list:
 # inside deferred_init(), an entry goes when its tensor does
 _RECORDED = weakref_utils.WeakIdKeyDictionary()
 
+# the torch.nn.init functions that write nothing on the meta device are wrapped while any
+# deferred_init() block is open (and only then), so that a call on a meta tensor is recorded
+_OPEN = {}  # thread id -> the records open in that thread, innermost last
+_WRAPPED = []  # (module, attribute, original function) while wrapped
+_WRAP_LOCK = threading.Lock()
+
+
+def _recorded_init(fn: Callable, name: str, random: bool) -> Callable:
+    """``fn`` (an init function that returns at once on a meta tensor) recording each call on
+    a meta tensor made inside this thread's innermost open deferred_init() block."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(tensor, *args, **kwargs):
+        stack = _OPEN.get(threading.get_ident())
+        rec = stack[-1] if stack else None
+        if (rec is None or rec.paused or not isinstance(tensor, torch.Tensor)
+                or tensor.device.type != "meta"):
+            return fn(tensor, *args, **kwargs)
+        rec.paused += 1
+        try:
+            out = fn(tensor, *args, **kwargs)  # checks its arguments; writes nothing on meta
+        finally:
+            rec.paused -= 1
+        try:
+            gen = sig.bind(tensor, *args, **kwargs).arguments.get("generator") is not None
+        except TypeError:
+            gen = False
+        rec.record_call(name, fn, random, tensor, args, kwargs, gen)
+        return out
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def _recording_init_calls(rec: _Record):
+    tid = threading.get_ident()
+    with _WRAP_LOCK:
+        if not _OPEN:
+            for mod, attr, name, random in _compat.meta_skipping_inits():
+                fn = getattr(mod, attr)
+                _WRAPPED.append((mod, attr, fn))
+                setattr(mod, attr, _recorded_init(fn, name, random))
+        _OPEN.setdefault(tid, []).append(rec)
+    try:
+        yield
+    finally:
+        with _WRAP_LOCK:
+            stack = _OPEN[tid]
+            stack.remove(rec)
+            if not stack:
+                del _OPEN[tid]
+            if not _OPEN:
+                for mod, attr, fn in reversed(_WRAPPED):
+                    setattr(mod, attr, fn)
+                _WRAPPED.clear()
+
 
 @contextlib.contextmanager
 def deferred_init():
@@ -326,7 +415,15 @@ def deferred_init():
     ``autoshard()`` then refuses a tensor whose constructor wrote it beyond its layer's
     ``reset_parameters()``. Values the recording cannot see are not replayed: the data of
     ``torch.tensor(...)`` on the meta device (a tensor initialised only that way is named as
-    uninitialised), and writes through ``.data`` made after the context ends.
+    uninitialised), and writes through ``.data`` made after the context ends; a tensor whose
+    replay would read values no recorded op wrote is named, never given other values.
+
+    ``torch.nn.init``'s ``trunc_normal_``, ``orthogonal_``, ``dirac_`` and ``sparse_`` return
+    without writing on the meta device; while the context is open they are wrapped (for the
+    whole process, restored when the last open context ends) so that each call on a meta
+    tensor is recorded whole and replayed by calling the function on the device. Draws from
+    a ``torch.Generator`` passed to an op cannot be replayed (autoshard rewinds the default
+    generators): a tensor whose values depend on one is named.
 
     The recording is kept, for each parameter and buffer registered inside the context, while
     that tensor lives; nothing is recorded outside the context.
@@ -338,7 +435,7 @@ def deferred_init():
              nn_module.register_module_buffer_registration_hook(rec._registered),
              nn_module.register_module_module_registration_hook(rec._registered)]
     try:
-        with torch.device("meta"), rec:
+        with torch.device("meta"), rec, _recording_init_calls(rec):
             yield
     finally:
         for h in hooks:
@@ -357,9 +454,12 @@ class _Tape:
         self.rec, self.entries = rec, rec.entries
         self.lookup = lookup  # storage key -> _Slot of the model's meta tensors
         self.writers = {}  # storage key -> indices of the entries that write it, in order
+        self.creator = {}  # storage key -> the entry that made it (an empty one too)
         for e in self.entries:
             for k in dict.fromkeys(e.writes + e.created()):
                 self.writers.setdefault(k, []).append(e.index)
+            for _, r in e.fresh:
+                self.creator.setdefault(r.key, e.index)
         self.step_of = {}  # entry index -> its step's index (set by init_steps)
         self.mat = None  # the _Materializer running the steps
 
@@ -368,26 +468,72 @@ class _Tape:
         if not written and not e.random:
             return None  # an intermediate: computed where a step reads it
         m = written[0].module if written else root
-        label = f"{e.func} (recorded by deferred_init)"
+        label = f"{e.name or e.func} (recorded by deferred_init)"
         return _Step(m, names[id(m)], label, functools.partial(self.run, e.index), True,
                      tape=self, entry=e.index)
 
-    def _program(self, e: _Entry, own: set) -> list:
+    def _program(self, e: _Entry, own: set, names: str) -> list:
         """The entries to run before ``e`` so that what it reads (but ``own``) has its value:
-        for each storage, its writes back to the last one that overwrites all of it."""
-        need, stack = set(), [(k, e.index) for k in e.reads if k not in own]
+        for each storage, its writes back to the last one that overwrites all of it, each
+        once, in the order they ran. ``ValueError`` naming ``names`` (what ``e`` writes) if a
+        value read was never written by a recorded op."""
+        need, done = set(), set()
+        stack = [(k, e.index) for k in dict.fromkeys(r.key for r in e.vreads) if k not in own]
         while stack:
             key, before = stack.pop()
+            if (key, before) in done:
+                continue
+            done.add((key, before))
             for i in reversed(self.writers.get(key, ())):
                 if i >= before:
                     continue
                 w = self.entries[i]
                 if i not in need:
                     need.add(i)
-                    stack.extend((k, i) for k in w.reads if k not in w.overwrites)
+                    stack.extend((k, i) for k in dict.fromkeys(r.key for r in w.vreads))
                 if key in w.overwrites:
                     break
+            else:  # no op gave all of it a value: what is read must have been written
+                self._check_written(key, before, names)
         return sorted(need)
+
+    def _check_written(self, key, before: int, names: str) -> None:
+        """Entry ``before`` reads storage ``key``, made uninitialised (``torch.empty``,
+        ``new_empty``) and written only in parts since: every element it reads must have been
+        written by a recorded op before it, or its value is not on the tape."""
+        made = self.creator.get(key)
+        if made is None or not self.entries[made].empty:
+            return
+        ref = next(r for _, r in self.entries[made].fresh if r.key == key)
+        mask = torch.zeros(ref.size, dtype=torch.bool)
+        for i in self.writers.get(key, ()):
+            if i < before:
+                w = self.entries[i]
+                for r in w.wrefs + [r for _, r in w.fresh]:
+                    if r.key == key:
+                        mask.as_strided(r.shape, r.stride, r.offset).fill_(True)
+        reader = self.entries[before]
+        for r in reader.vreads:
+            if r.key == key and not bool(mask.as_strided(r.shape, r.stride, r.offset).all()):
+                slot = self.lookup.get(key)
+                what = (slot.describe() if slot is not None else
+                        f"a tensor of shape {tuple(ref.shape)} made by {self.entries[made].name}")
+                raise ValueError(
+                    f"{names} is computed (by {reader.name}, op {before} of the recording) from "
+                    f"values of {what} that no op recorded by deferred_init() wrote: they were "
+                    "never written on the meta device (uninitialised memory, or an init function "
+                    "that skips meta tensors, such as one returning early on `tensor.is_meta`), "
+                    "so autoshard cannot give what building on the device gives. Write them with "
+                    "torch ops inside the deferred_init() block, or pass param_init_fn.")
+
+    def _no_generator(self, w: _Entry, names: str) -> None:
+        if w.generator:
+            raise ValueError(
+                f"{names} is computed from what {w.name} (op {w.index} of the recording) drew "
+                "from a torch.Generator passed to it; autoshard replays draws by rewinding the "
+                "default generator only, so it cannot give what building on the device gives. "
+                "Draw from the default generator (seeded with torch.manual_seed), or pass "
+                "param_init_fn.")
 
     def run(self, index: int) -> None:
         """Replay entry ``index`` on the device (inside a step: model tensors it writes are the
@@ -411,7 +557,12 @@ class _Tape:
 
         start = _rng_state(device)
         if own:  # (a step that only draws needs no values)
-            for i in self._program(e, own):
+            names = " and ".join(dict.fromkeys(self.lookup[k].describe() for k in own))
+            self._no_generator(e, names)
+            program = self._program(e, own, names)
+            for i in program:
+                self._no_generator(self.entries[i], names)
+            for i in program:
                 w = self.entries[i]
                 if w.random:
                     _set_rng_state(device, mat.states[self.step_of[i]])

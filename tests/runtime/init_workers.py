@@ -11,6 +11,8 @@ module's own tensors, the bound materialising module by module aims at.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import sys
@@ -88,10 +90,82 @@ class Drawn(nn.Module):
             self.proj.weight.mul_(0.5)
 
 
+def erfinv_trunc_normal_(t: torch.Tensor, std: float = 0.02, a: float = -2.0,
+                         b: float = 2.0) -> torch.Tensor:
+    """The truncated normal of torch < 2.13 and of timm: a chain of in-place ops (uniform_,
+    erfinv_, mul_, add_, clamp_) on one tensor."""
+    def cdf(x):
+        return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+    with torch.no_grad():
+        t.uniform_(2 * cdf(a / std) - 1, 2 * cdf(b / std) - 1)
+        t.erfinv_()
+        t.mul_(std * math.sqrt(2.0))
+        t.add_(0.0)
+        t.clamp_(min=a, max=b)
+    return t
+
+
+class FusedQKV(nn.Module):
+    """torchtitan's fused-QKV init: q, k and v drawn into temporaries, concatenated, viewed
+    and copied into the fused parameter, after the layer's own reset_parameters(); the
+    whole init under torch.no_grad() or not, the draws by ``draw``."""
+
+    def __init__(self, dim=3, heads=2, no_grad=False, draw=nn.init.trunc_normal_):
+        super().__init__()
+        self.heads, self.draw = heads, draw
+        self.wqkv = nn.Linear(dim, 3 * heads, bias=False)
+        self.out = nn.Parameter(torch.empty(4, dim))
+        with torch.no_grad() if no_grad else contextlib.nullcontext():
+            self.init_weights()
+
+    def init_weights(self):
+        w = self.wqkv.weight
+        q, k, v = (w.new_empty(self.heads, w.shape[1]) for _ in range(3))
+        for t in (q, k, v):
+            self.draw(t, std=0.02)
+        fused = torch.cat([t.view(1, self.heads, -1) for t in (q, k, v)], 1)
+        with torch.no_grad():
+            w.copy_(fused.view(-1, w.shape[1]))
+        nn.init.trunc_normal_(self.out, std=0.02)  # directly on a parameter
+
+
+class SliceFused(nn.Module):
+    """A fused weight assembled from slices of an uninitialised temporary, each drawn in
+    place, then copied in: every element it reads was written first."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(6, 3))
+        with torch.no_grad():
+            fused = self.w.new_empty(6, 3)
+            nn.init.trunc_normal_(fused[:2], std=0.02)
+            fused[2:4].uniform_(-0.1, 0.1)
+            fused[4:].normal_().mul_(0.5)
+            self.w.copy_(fused)
+
+
+class SkippedOnMeta(nn.Module):
+    """The other torch.nn.init functions that write nothing on the meta device: orthogonal_,
+    sparse_ (both draw) and dirac_ (on a conv weight its layer drew first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rot = nn.Parameter(torch.empty(4, 4))
+        self.sparse = nn.Parameter(torch.empty(6, 4))
+        self.conv = nn.Conv1d(2, 2, 3)
+        nn.init.orthogonal_(self.rot)
+        nn.init.sparse_(self.sparse, 0.5, std=0.02)
+        nn.init.dirac_(self.conv.weight)
+
+
 # built under autoshard.deferred_init(), with no param_init_fn
 DEFERRED_CASES = {"nanogpt": NanoGPT, "drawn": Drawn, "gpt": CASES["gpt"][0],
-                  "hf_llama": CASES["hf_llama"][0], "hf_gpt2": CASES["hf_gpt2"][0]}
-DEFERRED_WORLD2 = ["nanogpt", "drawn"]
+                  "hf_llama": CASES["hf_llama"][0], "hf_gpt2": CASES["hf_gpt2"][0],
+                  "fused_qkv": FusedQKV,
+                  "fused_qkv_no_grad": functools.partial(FusedQKV, no_grad=True),
+                  "fused_qkv_erfinv": functools.partial(FusedQKV, draw=erfinv_trunc_normal_),
+                  "slice_fused": SliceFused, "skipped_on_meta": SkippedOnMeta}
+DEFERRED_WORLD2 = ["nanogpt", "drawn", "fused_qkv_no_grad"]
 
 
 def device_state(build) -> tuple:

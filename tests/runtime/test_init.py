@@ -7,6 +7,7 @@ buffers too (BatchNorm statistics, Llama's rotary ``inv_freq``), and leaves the 
 generator where building on the device leaves it.
 """
 
+import contextlib
 import copy
 import warnings
 
@@ -20,8 +21,8 @@ from autoshard.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
 from harness import run_ranks
 from init_workers import (DEFERRED_CASES, DEFERRED_WORLD2, META_CASES, NanoGPT, build_on_device,
-                          build_on_meta, device_state, local_state, meta_init_worker,
-                          shard_deferred, shard_on_meta)
+                          build_on_meta, device_state, erfinv_trunc_normal_, local_state,
+                          meta_init_worker, shard_deferred, shard_on_meta)
 from models import CASES, MLP, Odd, call
 
 
@@ -180,6 +181,89 @@ def test_deferred_init_equals_device_build_world1(mesh, name):
         assert abs(got["transformer.wte.weight"].std().item() - 0.02) < 0.003
         assert abs(got["transformer.h.0.c_proj.weight"].std().item() - 0.01) < 0.002
         assert torch.count_nonzero(got["transformer.h.0.c_attn.bias"]) == 0
+
+
+class QKV(nn.Module):
+    """The fused-QKV init run after construction: trunc_normal_ on two temporaries,
+    concatenated, viewed and copied into the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4, 3))
+
+    def init_weights(self, draw=nn.init.trunc_normal_):
+        q = self.w.new_empty(2, 3)
+        k = self.w.new_empty(2, 3)
+        draw(q, std=0.02)
+        draw(k, std=0.02)
+        fused = torch.cat([q.view(1, 2, 3), k.view(1, 2, 3)], 1).view(-1, 3)
+        with torch.no_grad():
+            self.w.copy_(fused)
+
+
+orthogonal_ = nn.init.orthogonal_
+
+
+def _build_qkv(no_grad, draw=nn.init.trunc_normal_):
+    m = QKV()
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        m.init_weights(draw)
+    return m
+
+
+@pytest.mark.parametrize("no_grad", [False, True])
+@pytest.mark.parametrize("draw", [nn.init.trunc_normal_, erfinv_trunc_normal_],
+                         ids=["trunc_normal_", "erfinv_chain"])
+def test_init_from_drawn_temporaries_equals_device_build(mesh, no_grad, draw):
+    """torchtitan's fused init, run after construction: what each temporary's draws and
+    in-place ops give it reaches the parameter through cat + view + copy_, bit for bit, and
+    the generator ends where the device build leaves it."""
+    torch.manual_seed(0)
+    ref = _build_qkv(no_grad, draw)
+    ref_after = torch.rand(4)
+    with deferred_init():
+        model = _build_qkv(no_grad, draw)
+    assert nn.init.orthogonal_ is orthogonal_  # wrapped only while the block is open
+    torch.manual_seed(0)
+    sharded = autoshard(model, mesh=mesh)
+    assert torch.equal(torch.rand(4), ref_after)
+    assert torch.equal(sharded.w.to_local(), ref.w.detach())
+
+
+def _skips_meta_normal_(t, std=1.0):
+    """An init function that, like torch's own trunc_normal_, does nothing on the meta device."""
+    return t if t.is_meta else t.normal_(0.0, std)
+
+
+def test_init_the_recording_cannot_see_is_named(mesh):
+    """A temporary whose values the recording never saw written (its init skipped the meta
+    tensor) is refused, naming the parameter it reaches, not replayed as uninitialised
+    memory; the model and the generator are left as they were."""
+    with deferred_init():
+        model = _build_qkv(True, _skips_meta_normal_)
+    snap = _snapshot(model)
+    state = torch.get_rng_state()
+    with pytest.raises(AutoshardError, match=r"parameter 'w' \(QKV\).*never written"):
+        autoshard(model, mesh=mesh)
+    _assert_unchanged(model, snap)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_draws_from_an_explicit_generator_are_named(mesh):
+    """autoshard rewinds the default generator only: a recorded draw from a generator the
+    constructor passed cannot be replayed as it ran, so the parameter is named."""
+    gen = torch.Generator().manual_seed(1)
+
+    class Gen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, 3))
+            nn.init.trunc_normal_(self.w, std=0.02, generator=gen)
+
+    with deferred_init():
+        model = Gen()
+    with pytest.raises(AutoshardError, match=r"parameter 'w' \(Gen\).*generator"):
+        autoshard(model, mesh=mesh)
 
 
 @pytest.mark.parametrize("build, says", [
