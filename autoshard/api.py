@@ -49,6 +49,7 @@ class _State:
     variants: dict = dataclasses.field(default_factory=dict)
     traced_hooks: frozenset = frozenset()  # forward hooks that return a value (hooks.Replaces)
     lifted: dict = dataclasses.field(default_factory=dict)  # (id, name) -> float attributes
+    recaptures: dict = dataclasses.field(default_factory=dict)  # guard -> captures it caused
     entry: str = "forward"  # what this state's programs run, for messages
     # (module, attribute) of every entry installed (submodules' forwards, methods), and the
     # path of each submodule by id
@@ -238,7 +239,7 @@ def _program_for(module, st: _State, args, kwargs, key) -> Program:
             st.programs[key] = other
             return other
     if prog is not None and prog.captured.traced_hooks == st.traced_hooks:
-        _follow(module, st, prog.captured.guards, len(st.variants.get(key, ())))
+        _follow(module, st, prog.captured.guards)
     return _compile_for(module, st, args, kwargs, key, sharded=True)
 
 
@@ -286,7 +287,9 @@ def _compile_for(module, st: _State, args, kwargs, key, *, sharded: bool) -> Pro
         raise
     prog.described = (_describe(args, kwargs, key), key[2], key[3])
     st.programs[key] = prog
-    st.variants.setdefault(key, []).append(prog)
+    kept = st.variants.setdefault(key, [])
+    kept.append(prog)
+    del kept[:-VARIANTS_KEPT]  # the oldest go: a state long left is captured again if seen
     return prog
 
 
@@ -624,11 +627,13 @@ def _holds(st: _State, prog: Program) -> bool:
                                   and cap.guards.failure() is None)
 
 
-RECAPTURE_LIMIT = 8  # programs per call signature, as TorchDynamo's recompile limit
+RECAPTURE_LIMIT = 8  # captures one changing value may cause, as TorchDynamo's limit
+VARIANTS_KEPT = 16  # programs kept per call signature, one per state of what forward read
 
 
-def _follow(model, st: _State, guards, captured: int) -> None:
-    """Make what changed since ``guards`` were taken capturable, or refuse it by name."""
+def _follow(model, st: _State, guards) -> None:
+    """Make what changed since ``guards`` were taken capturable, or refuse it by name: a
+    value that has made the step be captured ``RECAPTURE_LIMIT`` times already."""
     from autoshard.runtime import optim as _optim
 
     g = guards.failure()
@@ -654,12 +659,13 @@ def _follow(model, st: _State, guards, captured: int) -> None:
             and g.expected[0] is float:
         mod, name = g.key  # a float that changes (annealed): read it as an input from now on
         st.lifted[(id(mod), name)] = (mod, name)
-    if captured >= RECAPTURE_LIMIT:
+    st.recaptures[g.what] = st.recaptures.get(g.what, 0) + 1
+    if st.recaptures[g.what] >= RECAPTURE_LIMIT:
         raise AutoshardError(
-            f"the model's step was captured {captured} times for the same inputs because "
-            f"what its forward reads keeps changing; the latest change: {change}. Make the "
-            "value a tensor (register_buffer) or an input of forward, so one captured step "
-            "reads it on every call.")
+            f"the model's step was captured {RECAPTURE_LIMIT} times because the same value "
+            f"its forward reads keeps changing; the latest change: {change}. Make the value "
+            "a tensor (register_buffer) or an input of forward, so one captured step reads "
+            "it on every call.")
 
 
 def _program(st: _State, cap, ctx, plan) -> Program:

@@ -82,9 +82,10 @@ def is_plain_object(value: Any) -> bool:
 
 
 def fields(obj: Any) -> tuple:
-    """An object's own plain fields (scalars), as a comparable value."""
-    return tuple((k, type(v), v) for k, v in vars(obj).items()
-                 if type(v) in _EXACT or issubclass(type(v), _SCALARS))
+    """An object's own fields, as a comparable value: scalars by value, small containers by
+    their items (a config's ``rope_scaling`` dict), tensors, nested objects and anything
+    else by identity."""
+    return tuple((k, freeze(v, 1)) for k, v in vars(obj).items())
 
 
 def show(frozen: Any) -> str:

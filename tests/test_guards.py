@@ -28,7 +28,7 @@ class Net(nn.Module):
         self.temperature = 1.0  # annealed by the loop
         self.double_it = False  # a flag
         self.offset = torch.zeros(4)  # a plain tensor attribute, not a buffer
-        self.cfg = types.SimpleNamespace(shift=0.0)  # a config object
+        self.cfg = types.SimpleNamespace(shift=0.0, scales={"out": 1.0})  # a config object
         self.level = 0  # an int the graph's shape of computation depends on
 
     def forward(self, x):
@@ -37,7 +37,7 @@ class Net(nn.Module):
             h = h * 2
         for _ in range(self.level):
             h = h + 1
-        return self.b(h) * SCALE + self.offset + self.cfg.shift
+        return self.b(h) * SCALE * self.cfg.scales["out"] + self.offset + self.cfg.shift
 
 
 def _pair(cls=Net):
@@ -78,6 +78,8 @@ def test_changes_to_what_forward_reads_are_followed():
     _same(ref, sharded, x)
     ref.cfg.shift = sharded.cfg.shift = 0.5
     _same(ref, sharded, x)
+    ref.cfg.scales["out"] = sharded.cfg.scales["out"] = 2.0  # a dict inside the config
+    _same(ref, sharded, x)
     global SCALE
     try:
         SCALE = 3.0
@@ -100,7 +102,7 @@ def test_a_value_changing_on_every_call_is_refused_after_the_limit_naming_it():
         for level in range(RECAPTURE_LIMIT + 2):
             sharded.level = ref.level = level
             _same(ref, sharded, x)
-    assert _programs(sharded) == RECAPTURE_LIMIT
+    assert sharded.level == RECAPTURE_LIMIT  # refused at the limit-th change, not before
 
 
 def test_closure_variables_are_guarded():
