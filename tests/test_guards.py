@@ -305,8 +305,8 @@ def test_a_deprecated_backward_hook_is_refused_naming_the_module():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sharded.b.register_backward_hook(lambda mod, gin, gout: None)
-    with pytest.raises(AutoshardError, match="module 'b' \\(Linear\\) has a backward hook registered "
-                                             "with register_backward_hook"):
+    with pytest.raises(AutoshardError, match="module 'b' \\(Linear\\) has a backward hook "
+                                             "registered with register_backward_hook"):
         sharded(torch.randn(3, 8))
 
 
