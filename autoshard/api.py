@@ -193,9 +193,11 @@ def _call(module, st: _State, args, kwargs):
             return _call(module, st, args, kwargs)
     leaves, _ = tree_flatten((args, kwargs))
     key = _signature(module, st, args, kwargs)
-    st.agreement.step += 1
-    st.agreement(f"step {st.agreement.step}: {st.entry}", _describe(args, kwargs, key),
-                 exact=repr(key))
+    # the step counts only once every rank agreed to it: after a refusal the ranks are at the
+    # same count again, so the next matching call trains
+    step = st.agreement.step + 1
+    st.agreement(f"step {step}: {st.entry}", _describe(args, kwargs, key), exact=repr(key))
+    st.agreement.step = step
     tensors = flat_inputs(leaves)
     objects = [x for x in leaves if state.is_state(x)]
     for _ in range(2):  # again only if a hook turned out to change values

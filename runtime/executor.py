@@ -264,13 +264,13 @@ class _Step(torch.autograd.Function):
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
                     for i, (shape, dtype, device) in zip(program.diff, ctx.diff_like)]
+        if program.agreement is not None:  # before anything is taken: a refusal keeps it all
+            program.agreement(f"step {ctx.step}: backward")
         pending = ctx.pending
         accs = [pending.pop(f) for f in program.split.acc_fqns]
         args = [*ctx.saved_tensors, *tangents, *accs]
         del accs
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
-        if program.agreement is not None:
-            program.agreement(f"step {ctx.step}: backward")
         with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
             res = program.call(program.backward_graph(), args)
         input_grads = [None] * ctx.n_inputs

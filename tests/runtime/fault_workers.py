@@ -83,7 +83,30 @@ def fault_worker(rank, world, cases):
                     model(torch.randn(4, 8))
                 _step(model, 4)
             r["error"] = _outcome(call)
+            r["after"] = _outcome(lambda: _step(model, 4))  # the counts agree again
+        elif case == "refused_sync":
+            r.update(_refused_sync(rank))
     return out
+
+
+def _refused_sync(rank):
+    """Two steps accumulate without gradient sync; the synchronised step is refused (rank 1
+    runs a second forward where rank 0 runs its backward); the next matching step reduces
+    all three batches' gradients, as a run without the refusal does."""
+    grads, errors = [], []
+    for refuse in (True, False):
+        model = _model()
+        model.set_requires_gradient_sync(False)
+        _step(model, 4)
+        _step(model, 5)
+        model.set_requires_gradient_sync(True)
+        if refuse:
+            errors.append(_outcome(lambda: _step(model, 6) if rank == 0 else
+                                   [model(torch.ones(6, 8)) for _ in range(2)]))
+        _step(model, 6)
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    return {"error": errors[0], "after": "ok" if same else f"gradients differ: {grads}"}
 
 
 def hang_worker(rank, world, case):
