@@ -111,15 +111,17 @@ def _check(args) -> int:
 def _export(args) -> int:
     from autoshard.config import Config
     from autoshard.runtime.dist import spawn_ranks
+    from autoshard.runtime import commit
     from autoshard.runtime.export import describe, export_factory
 
     _factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
     if args.world_size < 1:
         raise SystemExit(f"--world-size must be at least 1, got {args.world_size}")
     out = os.path.abspath(args.out)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise SystemExit(f"cannot export to {args.out}: it exists and is not an empty "
-                         "directory; choose a new path or remove it first")
+    found = commit.state(out, "manifest.json", ("checkpoint.json",))
+    if found not in ("free", "complete", "interrupted"):  # an earlier export is replaced whole
+        raise SystemExit(f"cannot export to {args.out}: it is {found}, not an export; choose "
+                         "a new path or remove it first")
     opts = {"batch": args.batch, "seq": args.seq, "out": out, "inference": not args.training_only,
             "config": Config(policy=args.policy, mp_policy=_mp_policy(args))}
     t0 = time.perf_counter()

@@ -4,7 +4,14 @@ autoshard stores every parameter as FSDP2 does (a DTensor ``Shard(0)`` slice, ``
 rows), so torch.distributed.checkpoint (DCP) and its state-dict helpers
 (``get_model_state_dict`` / ``set_model_state_dict`` / ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict``) work on the model unchanged, at the same or another world size.
-``save`` and ``load`` below are that recipe and nothing more.
+
+``save`` and ``load`` (``autoshard.save`` / ``autoshard.load_checkpoint``) are that recipe,
+committed whole (``autoshard.runtime.commit``): the checkpoint directory holds
+``checkpoint.json`` and the DCP folder it names. An interrupted save, over a fresh path or
+over an earlier checkpoint, never loads as a mix: the earlier checkpoint stays whole and is
+what loads, or the load says the path is incomplete. A load reads into new tensors and
+copies them into the model and the optimizer only once every rank read its part, so a
+failed load leaves both as they were.
 
 What a plain ``sharded.load_state_dict(sd)`` needs on top is here (``localize_state_dict``,
 called by ``ShardedModule``): a full tensor loads as this rank's rows, and a DTensor shard
@@ -16,52 +23,130 @@ coordinate of the process that pickled it, so the state-dict keys stay as they a
 from __future__ import annotations
 
 import itertools
+import os
+import time
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from autoshard.errors import AutoshardError
+from autoshard.runtime import commit
+
+MARKER = "checkpoint.json"
+FORMAT = "autoshard-checkpoint"
+VERSION = 1
+_FIELDS = {"format": str, "version": int, "torch": str, "autoshard": str, "world_size": int,
+           "contents": list, "files": dict, "data": str}
 
 _HOW = (
     "A per-rank state dict (torch.save(sharded.state_dict())) loads only on the rank and world "
-    "size that saved it; to change either, save with torch.distributed.checkpoint (dcp.save of "
-    "get_model_state_dict and get_optimizer_state_dict; then dcp.load, set_model_state_dict "
-    "and set_optimizer_state_dict), or load full tensors (sharded.full_state_dict())."
+    "size that saved it; to change either, save with autoshard.save(path, sharded, optimizer) "
+    "and load with autoshard.load_checkpoint(path, sharded, optimizer) (DCP underneath), or "
+    "load full tensors (sharded.full_state_dict())."
 )
 
 
-def save(checkpoint_id, model: torch.nn.Module, optimizer=None) -> None:
-    """``dcp.save`` of the model (and the optimizer's) state under ``"model"`` (``"optim"``),
-    as FSDP2 users write it. Every rank calls it."""
+def save(path, model: torch.nn.Module, optimizer=None) -> None:
+    """Save the model's (and the optimizer's) state under ``"model"`` (``"optim"``) with DCP,
+    committed whole: every rank calls it; it returns once the checkpoint is complete on
+    every rank, or raises ``AutoshardError`` on every rank naming the ranks that failed and
+    why, leaving ``path`` as it was (an earlier checkpoint there stays loadable)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
-
-
-def load(checkpoint_id, model: torch.nn.Module, optimizer=None) -> None:
-    """Load what ``save`` wrote, at this or another world size, into the model's parameters
-    (and the optimizer's state) in place. Every rank calls it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
+    agreement = _agreement(model)
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=checkpoint_id)
-    set_model_state_dict(model, state["model"])
+
+    def document(folder):
+        return {"format": FORMAT, "version": VERSION, "torch": torch.__version__,
+                "autoshard": commit.version(), "world_size": agreement.world,
+                "contents": sorted(state), "files": commit.files(folder),
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+    commit.write(path, "checkpoint", MARKER, agreement,
+                 lambda folder: dcp.save(state, checkpoint_id=folder,
+                                         process_group=agreement.group),
+                 document, other_markers=("manifest.json",))
+
+
+def load(path, model: torch.nn.Module, optimizer=None) -> None:
+    """Load what ``save`` wrote, at this or another world size, into the model's parameters
+    (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
+    checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
+    unless every rank read its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    path = os.path.abspath(os.fspath(path))
+    agreement = _agreement(model)
+    folder, doc = _folder(path)
+    if doc is not None and optimizer is not None and "optim" not in doc["contents"]:
+        raise AutoshardError(f"{path} holds no optimizer state (it was saved without an "
+                             "optimizer); load it without one, or save with the optimizer")
+    agreement(f"load checkpoint {path}", doc["data"] if doc else "plain DCP")
+    state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
+                                 _state(model, optimizer))
+    outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
+                                              process_group=agreement.group), agreement.rank)
+    commit.settle(agreement, outcome, f"load of the checkpoint {path}",
+                  "the model and the optimizer are as they were")
+    with torch.no_grad():
+        for fqn, t in module_state(model).items():
+            t.copy_(state["model"][fqn])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
-def _state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+def _folder(path: str):
+    """The DCP folder to read and the marker (None for a plain DCP checkpoint)."""
+    if os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(
+            os.path.join(path, MARKER)):
+        return path, None
+    doc = commit.read_marker(path, MARKER, "checkpoint", _FIELDS)
+    commit.check_format(doc, os.path.join(path, MARKER), FORMAT, (VERSION,), "checkpoint")
+    folder = os.path.join(path, doc["data"])
+    for rel, size in doc["files"].items():
+        full = os.path.join(folder, rel)
+        got = os.path.getsize(full) if os.path.isfile(full) else None
+        if got != size:
+            state = "is missing" if got is None else f"is {got} bytes, not the {size} written"
+            raise AutoshardError(
+                f"{full} {state}{commit.whose(rel, doc['world_size'])}: the checkpoint is "
+                "damaged or was copied in part. Copy the whole checkpoint directory.")
+    return folder, doc
 
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
+
+def _agreement(model):
+    st = getattr(model, "_autoshard", None)
+    if st is None:
+        raise TypeError(f"autoshard.save and load_checkpoint take the model autoshard() "
+                        f"returned, not a {type(model).__name__}; for another model use "
+                        "torch.distributed.checkpoint directly")
+    return st.agreement
+
+
+def _state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"model": module_state(model)}
+    if optimizer is not None:  # keyed by module path, as DCP's helper keys it
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def module_state(model: torch.nn.Module, every_buffer: bool = False) -> dict:
+    """The model's parameters and persistent buffers (``every_buffer``: all buffers) by
+    module path, tied names included, read from the modules. For a model without state-dict
+    hooks these are its ``state_dict()`` keys, so DCP checkpoints of FSDP2 and autoshard
+    load into each other; hooks that rename or fuse keys (torchtitan's fused QKV, whose
+    hooks split ``wqkv`` into ``wq``, ``wk``, ``wv``) are not run, so such a model saves its
+    modules' own tensors (``wqkv``) and loads them back whole."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        owner, _, name = fqn.rpartition(".")
+        if every_buffer or name not in model.get_submodule(owner)._non_persistent_buffers_set:
+            out[fqn] = b
+    return out
 
 
 def localize_state_dict(model: torch.nn.Module, state_dict: dict, prefix: str = "") -> None:

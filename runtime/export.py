@@ -4,20 +4,25 @@
 
     manifest.json      the format and its version, the torch and autoshard versions, the world
                        size and device it was compiled for, each program's input signature,
-                       the size and SHA-256 of every other file, and one hash over them all.
-                       Written last: a directory without it is an export that did not finish.
-    model.json         the module tree (class names, parameter and buffer names, shapes,
+                       the data folder, the size and SHA-256 of every other file, and one hash
+                       over them all. Written last, by an atomic rename, once every rank wrote
+                       its files (``autoshard.runtime.commit``): a directory without it is an
+                       export that did not finish, and an export over an earlier one replaces
+                       it whole or not at all.
+    data-<token>/      the files of this export:
+      model.json       the module tree (class names, parameter and buffer names, shapes,
                        dtypes, tied names) and the Config it was planned with
-    programs/K/        one per compiled input signature (K = 0, 1, ...):
-      program.json     the signature, how the call's inputs and outputs map to the graphs'
+      programs/K/      one per compiled input signature (K = 0, 1, ...):
+        program.json   the signature, how the call's inputs and outputs map to the graphs'
                        flat ones, each parameter's description (ParamSpec), the plan
-      joint.json       the joint forward+backward graph as captured, before any pass: it
+        joint.json     the joint forward+backward graph as captured, before any pass: it
                        holds full parameter shapes and no collective, so it is the same for
                        every world size
-      forward.json     the compiled forward and backward graphs for the export's world size
-      backward.json    (none for an inference signature)
-      constants.pt     tensors the graphs hold, a dict of plain tensors
-    checkpoint/        the parameters and buffers: a torch.distributed.checkpoint (DCP)
+        forward.json   the compiled forward and backward graphs for the export's world size
+        backward.json  (none for an inference signature)
+        constants.pt   tensors the graphs hold, a dict of plain tensors
+      checkpoint/      the parameters and buffers by module path (read from the modules, not
+                       through state-dict hooks): a torch.distributed.checkpoint (DCP)
                        directory in which each rank wrote its own shards
 
 Graph files are ``autoshard.runtime.graphio`` JSON: ops are named, never pickled, so loading
@@ -46,10 +51,11 @@ from autoshard.capture import TENSOR, Captured, _class_name
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard.spec import ParamSpec, hosted
-from autoshard.runtime import graphio
+from autoshard.runtime import commit, graphio
 
 FORMAT = "autoshard-export"
-VERSION = 1
+VERSION = 2  # 2: the files under a data folder the manifest names; state by module path
+READS = (1, 2)
 MANIFEST = "manifest.json"
 CHECKPOINT = "checkpoint"
 # output classes an export may name: rebuilt by importing them (a library, not the model's
@@ -335,12 +341,13 @@ def export(model, path, *, inference: bool = True) -> None:
 
     Everything that can refuse (the path, a call or output that cannot be stored) is checked
     on every rank before anything is written, so a refusal is an error on every rank and
-    never leaves one rank waiting for the others."""
+    never leaves one rank waiting for the others. The write commits whole
+    (``autoshard.runtime.commit``): an earlier export at ``path`` is replaced only once
+    every rank wrote its part, and stays whole otherwise."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     st = model._autoshard
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))
     if st.mesh.ndim != 1 or st.config.strategy not in ("zero3", "zero2"):
         raise ValueError(
             f"export holds programs of the 'zero3' and 'zero2' strategies on a 1-D mesh; this "
@@ -351,32 +358,48 @@ def export(model, path, *, inference: bool = True) -> None:
         raise AutoshardError(
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
-    taken = os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
-    st.agreement("export", f"to {path}: {'taken' if taken else 'free'}")
-    if taken:
-        raise AutoshardError(f"cannot export to {path}: it exists and is not an empty "
-                             "directory; choose a new path or remove it first")
+    found = commit.state(path, MANIFEST, ("checkpoint.json",))
+    st.agreement("export", f"to {path}: {found}")
+    if found not in ("free", "complete", "interrupted"):
+        raise AutoshardError(f"cannot export to {path}: it is {found}, not an export; choose "
+                             "a new path or remove it first")
     if inference:
         _add_inference_programs(model)
     programs = [_program_files(key, prog) for key, prog in _programs(model).items()]
     model_doc = _model_doc(model, st.config)
-    state = {"model": get_model_state_dict(model), "buffers": _loose_buffers(model)}
-    dcp.save(state, checkpoint_id=os.path.join(path, CHECKPOINT))
-    if st.mesh.get_local_rank() == 0:
-        entries = [_write_program(os.path.join(path, "programs", str(k)), files)
-                   for k, files in enumerate(programs)]
-        _write_json(os.path.join(path, "model.json"), model_doc)
+    rank0 = st.agreement.rank == 0
+
+    def write_data(folder):
+        dcp.save({"tensors": _tensors(model)}, process_group=st.agreement.group,
+                 checkpoint_id=os.path.join(folder, CHECKPOINT))
+        if rank0:
+            entries.extend(_write_program(os.path.join(folder, "programs", str(k)), files)
+                           for k, files in enumerate(programs))
+            _write_json(os.path.join(folder, "model.json"), model_doc)
+
+    def document(folder):
+        data = os.path.basename(folder)
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
-            "autoshard": _version(), "world_size": st.mesh.size(),
-            "device": st.device.type, "model": _class_name(model), "programs": entries,
-        }
-        manifest["files"] = {rel: _file_entry(os.path.join(path, rel))
-                             for rel in _files(path)}
+            "autoshard": commit.version(), "world_size": st.mesh.size(),
+            "device": st.device.type, "model": _class_name(model),
+            "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
+            "files": {f"{data}/{rel}": _file_entry(os.path.join(folder, rel))
+                      for rel in _files(folder)}}
         manifest["hash"] = _content_hash(manifest["files"])
-        _write_json(os.path.join(path, MANIFEST), manifest)
-    if st.mesh.size() > 1:
-        dist.barrier(group=st.mesh.get_group())
+        return manifest
+
+    entries: list = []
+    commit.write(path, "export", MANIFEST, st.agreement, write_data, document,
+                 other_markers=("checkpoint.json",))
+
+
+def _tensors(model) -> dict:
+    """What an export stores of the model's state: every parameter and buffer by module
+    path, read from the modules (state-dict hooks that rename or fuse keys do not apply)."""
+    from autoshard.runtime.checkpoint import module_state
+
+    return module_state(model, every_buffer=True)
 
 
 def _programs(model) -> dict:
@@ -397,13 +420,6 @@ def _programs(model) -> dict:
                 "to read it from. Make the value a buffer (register_buffer) to export it, or "
                 "export a model on which it stays fixed.")
     return out
-
-
-def _loose_buffers(model) -> dict:
-    """Buffers a state dict leaves out (non-persistent ones, such as rotary frequencies):
-    the program reads them, so the export keeps them."""
-    keys = set(model.state_dict().keys())
-    return {fqn: b for fqn, b in model.named_buffers() if fqn not in keys}
 
 
 def _program_files(key: str, prog) -> dict:
@@ -433,15 +449,6 @@ def _write_program(folder: str, files: dict) -> dict:
     p = files["docs"]["program"]
     return {"dir": os.path.relpath(folder, os.path.dirname(os.path.dirname(folder))),
             "key": p["key"], "call": p["call"], "training": p["training"], "grad": p["grad"]}
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("autoshard")
-    except Exception:  # noqa: BLE001 - a source checkout that is not installed
-        return "unknown"
 
 
 def _files(root: str) -> list:
@@ -476,31 +483,33 @@ def _content_hash(files: dict) -> str:
 # --- reading ----------------------------------------------------------------------------------
 
 
+_FIELDS = {"format": str, "version": int, "torch": str, "autoshard": str, "world_size": int,
+           "device": str, "model": str, "programs": list, "files": dict, "hash": str}
+_PROGRAM_FIELDS = {"dir": str, "key": str, "call": str, "training": bool, "grad": bool}
+
+
 def read_manifest(path, *, verify: bool = True) -> dict:
-    """The export's manifest, after checking that it is one this autoshard reads and (with
-    ``verify``) that every file it lists is there, whole and unchanged."""
+    """The export's manifest, after checking that it is one this autoshard reads, field by
+    field, and (with ``verify``) that every file it lists is there, whole and unchanged."""
     path = os.fspath(path)
     where = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise AutoshardError(f"{path} is not a directory: pass the directory "
-                             "sharded.export() wrote")
-    if not os.path.isfile(where):
-        raise AutoshardError(
-            f"{where} is missing: {path} is not an autoshard export, or its export did not "
-            "finish (the manifest is written last). Export again.")
-    try:
-        with open(where) as f:
-            manifest = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AutoshardError(f"{where} is corrupt ({e}); copy the export again from its "
-                             "source, or export again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise AutoshardError(f"{where} is not an autoshard export manifest")
-    if manifest.get("version") != VERSION:
-        raise AutoshardError(
-            f"{where} is format version {manifest.get('version')} (written by autoshard "
-            f"{manifest.get('autoshard')}); this autoshard reads version {VERSION}. Load it "
-            "with the autoshard that wrote it, or export again with this one.")
+    manifest = commit.read_marker(path, MANIFEST, "export", _FIELDS)
+    commit.check_format(manifest, where, FORMAT, READS, "export")
+    if manifest["version"] >= 2 and not isinstance(manifest.get("data"), str):
+        raise AutoshardError(f"{where} has no field 'data' (the folder holding the export's "
+                             "files): it was changed. Copy the export again, or export again.")
+    manifest.setdefault("data", "")  # version 1: the files beside the manifest
+    for k, entry in enumerate(manifest["programs"]):
+        for name, kind in _PROGRAM_FIELDS.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get(name), kind):
+                raise AutoshardError(
+                    f"{where}: program {k} has no {kind.__name__} field {name!r}: the file was "
+                    "changed. Copy the export again, or export again.")
+    for rel, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)) or ".." in rel.split("/"):
+            raise AutoshardError(f"{where}: the entry of file {rel!r} is not a size and a "
+                                 "SHA-256: the file was changed. Copy the export again.")
     if verify:
         _verify_files(path, manifest)
     return manifest
@@ -509,29 +518,21 @@ def read_manifest(path, *, verify: bool = True) -> dict:
 def _verify_files(path: str, manifest: dict) -> None:
     for rel, entry in manifest["files"].items():
         full = os.path.join(path, rel)
+        whose = commit.whose(rel, manifest["world_size"])
         if not os.path.isfile(full):
-            raise AutoshardError(f"{full} is missing{_whose(rel, manifest)}. Copy the whole "
-                                 "export directory, every rank's files included.")
+            raise AutoshardError(f"{full} is missing{whose}. Copy the whole export "
+                                 "directory, every rank's files included.")
         size = os.path.getsize(full)
         if size != entry["bytes"]:
             raise AutoshardError(
                 f"{full} is {size} bytes, but the export wrote {entry['bytes']}: it is "
-                f"truncated or was changed{_whose(rel, manifest)}. Copy it again from the "
-                "export's source, or export again.")
+                f"truncated or was changed{whose}. Copy it again from the export's source, "
+                "or export again.")
         if _sha256(full) != entry["sha256"]:
             raise AutoshardError(
                 f"{full} does not match the SHA-256 the manifest records: it is corrupt or was "
                 "changed after the export. Copy it again from the export's source, or export "
                 "again.")
-
-
-def _whose(rel: str, manifest: dict) -> str:
-    name = os.path.basename(rel)
-    if rel.startswith(CHECKPOINT) and name.startswith("__") and name.endswith(".distcp"):
-        rank = name[2:].split("_")[0]
-        return (f" (the parameter shards rank {rank} wrote, of the "
-                f"{manifest['world_size']} ranks that exported)")
-    return ""
 
 
 def _read_json(path: str):
@@ -569,16 +570,13 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     ``inference``: load only the eval-mode, no-gradient programs (forward graphs only); the
     module is put in eval mode and runs every call without gradients. ``verify``: check
     every file's SHA-256."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict)
-
     from autoshard import api
     from autoshard.runtime import dist as _dist
 
     path = os.fspath(path)
     manifest = read_manifest(path, verify=verify)
-    model_doc = _read_json(os.path.join(path, "model.json"))
+    data = os.path.join(path, manifest["data"])
+    model_doc = _read_json(os.path.join(data, "model.json"))
     stored = Config.from_dict(model_doc["config"])
     cfg = config if config is not None else stored
     if cfg.to_dict()["mp_policy"] != stored.to_dict()["mp_policy"]:
@@ -593,13 +591,11 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
             f"{path} holds no inference program (eval mode, no gradients): export with "
             "sharded.export(path, inference=True), or load without inference=True")
     mesh = mesh if mesh is not None else _dist.default_mesh(cfg.timeout)
+    _check_backend(mesh, path)
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
     st.agreement("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
-
-    state = {"model": get_model_state_dict(model), "buffers": _loose_buffers(model)}
-    dcp.load(state, checkpoint_id=os.path.join(path, CHECKPOINT))
-    set_model_state_dict(model, state["model"])
+    _read_state(model, os.path.join(data, CHECKPOINT), manifest["version"], path)
 
     same = (mesh.size() == manifest["world_size"] and st.device.type == manifest["device"]
             and cfg.to_dict() == stored.to_dict())
@@ -608,6 +604,47 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     if inference:
         model.eval()
     return model
+
+
+def _read_state(model, folder: str, version: int, path: str) -> None:
+    """The stored parameters and buffers into ``model``'s (the skeleton's, which has no
+    state-dict hooks), every rank's part read before any is used."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+
+    st = model._autoshard
+    if version == 1:
+        loose = set(model.state_dict())
+        state = {"model": get_model_state_dict(model),
+                 "buffers": {f: b for f, b in model.named_buffers() if f not in loose}}
+    else:
+        state = {"tensors": _tensors(model)}
+    outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
+                                              process_group=st.agreement.group),
+                             st.agreement.rank)
+    commit.settle(st.agreement, outcome, f"load of the export {path}", "nothing was built")
+    if version == 1:
+        set_model_state_dict(model, state["model"])
+
+
+# the backend each device type's collectives need: another one (torch's fake process group,
+# a group without this device's backend) would run the graphs' collectives wrongly or not
+_BACKENDS = {"cpu": ("gloo",), "cuda": ("nccl",)}
+
+
+def _check_backend(mesh, path: str) -> None:
+    device = mesh.device_type
+    backend = str(dist.get_backend(mesh.get_group(0)))
+    per_device = dict(b.split(":", 1) for b in backend.split(",") if ":" in b)
+    got = per_device.get(device, backend)
+    if got not in _BACKENDS.get(device, (got,)):
+        raise AutoshardError(
+            f"cannot load the export {path} on a {device} mesh whose process group runs "
+            f"{backend!r}: its programs' collectives on {device} need "
+            f"{' or '.join(_BACKENDS[device])}. Initialise the process group with that backend "
+            f"(init_process_group('{_BACKENDS[device][0]}')), or launch with torchrun and let "
+            "autoshard make it.")
 
 
 def _load_program(folder: str, model, st, same: bool):

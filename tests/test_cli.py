@@ -52,17 +52,19 @@ def test_export_and_inspect_commands(tmp_path):
            "--quiet"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert sorted(p.name for p in (out_dir / "checkpoint").glob("*.distcp")) == [
+    assert sorted(p.name for p in out_dir.glob("data-*/checkpoint/*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
-    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert again.returncode != 0 and "is not an empty directory" in again.stderr
+    # an earlier export is replaced whole; a directory holding anything else is refused
+    foreign = [*cmd[:-3], "--out", str(tmp_path), "--quiet"]
+    again = subprocess.run(foreign, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "a directory holding other files" in again.stderr
 
     cmd = [sys.executable, "-m", "autoshard", "inspect", str(out_dir), "--program", "1",
            "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "m.png")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "autoshard-export version 1" in text and "2 ranks, cpu" in text
+    assert "autoshard-export version 2" in text and "2 ranks, cpu" in text
     assert "(verified)" in text and "peak memory per rank" in text
     assert "args[0] int64[2, 16] (train, grad)" in text
     assert "args[0] int64[2, 16] (eval, no grad)" in text
@@ -71,7 +73,7 @@ def test_export_and_inspect_commands(tmp_path):
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert (tmp_path / "m.png").stat().st_size > 1000
 
-    (out_dir / "model.json").write_text("{}")
+    next(out_dir.glob("data-*/model.json")).write_text("{}")
     out = subprocess.run(cmd[:5], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "model.json is 2 bytes, but the export wrote" in out.stderr

@@ -235,7 +235,8 @@ def test_the_directory_holds_what_it_says(runs):
         files = os.listdir(os.path.join(path, entry["dir"]))
         graphs = {"joint.json", "forward.json"} | ({"backward.json"} if entry["grad"] else set())
         assert graphs <= set(files) and "program.json" in files
-    shards = [f for f in os.listdir(os.path.join(path, "checkpoint")) if f.endswith(".distcp")]
+    data = os.path.join(path, manifest["data"])
+    shards = [f for f in os.listdir(os.path.join(data, "checkpoint")) if f.endswith(".distcp")]
     assert sorted(shards) == ["__0_0.distcp", "__1_0.distcp"]
     # no file names a class of the user's module
     for rel in manifest["files"]:
@@ -262,9 +263,14 @@ def _copy(runs, tmp_path, name="gpt"):
     return dst
 
 
+def _folder(path):
+    """The data folder of the export at ``path``, which its manifest names."""
+    return path / json.loads((path / "manifest.json").read_text())["data"]
+
+
 def test_a_truncated_file_is_named(runs, tmp_path):
     path = _copy(runs, tmp_path)
-    target = path / "programs" / "0" / "forward.json"
+    target = _folder(path) / "programs" / "0" / "forward.json"
     target.write_bytes(target.read_bytes()[:100])
     with pytest.raises(AutoshardError, match=r"forward\.json is 100 bytes.*truncated"):
         export_mod.read_manifest(path)
@@ -272,7 +278,7 @@ def test_a_truncated_file_is_named(runs, tmp_path):
 
 def test_a_corrupt_file_is_named(runs, tmp_path):
     path = _copy(runs, tmp_path)
-    target = path / "checkpoint" / "__0_0.distcp"
+    target = _folder(path) / "checkpoint" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
@@ -282,8 +288,8 @@ def test_a_corrupt_file_is_named(runs, tmp_path):
 
 def test_a_missing_rank_shard_is_named(runs, tmp_path):
     path = _copy(runs, tmp_path)
-    os.remove(path / "checkpoint" / "__1_0.distcp")
-    with pytest.raises(AutoshardError, match=r"__1_0\.distcp is missing \(the parameter shards "
+    os.remove(_folder(path) / "checkpoint" / "__1_0.distcp")
+    with pytest.raises(AutoshardError, match=r"__1_0\.distcp is missing \(the shards "
                        r"rank 1 wrote, of the 2 ranks"):
         export_mod.read_manifest(path)
 
@@ -293,18 +299,45 @@ def test_a_version_mismatch_is_named(runs, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["version"] = export_mod.VERSION + 1
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(AutoshardError, match=r"manifest\.json is format version 2.*reads "
-                       r"version 1"):
+    with pytest.raises(AutoshardError, match=r"manifest\.json is export format version 3 "
+                       r"\(written by autoshard .*\); this autoshard .* reads versions 1, 2"):
+        export_mod.read_manifest(path)
+
+
+def test_the_manifest_is_checked_field_by_field(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    good = json.loads((path / "manifest.json").read_text())
+    for change, match in [
+        (lambda m: m.pop("files"), r"has no field 'files'"),
+        (lambda m: m.update(world_size="2"), r"field 'world_size' is str \(2\), not int"),
+        (lambda m: m["programs"][0].pop("dir"), r"program 0 has no str field 'dir'"),
+        (lambda m: m.update(data="elsewhere"), r"names the data folder 'elsewhere'"),
+    ]:
+        manifest = json.loads(json.dumps(good))
+        change(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(AutoshardError, match=match):
+            export_mod.read_manifest(path)
+
+
+def test_another_torch_or_autoshard_version_warns_naming_both(runs, tmp_path):
+    path = _copy(runs, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(torch="2.99.0", autoshard="9.9")
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning, match=r"written by torch 2\.99\.0 \(this process: "
+                      r"2\.\d+.*autoshard 9\.9 \(this process"):
         export_mod.read_manifest(path)
 
 
 def test_an_unfinished_export_is_named(runs, tmp_path):
     path = _copy(runs, tmp_path)
     os.remove(path / "manifest.json")
-    with pytest.raises(AutoshardError, match=r"manifest\.json is missing.*did not finish"):
+    with pytest.raises(AutoshardError, match=r"is an incomplete export: a write to it was "
+                       r"interrupted before every rank finished"):
         export_mod.read_manifest(path)
     (path / "manifest.json").write_text("{not json")
-    with pytest.raises(AutoshardError, match=r"manifest\.json is corrupt"):
+    with pytest.raises(AutoshardError, match=r"manifest\.json cannot be read"):
         export_mod.read_manifest(path)
 
 
