@@ -154,3 +154,13 @@ def failed_write_worker(rank, world, root):
                               zip(now.values(), values(fresh, fresh_opt).values())))
     out["swept"] = sorted(os.listdir(f"{root}/ck"))
     return out
+
+
+def fake_backend_worker(rank, world, path):
+    """An export loaded into torch's fake process group, whose collectives move nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    return _outcome(lambda: autoshard.load(path))

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from commit_workers import failed_write_worker, interrupted_worker, reload_worker
+from commit_workers import (failed_write_worker, fake_backend_worker, interrupted_worker,
+                            reload_worker)
 from harness import run_ranks
 
 CASES = ["overwrite", "export", "fresh", "committed"]
@@ -126,3 +127,10 @@ def test_after_failed_writes_the_checkpoint_loads_and_the_next_save_commits(fail
         assert r["again"] == "ok" and r["again_equal"], r
         assert len(r["listing"]) == 2 and "checkpoint.json" in r["listing"], r["listing"]
         assert len(r["swept"]) == 2 and r["swept"] != r["listing"], (r["listing"], r["swept"])
+
+
+def test_a_backend_that_cannot_run_the_export_is_refused(interrupted):
+    root = interrupted["overwrite"][0]
+    msg = run_ranks(1, fake_backend_worker, f"{root}/ex")[0]
+    assert "AutoshardError: cannot load the export" in msg and "runs 'fake'" in msg, msg
+    assert "need gloo" in msg, msg

@@ -150,6 +150,7 @@ def train(tt, model, rank, world, mesh):
         lr_schedulers.step()
         out["losses"].append(tt.dist_utils.dist_sum(loss.detach(), mesh))
         out["grad_norms"].append(grad_norm.item())
+    out["optimizer"] = optimizers.optimizers[0]
     return out
 
 
@@ -168,11 +169,12 @@ def _fsdp2(tt, rank, world, mesh):
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     out = train(tt, model, rank, world, mesh)
+    out.pop("optimizer")
     out["params"] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return out
 
 
-def _autoshard(tt, rank, world, mesh):
+def _autoshard(tt, rank, world, mesh, root):
     """System B: ``autoshard(model)`` in place of those ``fully_shard`` calls, the gradients
     summed as torchtitan sets them (``set_gradient_divide_factor(1.0)``). Counts the
     captures of each entry (the model's forward, ``lm_head`` called by the loss)."""
@@ -196,15 +198,41 @@ def _autoshard(tt, rank, world, mesh):
     out["params"] = sharded.full_state_dict()
     out["captures"] = captures
     out["reduction"] = sharded.plan.reduction
+    out["writes"] = _writes(tt, sharded, out.pop("optimizer"), mesh, root)
     return out
 
 
-def torchtitan_worker(rank, world, _=None):
+def _writes(tt, sharded, optimizer, mesh, root):
+    """The trained model exported and loaded back (the loaded forward's output against the
+    model's), and saved with its optimizer and loaded into a new model and optimizer (every
+    tensor against the trained one's): the fused QKV's state-dict hooks rename its keys."""
+    import autoshard
+
+    tokens = batches(STEPS, mesh.size())[0][mesh.get_local_rank()]
+    with torch.no_grad():
+        want = sharded(tokens)
+    sharded.export(f"{root}/export", inference=False)
+    with torch.no_grad():
+        loaded = autoshard.load(f"{root}/export", mesh=mesh)(tokens)
+    autoshard.save(f"{root}/checkpoint", sharded, optimizer)
+    fresh = autoshard.autoshard(build_model(tt), mesh=mesh)
+    fresh_opt = tt.default_adamw(lr=LR).build(model_parts=[fresh]).optimizers[0]
+    autoshard.load_checkpoint(f"{root}/checkpoint", fresh, fresh_opt)
+    pairs = [(p, q) for p, q in zip(sharded.parameters(), fresh.parameters())]
+    state = [(optimizer.state[p][k], fresh_opt.state[q][k]) for p, q in pairs
+             for k in ("exp_avg", "exp_avg_sq")]
+    return {"export": (loaded - want).abs().max().item(),
+            "checkpoint": max((a.to_local() - b.to_local()).abs().max().item()
+                              for a, b in pairs + state)}
+
+
+def torchtitan_worker(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
 
     tt = import_torchtitan()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    out = {"fsdp2": _fsdp2(tt, rank, world, mesh), "autoshard": _autoshard(tt, rank, world, mesh)}
+    out = {"fsdp2": _fsdp2(tt, rank, world, mesh),
+           "autoshard": _autoshard(tt, rank, world, mesh, root)}
     if rank != 0:
         for run in out.values():
             run.pop("params"), run.pop("grads")
