@@ -26,3 +26,11 @@ from autoshard.runtime.materialize import deferred_init  # noqa: E402
 
 __all__ = ["autoshard", "plan", "check", "load", "save", "load_checkpoint", "deferred_init",
            "CheckReport", "ShardedModule", "Config", "Plan", "AutoshardError"]
+
+# ``from autoshard import autoshard`` binds the function under the package's name; it carries
+# the package's other public names too, so ``autoshard.load(path)``, ``autoshard.plan(...)``
+# and ``autoshard.Config`` read the same after either import.
+for _name in __all__:
+    if _name != "autoshard":
+        setattr(autoshard, _name, globals()[_name])
+del _name

@@ -1,4 +1,5 @@
-"""The wheel built from the repository installs the one import name with its subpackages."""
+"""The wheel built from the repository installs the one import name with its subpackages, and
+the package's public names read the same after either import of ``autoshard``."""
 
 import importlib.util
 import os
@@ -34,3 +35,13 @@ def test_wheel_installs_autoshard_with_passes_and_runtime(tmp_path):
         assert p.startswith(str(target)), p
     assert paths[1].endswith(os.path.join("autoshard", "passes", "__init__.py"))
     assert paths[2].endswith(os.path.join("autoshard", "runtime", "__init__.py"))
+
+
+def test_the_function_carries_the_package_names():
+    import autoshard as package
+    from autoshard import autoshard
+
+    assert package.autoshard is autoshard
+    for name in package.__all__:
+        if name != "autoshard":
+            assert getattr(autoshard, name) is getattr(package, name), name
