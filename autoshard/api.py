@@ -159,9 +159,12 @@ class ShardedModule(torch.nn.Module):
         extra = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
         return record(self, optimizer, extra_bytes=extra)
 
-    def full_state_dict(self) -> dict:
-        """Full (gathered) tensors under the original keys, on every rank."""
-        return full_state_dict(self)
+    def full_state_dict(self, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict:
+        """Full (gathered) tensors under the original keys. Every rank calls it (one
+        all-gather per sharded tensor); each gets them, or with ``rank0_only`` rank 0 only
+        (the others an empty dict). ``cpu_offload`` returns them in host memory, moved there
+        one by one as they are gathered."""
+        return full_state_dict(self, cpu_offload=cpu_offload, rank0_only=rank0_only)
 
     # --- checkpoints ---------------------------------------------------------------------
 

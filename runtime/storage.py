@@ -237,18 +237,26 @@ def shard_module(model: torch.nn.Module, mesh, device: torch.device, *,
     return stage_shards(model, mesh, device, param_init_fn=param_init_fn).commit()
 
 
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The model's ``state_dict()`` with every DTensor gathered to a full tensor (on every
-    rank, one all-gather per sharded tensor, in the state dict's order), under the same
-    keys: what the unsharded model's ``state_dict()`` holds and ``load_state_dict`` takes.
-    Gathered from ``state_dict()`` itself rather than through DCP's
+def full_state_dict(model: torch.nn.Module, *, cpu_offload: bool = False,
+                    rank0_only: bool = False) -> dict:
+    """The model's ``state_dict()`` with every DTensor gathered to a full tensor (one
+    all-gather per sharded tensor, in the state dict's order), under the same keys: what the
+    unsharded model's ``state_dict()`` holds and ``load_state_dict`` takes. Every rank calls
+    it. ``cpu_offload`` moves each tensor to host memory as soon as it is gathered, so the
+    device holds at most one full tensor; ``rank0_only`` keeps the tensors on global rank 0
+    and returns an empty dict on the others (the two together are what DCP's
+    ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+    cpu_offload=True))`` gives). Gathered from ``state_dict()`` itself rather than through
     ``get_model_state_dict``, which maps every key back to a module attribute and so fails
     (under FSDP2 too) on a model whose state-dict hooks save other keys than its attributes,
-    as torchtitan's fused QKV projection saves ``wq``/``wk``/``wv`` for its ``wqkv``. For a
-    rank-0 copy in host memory, call ``get_model_state_dict(model,
-    options=StateDictOptions(full_state_dict=True, cpu_offload=True))`` (the other ranks get
-    an empty dict)."""
-    from torch.distributed.tensor import DTensor
+    as torchtitan's fused QKV projection saves ``wq``/``wk``/``wv`` for its ``wqkv``."""
+    import torch.distributed as dist
 
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in model.state_dict().items()}
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for k, v in model.state_dict().items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()  # a collective: every rank gathers every tensor, in order
+        if keep:
+            out[k] = v.cpu() if cpu_offload and isinstance(v, torch.Tensor) else v
+    return out

@@ -200,6 +200,15 @@ def _resume_w2(rank, world, root):
     ok["cpu_offload"] = (len(offloaded) == len(ref) and all(
         torch.equal(offloaded[k], ref[k]) and not isinstance(offloaded[k], DTensor)
         for k in ref)) if rank == 0 else offloaded == {}
+    # the same from full_state_dict's own options; rank 0's copy alone loads on every rank
+    mine = model.full_state_dict(cpu_offload=True, rank0_only=True)
+    ok["rank0_only"] = _equal(mine, offloaded) and all(v.device.type == "cpu"
+                                                      for v in mine.values())
+    model2, _ = _build(seed=7)
+    set_model_state_dict(model2, mine, options=StateDictOptions(full_state_dict=True,
+                                                                broadcast_from_rank0=True))
+    full2 = model2.full_state_dict()
+    ok["broadcast_from_rank0"] = all(torch.equal(full2[k], ref[k]) for k in ref)
     # strict=False: missing and unexpected keys reported, the rest loaded; strict refuses
     partial = {k: v + 1 for k, v in ref.items() if not k.startswith("blocks.0.")}
     partial["unknown.weight"] = torch.zeros(2)
