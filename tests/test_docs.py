@@ -13,8 +13,8 @@ def test_every_row_of_the_fault_table_names_an_existing_test():
     assert len(rows) >= 6
     for row in rows:
         ref = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row.rsplit("|", 2)[-2])
-        assert len(ref) == 1, f"no test named in row: {row[:80]}"
-        path, name = ref[0]
-        tree = ast.parse((ROOT / path).read_text())
-        names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-        assert name in names, f"{path} has no test {name}"
+        assert ref, f"no test named in row: {row[:80]}"
+        for path, name in ref:
+            tree = ast.parse((ROOT / path).read_text())
+            names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+            assert name in names, f"{path} has no test {name}"
