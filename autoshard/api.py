@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import weakref
 from typing import Any, Optional
@@ -826,6 +827,76 @@ def _sharded_class(cls: type) -> type:
     return type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
 
 
+_AT_START = "autoshard() (the Config and the model's parameters)"
+
+
+def _agree_on_model(agreement, model, config: Config) -> None:
+    """The first collective of ``autoshard()``: every rank has the same Config and the same
+    parameters (names, shapes, dtypes), compared as one digest. On a difference every rank
+    raises naming the first Config field that differs, else the first parameter, with each
+    rank's value; a few more notes are exchanged to find them (``Agreement.notes``)."""
+    fields = [(k, repr(v)) for k, v in config.to_dict().items()]
+    named = {f: _param_line(f, p) for f, p in model.named_parameters()}
+    params = list(named.values())
+
+    def explain(counts) -> str:
+        kept = ("; nothing was sharded, and the process group is intact (rank "
+                f"{agreement.rank} reports this)")
+        digests = agreement.notes(_AT_START, ",".join(
+            hashlib.sha256(v.encode()).hexdigest()[:16] for _, v in fields))
+        for i, (name, _) in enumerate(fields):
+            if len({tuple(d.split(",")[i:i + 1]) for d in digests}) > 1:
+                values = agreement.notes(_AT_START, fields[i][1])
+                ranks = ", ".join(f"rank {r}: {v[:200]}" for r, v in enumerate(values))
+                return (f"Config.{name} differs between ranks: {ranks}. Every rank must pass "
+                        f"autoshard() the same Config: the ranks plan and run one schedule "
+                        f"together{kept}.")
+        i = agreement.first_difference(_AT_START, params)
+        if i is None:
+            return f"the ranks' Config or parameters differ{kept}."
+        at = agreement.notes(_AT_START, params[i] if i < len(params) else "")
+        fqn = next(n.split("'")[1] for n in at if n)
+        by_name = agreement.notes(_AT_START, named.get(fqn) or _no_parameter(model, fqn))
+        lines, what = by_name, f"parameter '{fqn}'"
+        if len(set(by_name)) == 1:  # the same parameter everywhere, in another place
+            lines = [n or f"(none: it has {c})" for n, c in zip(at, counts)]
+            what = f"the {_ordinal(i + 1)} parameter (the ranks list them in another order)"
+        ranks = "\n".join(f"  rank {r}: {n}" for r, n in enumerate(lines))
+        return (f"the model differs between ranks at {what}:\n{ranks}\n("
+                f"{', '.join(f'rank {r}: {n}' for r, n in enumerate(counts))}.) Every rank "
+                "must build the same model (the same code, arguments and config) before "
+                f"autoshard(): the ranks shard and gather each parameter together{kept}.")
+
+    agreement(_AT_START, f"{len(params)} parameters", exact=repr((fields, params)),
+              explain=explain)
+
+
+def _param_line(fqn: str, p) -> str:
+    return f"'{fqn}' {str(p.dtype).replace('torch.', '')}{list(p.shape)}"
+
+
+def _no_parameter(model, fqn: str) -> str:
+    """What a rank without parameter ``fqn`` has at its place, for a message."""
+    parts = fqn.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:k])
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            continue
+        where = f"module '{path}'" if path else "the model"
+        cls = type(mod).__name__
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            return f"(no such parameter; {where} ({cls}) holds {len(mod)} modules)"
+        return f"(no such parameter; {where} ({cls}) has no '{parts[k]}')"
+    return "(no such parameter)"
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def autoshard(
     model: torch.nn.Module,
     *,
@@ -863,6 +934,10 @@ def autoshard(
     plain ``torch.device("meta")``) that ``param_init_fn`` does not initialise, raise
     ``ValueError`` naming it.
 
+    Before anything else collective, the ranks compare their Configs and their models'
+    parameters (names, shapes, dtypes); on a difference every rank raises ``AutoshardError``
+    naming the first field or parameter that differs and each rank's value.
+
     All or nothing: if anything fails (a model another wrapper such as FSDP2's
     ``fully_shard`` already distributes, an initialisation error, a capture error with
     ``example_inputs``), the model is left exactly as it was: the same parameter and buffer
@@ -885,6 +960,7 @@ def autoshard(
     device = _dist.mesh_device(mesh)
     st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
                 agreement=_dist.Agreement(mesh, config.timeout))
+    _agree_on_model(st.agreement, model, config)
 
     if example_inputs is not None:
         args, kwargs = _split_inputs(example_inputs)

@@ -29,7 +29,8 @@ _SHOWN = {
 
 # before each forward and each backward the ranks all-gather a digest of what they run, and
 # before a ZeRO-1 call which replicas any rank's writes made stale
-# (autoshard.runtime.dist.Agreement): the only collectives outside the compiled graphs
+# (autoshard.runtime.dist.Agreement): the only collectives outside the compiled graphs,
+# with one more, once, in autoshard() (the Config and the parameters)
 AGREEMENT_BYTES = 32
 
 

@@ -151,9 +151,10 @@ _NOTE_BYTES = 2048  # on a mismatch, each rank's description (UTF-8, truncated)
 
 
 class Agreement:
-    """Every collective autoshard runs outside its compiled graphs goes through here: before
-    a forward (its input signature), before a backward, after compiling (the schedule), and
-    before a ZeRO-1 call, which replicas to gather again (``any``).
+    """Every collective autoshard runs outside its compiled graphs goes through here: in
+    ``autoshard()`` (the Config and the parameters), before a forward (its input signature),
+    before a backward, after compiling (the schedule), and before a ZeRO-1 call, which
+    replicas to gather again (``any``).
     All ranks all-gather a digest of what they are about to do; on a mismatch a second
     all-gather exchanges what each rank described, and every rank raises ``AutoshardError``
     naming them. Because every agreement has the same size and kind, a rank that is at
@@ -184,17 +185,20 @@ class Agreement:
                                              timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._group
 
-    def __call__(self, what: str, detail: str = "", exact: str = "") -> None:
+    def __call__(self, what: str, detail: str = "", exact: str = "", explain=None) -> None:
         """Check that every rank is at ``what`` (which names the step and what it runs).
         ``detail`` (shapes and the like) is shown for each rank on a mismatch; ``exact`` is
-        compared too but not shown."""
+        compared too but not shown. ``explain``: when every rank is at ``what`` but they
+        differ, ``explain(details)`` (each rank's ``detail``, in mesh order) returns the
+        error's text in place of the advice about steps; it runs on every rank, so it may
+        exchange more (``notes``, ``first_difference``)."""
         if self.world == 1 or self.fake:
             return
         mine = f"{what}{': ' + detail if detail else ''}"
         digest = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()
         digests = self._gather(torch.tensor(list(digest), dtype=torch.uint8), what)
         if len(set(digests)) > 1:
-            self._differ(what, mine)
+            self._differ(what, mine, explain)
 
     def any(self, what: str, flags: list) -> list:
         """``flags`` (booleans, the same number on every rank) ORed over the ranks: which
@@ -217,12 +221,43 @@ class Agreement:
             merged = [a | b for a, b in zip(merged, g[16:])]
         return [bool(merged[i % 128 // 8] >> (i % 8) & 1) for i in range(len(flags))]
 
-    def _differ(self, what: str, mine: str) -> None:
-        """The ranks are at different agreements: exchange what each describes and raise."""
+    def notes(self, what: str, mine: str) -> list:
+        """Every rank's ``mine`` (its first 2048 bytes of UTF-8), in mesh order: one
+        all-gather, which every rank must reach with the same ``what``."""
         note = mine.encode()[:_NOTE_BYTES].ljust(_NOTE_BYTES, b"\0")
-        notes = self._gather(torch.tensor(list(note), dtype=torch.uint8), what)
-        lines = "\n".join(f"  rank {r}: {n.rstrip(bytes(1)).decode(errors='replace')}"
-                          for r, n in enumerate(notes))
+        got = self._gather(torch.tensor(list(note), dtype=torch.uint8), what)
+        return [n.rstrip(bytes(1)).decode(errors="replace") for n in got]
+
+    def first_difference(self, what: str, items: list):
+        """The first index at which the ranks' ``items`` (strings) differ, a list that ends
+        there counting as different; the same answer on every rank, or None where none
+        differ. Each round compares digests of up to 128 equal slices of the range still in
+        question (one 2048-byte note): two rounds for 16384 items, after one for the
+        lengths."""
+        hi = max(int(n) for n in self.notes(what, str(len(items))))
+        lo, width = 0, 16  # hex digits of a slice's digest
+        while hi > lo:
+            size = -(-(hi - lo) // (_NOTE_BYTES // width))
+            starts = range(lo, hi, size)
+            mine = "".join(hashlib.sha256(repr(items[s:s + size]).encode()).hexdigest()[:width]
+                           for s in starts)
+            notes = self.notes(what, mine)
+            k = next((k for k in range(len(starts))
+                      if len({n[k * width:(k + 1) * width] for n in notes}) > 1), None)
+            if k is None:
+                return None
+            lo, hi = starts[k], min(starts[k] + size, hi)
+            if size == 1:
+                return lo
+        return None
+
+    def _differ(self, what: str, mine: str, explain=None) -> None:
+        """The ranks disagree: exchange what each describes and raise; ``explain``'s text
+        where every rank is at ``what``, else the ranks are at different steps."""
+        notes = self.notes(what, mine)
+        if explain is not None and all(n == what or n.startswith(f"{what}: ") for n in notes):
+            raise AutoshardError(explain([n[len(what) + 2:] for n in notes]))
+        lines = "\n".join(f"  rank {r}: {n}" for r, n in enumerate(notes))
         raise AutoshardError(
             f"the ranks are not at the same step (rank {self.rank} reports this; nothing of "
             f"the step ran, and the process group is intact):\n{lines}\nEvery rank must call "

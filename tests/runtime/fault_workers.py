@@ -129,3 +129,45 @@ def hang_worker(rank, world, case):
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
     return {"error": err, "seconds": time.perf_counter() - t0}
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def message_worker(rank, world, cases):
+    """Mistakes named by their real cause, and inputs trained as eager trains them; each case
+    leaves the process group intact for the next."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for case in cases:
+        r = out[case] = {}
+        if case == "config_differs":
+            model = Net()
+            cfg = Config(policy="module", module_classes=["Linear"], prefetch_depth=2 + rank)
+            r["error"] = _outcome(lambda: autoshard(model, config=cfg))
+            r["untouched"] = not any(isinstance(p, DTensor) for p in model.parameters())
+        elif case == "extra_layer":
+            model = Stack(4 if rank == 0 else 3)
+            r["error"] = _outcome(lambda: autoshard(model))
+        elif case == "first_difference":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from autoshard.runtime.dist import Agreement
+
+            agreement = Agreement(init_device_mesh("cpu", (world,)), 30)
+            items = [f"'p.{i}' float32[8]" for i in range(20000)]
+            mine = items[:12345] + ["'q' float32[8]"] + items[12346:] if rank else items
+            r["at"] = [agreement.first_difference("t", mine),
+                       agreement.first_difference("t", items[:len(items) - rank]),
+                       agreement.first_difference("t", items)]
+    return out

@@ -3,7 +3,7 @@ no process aborts (gloo, world size 2)."""
 
 import pytest
 
-from fault_workers import fault_worker, hang_worker
+from fault_workers import fault_worker, hang_worker, message_worker
 from harness import run_ranks
 
 
@@ -47,3 +47,35 @@ def test_a_rank_that_hangs_is_named_after_the_timeout(where):
         assert "agreement before step 2: forward" in msg, msg
     else:
         assert "all-gather of unit 1" in msg and "forward" in msg, msg
+
+
+MESSAGES = ["config_differs", "extra_layer", "first_difference"]
+
+
+@pytest.fixture(scope="module")
+def messages():
+    results = run_ranks(2, message_worker, MESSAGES)
+    return {case: [r[case] for r in results] for case in MESSAGES}
+
+
+def test_a_config_that_differs_between_ranks_is_named(messages):
+    for r in messages["config_differs"]:
+        assert r["error"].startswith("Config.prefetch_depth differs between ranks: rank 0: 2, "
+                                     "rank 1: 3."), r["error"]
+        assert "partial" not in r["error"] and r["untouched"]
+
+
+def test_a_parameter_that_differs_between_ranks_is_named(messages):
+    for r in messages["extra_layer"]:
+        msg = r["error"]
+        assert "the model differs between ranks at parameter 'layers.3.weight':\n" \
+               "  rank 0: 'layers.3.weight' float32[8, 8]\n" \
+               "  rank 1: (no such parameter; module 'layers' (ModuleList) holds 3 " \
+               "modules)" in msg, msg
+        assert "rank 0: 10 parameters, rank 1: 8 parameters" in msg and "partial" not in msg
+
+
+def test_the_first_difference_of_long_lists_is_found_within_the_notes(messages):
+    """20000 parameter lines do not fit one 2048-byte note: digests of slices narrow it."""
+    for r in messages["first_difference"]:
+        assert r["at"] == [12345, 19999, None]
