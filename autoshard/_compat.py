@@ -108,6 +108,16 @@ def all_gather_tensor(out, inp, group=None) -> None:
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
 
 
+def group_timeout_s(group, device_type: str):
+    """How long a collective of ``group`` on ``device_type`` waits before it fails, in
+    seconds: the timeout the group was created with, which its backend's options hold
+    (private); None where torch does not say."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
 def reparametrize(module, params_and_buffers):
     """Put ``params_and_buffers`` (canonical name -> tensor) in place of the module's tensors,

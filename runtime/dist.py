@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 import warnings
 
 import torch
@@ -266,16 +267,37 @@ class Agreement:
             "pad a partial last batch (DataLoader(drop_last=True)), and run evaluation on "
             "every rank or on an unsharded copy.")
 
+    def waited(self, elapsed_s: float, mesh: bool = False) -> str:
+        """How long a failed collective waited, as a message says it, from ``elapsed_s``
+        measured around it: the timeout of the group it ran on (the agreement's, or with
+        ``mesh`` the mesh's, which run the programs' collectives), which ``Config.timeout``
+        sets only for the groups autoshard creates; or that it failed sooner."""
+        groups = ([self.mesh.get_group(d) for d in range(self.mesh.ndim)] if mesh
+                  else [self.group])
+        device = self.mesh.device_type if mesh else "cpu"
+        found = [_compat.group_timeout_s(g, device) for g in groups]
+        if None in found:  # torch does not say: what was measured
+            return (f"after {elapsed_s:.1f} s (Config.timeout={self.timeout_s:g} applies if "
+                    "autoshard created the process group)")
+        timeout = max(found)
+        own = ("" if timeout == self.timeout_s else
+               f" (the process group's own timeout; Config.timeout={self.timeout_s:g} sets "
+               "only a group autoshard creates)")
+        if elapsed_s < 0.9 * timeout:
+            return f"after {elapsed_s:.1f} s, before the timeout of {timeout:g} s{own}"
+        return f"within {timeout:g} s{own}"
+
     def _gather(self, mine: torch.Tensor, what: str) -> list:
         out = torch.empty(self.world * mine.numel(), dtype=torch.uint8)
+        start = time.monotonic()
         try:
             _compat.all_gather_tensor(out, mine, group=self.group)
         except RuntimeError as e:  # DistBackendError too: a timeout or a lost peer
             peers = [r for r in range(self.world) if r != self.rank]
             raise AutoshardError(
                 f"rank {self.rank}, step {self.step}: no answer from peer ranks {peers} "
-                f"within {self.timeout_s:g} s at the agreement before {what} (autoshard's "
-                "check that all ranks are at the same step, before any collective of it): a "
-                f"rank stopped, hangs, or failed earlier.\n  {str(e).splitlines()[0][:300]}"
-            ) from e
+                f"{self.waited(time.monotonic() - start)} at the agreement before {what} "
+                "(autoshard's check that all ranks are at the same step, before any "
+                "collective of it): a rank stopped, hangs, or failed earlier.\n  "
+                f"{str(e).splitlines()[0][:300]}") from e
         return [bytes(c.tolist()) for c in out.split(mine.numel())]

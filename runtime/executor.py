@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch.utils._pytree import tree_unflatten
@@ -121,15 +122,16 @@ class Program:
     def call(self, gm, *args):
         """Run one of the graphs; a collective that fails (a timeout, a lost peer) becomes
         an error naming its unit, its op, the step and the peers."""
+        start = time.monotonic()
         try:
             return gm(*args)
         except RuntimeError as e:
             node = _failing_node(gm, e)
             if node is None:
                 raise
-            raise self._comm_error(node, e) from e
+            raise self._comm_error(node, e, time.monotonic() - start) from e
 
-    def _comm_error(self, node, exc) -> AutoshardError:
+    def _comm_error(self, node, exc, elapsed_s: float) -> AutoshardError:
         unit = meta.tag(node, meta.UNIT)
         names = {u.index: u.name for u in self.plan.units}
         kind = {meta.AG_ISSUE: "all-gather", meta.AG_WAIT: "wait for the all-gather",
@@ -139,7 +141,7 @@ class Program:
         region = "forward" if meta.is_forward(node) else "backward"
         step = self.agreement.step if self.agreement is not None else "?"
         peers = [r for r in range(self.world_size) if r != self.rank]
-        timeout = f" within {self.agreement.timeout_s:g} s" if self.agreement else ""
+        timeout = f" {self.agreement.waited(elapsed_s, mesh=True)}" if self.agreement else ""
         return AutoshardError(
             f"rank {self.rank}, step {step}: the {op} of unit {unit} ({names.get(unit, '?')}) "
             f"in the {region} (graph node {node.name}) got no answer from peer ranks {peers}"

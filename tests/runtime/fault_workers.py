@@ -112,23 +112,48 @@ def _refused_sync(rank):
 def hang_worker(rank, world, case):
     """Rank 1 stops answering: before a step (it sleeps) or inside one (the stall op).
     Inside: rank 1 also starts late, past the timeout, which bounds collectives, not the
-    ranks meeting; "inside-compiled": the same in inductor's code (Config(compile=True))."""
+    ranks meeting; "inside-compiled": the same in inductor's code (Config(compile=True)).
+    "own-group:<case>": the ranks make the process group themselves, with a timeout of 3 s,
+    and leave Config.timeout at its default (300 s)."""
+    import torch.distributed as dist
+
+    from autoshard import _compat
+
     timeout = 3.0
+    own = case.startswith("own-group:")
+    if own:
+        case = case.split(":")[1]
+        _own_group(rank, world, timeout)
     if case.startswith("inside"):
-        if rank == 1:
+        if rank == 1 and not own:
             time.sleep(timeout + 2)
-        model = _model(timeout, stall_s=6.0 if rank == 1 else 0.0,
+        model = _model(None if own else timeout, stall_s=6.0 if rank == 1 else 0.0,
                        compile=case == "inside-compiled")
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
     else:
-        model = _model(timeout)
+        model = _model(None if own else timeout)
         _step(model, 4)
         if rank == 1:
             time.sleep(6.0)
         t0 = time.perf_counter()
         err = _outcome(lambda: _step(model, 4))
-    return {"error": err, "seconds": time.perf_counter() - t0}
+    return {"error": err, "seconds": time.perf_counter() - t0,
+            "group_timeout": _compat.group_timeout_s(dist.group.WORLD, "cpu")}
+
+
+def _own_group(rank, world, timeout_s):
+    """The process group a user makes before autoshard(), with a timeout of its own; its
+    store waits longer, so that ranks may start at different times."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class Stack(nn.Module):
@@ -170,4 +195,12 @@ def message_worker(rank, world, cases):
             r["at"] = [agreement.first_difference("t", mine),
                        agreement.first_difference("t", items[:len(items) - rank]),
                        agreement.first_difference("t", items)]
+        elif case == "group_timeouts":  # the group autoshard makes waits Config.timeout
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from autoshard import _compat
+
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+            model = autoshard(Net(), mesh=mesh, config=Config(timeout=7))
+            r["agreement"] = _compat.group_timeout_s(model._autoshard.agreement.group, "cpu")
     return out

@@ -41,15 +41,26 @@ def test_a_rank_that_hangs_is_named_after_the_timeout(where):
     """autoshard creates the process group (torchrun environment) with Config(timeout=3)."""
     live = run_ranks(2, hang_worker, where, torchrun_env=True)[0]
     msg = live["error"]
-    assert "step" in msg and "peer ranks [1]" in msg and "3 s" in msg, msg
-    assert live["seconds"] < 30
+    assert "step" in msg and "peer ranks [1] within 3 s" in msg, msg
+    assert "own timeout" not in msg
+    assert live["seconds"] < 30 and live["group_timeout"] == 3.0  # Config.timeout's
     if where == "before":
         assert "agreement before step 2: forward" in msg, msg
     else:
         assert "all-gather of unit 1" in msg and "forward" in msg, msg
 
 
-MESSAGES = ["config_differs", "extra_layer", "first_difference"]
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_timeout_is_reported_as_the_process_groups_own(where):
+    """The ranks made the group with a 3 s timeout; Config.timeout is left at 300 s."""
+    live = run_ranks(2, hang_worker, f"own-group:{where}", torchrun_env=True)[0]
+    msg = live["error"]
+    assert "peer ranks [1] within 3 s (the process group's own timeout; Config.timeout=300 " \
+           "sets only a group autoshard creates)" in msg, msg
+    assert live["group_timeout"] == 3.0 and live["seconds"] < 30
+
+
+MESSAGES = ["config_differs", "extra_layer", "first_difference", "group_timeouts"]
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +90,9 @@ def test_the_first_difference_of_long_lists_is_found_within_the_notes(messages):
     """20000 parameter lines do not fit one 2048-byte note: digests of slices narrow it."""
     for r in messages["first_difference"]:
         assert r["at"] == [12345, 19999, None]
+
+
+def test_the_groups_autoshard_creates_wait_config_timeout(messages):
+    """The agreement's own gloo group (here for a 2-D mesh) and, in the hang tests above,
+    the default group autoshard makes from a torchrun environment."""
+    assert [r["agreement"] for r in messages["group_timeouts"]] == [7.0, 7.0]
