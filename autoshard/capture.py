@@ -209,6 +209,51 @@ def _is_mutated(node: fx.Node) -> bool:
     return any(a in written_inputs(u) for a in aliases for u in a.users)
 
 
+# aten ops whose kernels take all their tensors in one dtype ("mat1 and mat2 must have the
+# same dtype"); the fake kernels of some (mm, addmm) do not check it, so capture does
+_ONE_DTYPE = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
+                        "addr", "convolution"})
+
+
+class _DtypesDiffer(RuntimeError):
+    """An op got tensors of dtypes its kernel does not mix; ``func`` names it, as in the
+    fake tensor errors ``_explain`` reads."""
+
+    def __init__(self, func, operands: list):
+        self.func, self.operands = func, operands  # [(argument name, dtype)]
+        super().__init__(f"{func} got " + ", ".join(f"{n} {_dtype(d)}" for n, d in operands))
+
+
+class _CheckDtypes(_compat.TorchDispatchMode):
+    """While the forward is traced: refuse an op of ``_ONE_DTYPE`` given tensors of more
+    than one dtype, as its eager kernel would at run time, after the step's all-gathers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in _ONE_DTYPE and func._overloadname == "default":
+            operands = [(a.name, v.dtype) for a, v in zip(func._schema.arguments, args)
+                        if isinstance(v, torch.Tensor)]
+            if len({d for _, d in operands}) > 1:
+                raise _DtypesDiffer(func, operands)
+        return func(*args, **kwargs)
+
+
+def _dtype(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def input_names(args, kwargs) -> list:
+    """(name, leaf) of each leaf of a call's inputs, named as a person writes them:
+    ``args[0]``, ``args[1]['mask']``, ``labels``."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    out = []
+    for path, x in tree_flatten_with_path((args, kwargs))[0]:
+        rest = keystr(path[1:])  # path[0] says args or kwargs
+        out.append((f"args{rest}" if path[0].idx == 0 else rest[2:].replace("']", "", 1), x))
+    return out
+
+
 def capture(
     model: torch.nn.Module,
     forward: Callable,
@@ -298,7 +343,7 @@ def capture(
                 hooks.tapping(model, traced_hooks, taps, tapped, rec["btaps"],
                               rec["hgrads"]), \
                 _track_modules(model, stack), _track_checkpoints(), \
-                guards.recording(model) as reads, _traced():
+                guards.recording(model) as reads, _traced(), _CheckDtypes():
             rec["reads"] = reads
             out = _cast_floating(forward(model, *a, **kw), output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
@@ -345,7 +390,8 @@ def capture(
     except AutoshardError:
         raise
     except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
-        raise _explain(exc, stack) from exc
+        raise _explain(exc, stack, input_names(args, kwargs),
+                       {p.compute_dtype for p in params}) from exc
 
     guards.refuse_unfollowable(rec["reads"], _class_name(model))
     for leaf in rec["out_consts"]:
@@ -520,7 +566,10 @@ def _user_frame(exc: BaseException):
     return keep[-1] if keep else None
 
 
-def _explain(exc: BaseException, stack: list) -> AutoshardError:
+def _explain(exc: BaseException, stack: list, inputs=(), param_dtypes=()) -> AutoshardError:
+    """The capture error for ``exc``, naming the module being traced (``stack``), the op and
+    the user's source line; ``inputs``, (name, leaf) of the call, and the parameters'
+    dtypes name the input of a dtype the model does not compute in."""
     module = stack[-1][0] if stack else ""
     module_desc = f"module '{module}' ({stack[-1][1]})" if stack else "the model"
     op = getattr(exc, "func", None)
@@ -532,7 +581,18 @@ def _explain(exc: BaseException, stack: list) -> AutoshardError:
     dd = {"DataDependentOutputException", "GuardOnDataDependentSymNode"}
     kind = type(exc).__name__
     reads_value = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
-    if kind in dd or op in reads_value:
+    if isinstance(exc, _DtypesDiffer):
+        got = ", ".join(f"{n} {_dtype(d)}" for n, d in exc.operands)
+        odd = {d for _, d in exc.operands} - set(param_dtypes)
+        named = [f"{n} {_dtype(x.dtype)}{list(x.shape)}" for n, x in inputs
+                 if isinstance(x, torch.Tensor) and x.dtype in odd]
+        what = (f"needs its tensors in one dtype but got {got}"
+                + (f" (the call's input {', '.join(named)})" if named else ""))
+        want = sorted(_dtype(d) for d in {d for _, d in exc.operands} - odd)
+        fix = ("Cast the input to the dtype the model computes in"
+               + (f" ({', '.join(want)}, e.g. x.to(torch.{want[0]}))" if want else "")
+               + " before the call: eager PyTorch refuses these dtypes at this op too.")
+    elif kind in dd or op in reads_value:
         what = "reads a tensor's value in Python (data-dependent control flow)"
         fix = (
             "Compute both branches and select with torch.where, use torch.cond, or move the "

@@ -71,6 +71,20 @@ def test_failed_capture_keeps_full_parameters_recoverable():
         torch.testing.assert_close(full[k], v)
 
 
+@pytest.mark.parametrize("up_front", [False, True])
+def test_an_int64_input_to_a_linear_fails_at_capture_naming_it(up_front):
+    """World size 1: the first call (or example_inputs) refuses it at capture; eager's own
+    error (mat1 and mat2 must have the same dtype) came only from running the graph."""
+    x = torch.randint(0, 5, (2, 4))
+    with pytest.raises(AutoshardError) as e:
+        model = autoshard(Outer(), example_inputs=(x,) if up_front else None)
+        model(x)
+    msg = str(e.value)
+    assert "module 'inner.gate' (Linear) op aten.addmm.default needs its tensors in one " \
+           "dtype" in msg and "the call's input args[0] int64[2, 4]" in msg, msg
+    assert "self.gate(x)" in msg and "x.to(torch.float32)" in msg
+
+
 def test_op_without_fake_kernel_says_how_to_register_one():
     model = autoshard(Opaque())
     with pytest.raises(AutoshardError) as e:

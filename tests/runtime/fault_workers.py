@@ -195,6 +195,22 @@ def message_worker(rank, world, cases):
             r["at"] = [agreement.first_difference("t", mine),
                        agreement.first_difference("t", items[:len(items) - rank]),
                        agreement.first_difference("t", items)]
+        elif case == "int64_input":
+            from autoshard.runtime.executor import Program
+
+            runs, run = [], Program.run
+            Program.run = lambda self, *a, **k: (runs.append(1), run(self, *a, **k))[1]
+            try:
+                model = _model()
+                try:
+                    model(torch.randint(0, 5, (4, 8)))
+                    r["error"] = "ok"
+                except Exception as e:  # noqa: BLE001 - which kind of error is the question
+                    r["error"] = f"{type(e).__name__}: {e}"
+                r["ran"] = len(runs)  # programs run (collectives issued) before the error
+                r["after"] = _outcome(lambda: _step(model, 4))
+            finally:
+                Program.run = run
         elif case == "group_timeouts":  # the group autoshard makes waits Config.timeout
             from torch.distributed.device_mesh import init_device_mesh
 

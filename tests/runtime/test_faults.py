@@ -60,7 +60,7 @@ def test_a_timeout_is_reported_as_the_process_groups_own(where):
     assert live["group_timeout"] == 3.0 and live["seconds"] < 30
 
 
-MESSAGES = ["config_differs", "extra_layer", "first_difference", "group_timeouts"]
+MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", "group_timeouts"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,17 @@ def test_the_first_difference_of_long_lists_is_found_within_the_notes(messages):
     """20000 parameter lines do not fit one 2048-byte note: digests of slices narrow it."""
     for r in messages["first_difference"]:
         assert r["at"] == [12345, 19999, None]
+
+
+def test_an_input_of_a_dtype_the_model_cannot_take_fails_at_capture(messages):
+    for r in messages["int64_input"]:
+        msg = r["error"]
+        assert msg.startswith("AutoshardError: autoshard could not capture"), msg
+        assert "module 'a' (Linear) op aten.addmm.default needs its tensors in one dtype" in msg
+        assert "mat1 int64" in msg and "the call's input args[0] int64[4, 8]" in msg
+        assert "fault_workers.py" in msg and "self.a(x)" in msg  # the source line
+        assert r["ran"] == 0  # no program ran: none of the step's collectives was issued
+        assert r["after"] == "ok"
 
 
 def test_the_groups_autoshard_creates_wait_config_timeout(messages):
