@@ -255,11 +255,7 @@ def _signature(module, st: _State, args, kwargs):
     for x in leaves:
         if isinstance(x, torch.Tensor):
             if x.device != st.device:
-                raise AutoshardError(
-                    f"an input tensor is on {x.device} but this rank's mesh device is "
-                    f"{st.device}; move inputs with .to({str(st.device)!r}) before calling "
-                    "the model"
-                )
+                _refuse_device(args, kwargs, st.device)
             parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
         elif state.is_state(x):
             parts.append(("state", state.signature(x)))
@@ -275,6 +271,25 @@ def _signature(module, st: _State, args, kwargs):
     sync += _divides(st.config) if sync.startswith("sync") else ""
     return (str(spec), tuple(parts), module.training, torch.is_grad_enabled(), grads,
             _compat.autocast_state(st.device.type), sync, dtypes)
+
+
+def _refuse_device(args, kwargs, device) -> None:
+    """Name the first input tensor not on this rank's mesh ``device``; on the meta device,
+    say that it holds no values."""
+    from autoshard.capture import input_names
+
+    name, x = next((n, x) for n, x in input_names(args, kwargs)
+                   if isinstance(x, torch.Tensor) and x.device != device)
+    what = f"input {name} ({str(x.dtype).replace('torch.', '')}{list(x.shape)})"
+    if x.device.type == "meta":
+        raise AutoshardError(
+            f"{what} is on the meta device: a meta tensor has a shape but no values, so no "
+            f"step can run on it. Pass a tensor with values on this rank's mesh device "
+            f"({device}) (a meta-device model is materialised by autoshard(); its inputs "
+            "are not)")
+    raise AutoshardError(
+        f"{what} is on {x.device} but this rank's mesh device is {device}; move inputs "
+        f"with .to({str(device)!r}) before calling the model")
 
 
 def _compile_for(module, st: _State, args, kwargs, key, *, sharded: bool) -> Program:

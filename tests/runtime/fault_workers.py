@@ -211,6 +211,10 @@ def message_worker(rank, world, cases):
                 r["after"] = _outcome(lambda: _step(model, 4))
             finally:
                 Program.run = run
+        elif case == "meta_input":
+            model = _model()
+            r["error"] = _outcome(lambda: model(torch.randn(4, 8, device="meta")))
+            r["after"] = _outcome(lambda: _step(model, 4))
         elif case == "group_timeouts":  # the group autoshard makes waits Config.timeout
             from torch.distributed.device_mesh import init_device_mesh
 

@@ -60,7 +60,8 @@ def test_a_timeout_is_reported_as_the_process_groups_own(where):
     assert live["group_timeout"] == 3.0 and live["seconds"] < 30
 
 
-MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", "group_timeouts"]
+MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", "meta_input",
+            "group_timeouts"]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +101,13 @@ def test_an_input_of_a_dtype_the_model_cannot_take_fails_at_capture(messages):
         assert "mat1 int64" in msg and "the call's input args[0] int64[4, 8]" in msg
         assert "fault_workers.py" in msg and "self.a(x)" in msg  # the source line
         assert r["ran"] == 0  # no program ran: none of the step's collectives was issued
+        assert r["after"] == "ok"
+
+
+def test_an_input_on_the_meta_device_is_named(messages):
+    for r in messages["meta_input"]:
+        assert r["error"].startswith("input args[0] (float32[4, 8]) is on the meta device"), \
+            r["error"]
         assert r["after"] == "ok"
 
 
