@@ -168,6 +168,51 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+def _loss(model, x):
+    return model(x).pow(2).mean()
+
+
+def _grads(model) -> dict:
+    """The full gradient of every parameter (a sharded model's gathered from its shards)."""
+    return {f: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for f, p in model.named_parameters()}
+
+
+def _same_as_eager(rank, world, xs, models=1):
+    """``models`` sharded models trained interleaved (each forward, then one backward of
+    their summed losses, then each optimizer) on this rank's ``xs[step][rank]``, and eager
+    copies on the whole batch: each rank's losses, and whether gradients and parameters equal
+    eager's (NaN where eager's are NaN)."""
+    eager, sharded = [], []
+    for k in range(models):
+        torch.manual_seed(k)
+        eager.append(Net())
+        torch.manual_seed(k)
+        sharded.append(autoshard(Net(), config=Config(policy="module",
+                                                      module_classes=["Linear"])))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in eager + sharded]
+    out = {"losses": [], "eager_losses": [], "equal": True}
+    for batch in xs:
+        losses = [_loss(m, batch[rank]) for m in sharded]
+        sum(losses).backward()
+        eager_losses = [_loss(m, torch.cat(batch)) for m in eager]
+        sum(eager_losses).backward()
+        for e, s in zip(eager, sharded):
+            got = _grads(s)
+            for f, g in _grads(e).items():
+                out["equal"] &= torch.allclose(got[f], g, atol=1e-6, equal_nan=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        out["losses"].append([t.item() for t in losses])
+        out["eager_losses"].append([t.item() for t in eager_losses])
+    for e, s in zip(eager, sharded):
+        full = s.full_state_dict()
+        out["equal"] &= all(torch.allclose(full[k], v, atol=1e-6, equal_nan=True)
+                            for k, v in e.state_dict().items())
+    return out
+
+
 def message_worker(rank, world, cases):
     """Mistakes named by their real cause, and inputs trained as eager trains them; each case
     leaves the process group intact for the next."""
@@ -211,9 +256,38 @@ def message_worker(rank, world, cases):
                 r["after"] = _outcome(lambda: _step(model, 4))
             finally:
                 Program.run = run
+        elif case == "nan_inputs":  # a NaN on rank 0, an infinity on rank 1, then clean
+            x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r))
+                 for r in range(world)]
+            bad = [t.clone() for t in x]
+            bad[0][0, 0], bad[-1][1, 3] = float("nan"), float("inf")
+            r.update(_same_as_eager(rank, world, [bad, x]))
+        elif case == "empty_batch":  # every rank's batch holds no row, then a full one
+            x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r))
+                 for r in range(world)]
+            r.update(_same_as_eager(rank, world, [[t[:0] for t in x], x]))
         elif case == "meta_input":
             model = _model()
             r["error"] = _outcome(lambda: model(torch.randn(4, 8, device="meta")))
+            r["after"] = _outcome(lambda: _step(model, 4))
+        elif case == "two_models":
+            x = [[torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + r))
+                  for r in range(world)] for s in range(3)]
+            r.update(_same_as_eager(rank, world, x, models=2))
+        elif case == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(Net())
+            inner = list(ddp.module.parameters())
+            try:
+                autoshard(ddp)
+                r["error"] = "ok"
+            except ValueError as e:
+                r["error"] = str(e)
+            r["untouched"] = (type(ddp) is DistributedDataParallel
+                              and all(a is b for a, b in zip(ddp.module.parameters(), inner))
+                              and not any(isinstance(p, DTensor) for p in inner))
+            model = autoshard(ddp.module)  # what the error says to do
             r["after"] = _outcome(lambda: _step(model, 4))
         elif case == "group_timeouts":  # the group autoshard makes waits Config.timeout
             from torch.distributed.device_mesh import init_device_mesh
@@ -224,3 +298,25 @@ def message_worker(rank, world, cases):
             model = autoshard(Net(), mesh=mesh, config=Config(timeout=7))
             r["agreement"] = _compat.group_timeout_s(model._autoshard.agreement.group, "cpu")
     return out
+
+
+def sigterm_main():
+    """Run under torchrun (``torchrun --nproc-per-node 2 fault_workers.py``): after a step,
+    rank 1 gets SIGTERM; rank 0 runs the next step and prints what it saw."""
+    import os
+    import signal
+    import sys
+
+    rank = int(os.environ["RANK"])
+    model = _model(timeout=20)
+    _step(model, 4)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    t0 = time.monotonic()
+    err = _outcome(lambda: _step(model, 4))
+    print(f"rank {rank} after {time.monotonic() - t0:.1f} s: {err}", flush=True)
+    sys.exit(0 if err == "ok" else 1)
+
+
+if __name__ == "__main__":
+    sigterm_main()

@@ -1,6 +1,9 @@
 """Faults across ranks end in an AutoshardError on every live rank, naming what went wrong;
 no process aborts (gloo, world size 2)."""
 
+import math
+import re
+
 import pytest
 
 from fault_workers import fault_worker, hang_worker, message_worker
@@ -60,8 +63,8 @@ def test_a_timeout_is_reported_as_the_process_groups_own(where):
     assert live["group_timeout"] == 3.0 and live["seconds"] < 30
 
 
-MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", "meta_input",
-            "group_timeouts"]
+MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", "nan_inputs",
+            "empty_batch", "meta_input", "two_models", "ddp", "group_timeouts"]
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +107,19 @@ def test_an_input_of_a_dtype_the_model_cannot_take_fails_at_capture(messages):
         assert r["after"] == "ok"
 
 
+def test_nan_and_inf_inputs_train_as_eager_does(messages):
+    r0, r1 = messages["nan_inputs"]
+    assert r0["equal"] and r1["equal"]  # gradients and parameters, NaN where eager's are
+    assert math.isnan(r0["losses"][0][0]) and math.isnan(r0["eager_losses"][0][0])
+    assert all(math.isnan(x) for r in (r0, r1) for x in r["losses"][1] + r["eager_losses"][1])
+
+
+def test_an_empty_batch_trains_as_eager_does(messages):
+    for r in messages["empty_batch"]:
+        assert r["equal"]  # zero gradients, then the next batch as eager
+        assert math.isnan(r["losses"][0][0]) and math.isnan(r["eager_losses"][0][0])
+
+
 def test_an_input_on_the_meta_device_is_named(messages):
     for r in messages["meta_input"]:
         assert r["error"].startswith("input args[0] (float32[4, 8]) is on the meta device"), \
@@ -111,7 +127,48 @@ def test_an_input_on_the_meta_device_is_named(messages):
         assert r["after"] == "ok"
 
 
+def test_two_sharded_models_train_interleaved_as_eager(messages):
+    for r in messages["two_models"]:
+        assert r["equal"]
+        assert len(r["losses"]) == 3 and len(r["losses"][0]) == 2
+
+
+def test_a_model_wrapped_in_ddp_is_refused_naming_ddp(messages):
+    for r in messages["ddp"]:
+        assert "is already distributed by DistributedDataParallel" in r["error"], r["error"]
+        assert "pass the wrapped module (ddp.module) to autoshard()" in r["error"]
+        assert r["untouched"] and r["after"] == "ok"
+
+
 def test_the_groups_autoshard_creates_wait_config_timeout(messages):
     """The agreement's own gloo group (here for a 2-D mesh) and, in the hang tests above,
     the default group autoshard makes from a torchrun environment."""
     assert [r["agreement"] for r in messages["group_timeouts"]] == [7.0, 7.0]
+
+
+def test_sigterm_to_one_rank_under_torchrun():
+    """torchrun stops every rank when one fails, and exits naming it;
+    the live rank, reaching the next step first, names the lost peer. Polling its workers
+    every 2 s (default 0.1 s) makes the live rank's error reach the output surely."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([root, os.path.dirname(here), here]))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "--monitor-interval", "2",
+                          os.path.join(here, "fault_workers.py")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert "rank 0 after" in text and "rank 0, step 2: no answer from peer ranks [1]" in text, \
+        text
+    # torchrun's report: rank 1 stopped by the signal (the root cause, or rank 0 if its own
+    # exit was observed in the same second)
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -15", text), text
+    assert "Signal 15 (SIGTERM) received by PID" in text, text
+    waited = float(re.search(r"rank 0 after ([\d.]+) s", text).group(1))
+    assert waited < 20  # the lost connection, not the 20 s timeout
