@@ -83,7 +83,8 @@ def load(path, model: torch.nn.Module, optimizer=None) -> None:
     if doc is not None and optimizer is not None and "optim" not in doc["contents"]:
         raise AutoshardError(f"{path} holds no optimizer state (it was saved without an "
                              "optimizer); load it without one, or save with the optimizer")
-    agreement(f"load checkpoint {path}", doc["data"] if doc else "plain DCP")
+    agreement("load of a checkpoint", f"{path}: {doc['data'] if doc else 'plain DCP'}",
+              explain=lambda seen: commit.differ("load of a checkpoint", seen))
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                  _state(model, optimizer))
     outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,

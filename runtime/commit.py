@@ -64,7 +64,7 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     folder."""
     path = os.path.abspath(os.fspath(path))
     found = state(path, marker, other_markers)
-    agreement(f"{what} to {path}", found)
+    agreement(what, f"to {path}: {found}", explain=lambda seen: differ(what, seen))
     if found not in ("free", "complete", "interrupted"):
         raise AutoshardError(f"cannot write the {what} to {path}: it is {found}, not an "
                              f"autoshard {what}. Choose a new path, or remove it first.")
@@ -86,6 +86,15 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     if agreement.rank == 0:
         _sweep(path, keep=os.path.basename(folder))
     return folder
+
+
+def differ(what: str, seen: list) -> str:
+    """The error when the ranks are all at a ``what`` but name different paths (or see
+    different things there)."""
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(seen))
+    return (f"the ranks called the {what} with different paths, or see different things at "
+            f"the path (nothing was written):\n{lines}\nEvery rank must pass the same path, "
+            "on a file system every rank sees (a shared directory)")
 
 
 def read_marker(path, marker: str, what: str, fields: dict) -> dict:
@@ -272,9 +281,9 @@ def check_format(doc: dict, where: str, fmt: str, reads: tuple, what: str) -> No
             f"version{'s' if len(reads) > 1 else ''} {', '.join(map(str, reads))}. Load it "
             f"with the autoshard that wrote it, or write the {what} again with this one.")
     mine = {"torch": torch.__version__, "autoshard": version()}
-    differ = [f"{k} {doc[k]} (this process: {mine[k]})" for k in mine if doc[k] != mine[k]]
-    if differ:
-        warnings.warn(f"{where} was written by {', '.join(differ)}; its format version "
+    changed = [f"{k} {doc[k]} (this process: {mine[k]})" for k in mine if doc[k] != mine[k]]
+    if changed:
+        warnings.warn(f"{where} was written by {', '.join(changed)}; its format version "
                       f"{doc['version']} is one this autoshard reads, so it loads",
                       stacklevel=3)
 

@@ -359,7 +359,8 @@ def export(model, path, *, inference: bool = True) -> None:
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
     found = commit.state(path, MANIFEST, ("checkpoint.json",))
-    st.agreement("export", f"to {path}: {found}")
+    st.agreement("export", f"to {path}: {found}",
+                 explain=lambda seen: commit.differ("export", seen))
     if found not in ("free", "complete", "interrupted"):
         raise AutoshardError(f"cannot export to {path}: it is {found}, not an export; choose "
                              "a new path or remove it first")

@@ -141,6 +141,7 @@ def failed_write_worker(rank, world, root):
         f.write("not a directory")
     out["unwritable"] = _outcome(lambda: autoshard.save(f"{root}/afile/ck", model, opt))
     out["foreign"] = _outcome(lambda: autoshard.save(root, model, opt))
+    out["paths"] = _outcome(lambda: autoshard.save(f"{root}/ck{rank}", model, opt))
     out["listing"] = sorted(os.listdir(f"{root}/ck"))
     fresh, fresh_opt = model_and_optimizer()
     out["kept"] = _outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", fresh, fresh_opt))

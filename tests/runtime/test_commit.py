@@ -120,6 +120,13 @@ def test_an_unwritable_or_foreign_path_is_refused_as_an_exception(failed):
         assert "a directory holding other files" in failed[rank]["foreign"]
 
 
+def test_ranks_given_different_paths_are_named_with_their_paths(failed):
+    for rank in (0, 1):
+        msg = failed[rank]["paths"]
+        assert "the ranks called the checkpoint with different paths" in msg, msg
+        assert "rank 0: to " in msg and "ck0: free" in msg and "ck1: free" in msg, msg
+
+
 def test_after_failed_writes_the_checkpoint_loads_and_the_next_save_commits(failed):
     for rank in (0, 1):
         r = failed[rank]
