@@ -26,9 +26,10 @@ def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Config:
-    """How autoshard shards and schedules a model.
+    """How autoshard shards and schedules a model. Frozen: every field is checked once, here;
+    ``dataclasses.replace(config, field=...)`` makes a changed copy, checked again.
 
     policy: how units are chosen when ``units`` is None —
         "auto": minimise predicted step time within ``memory_budget`` (the default);
@@ -179,19 +180,19 @@ class Config:
             _flag(name, getattr(self, name))
         if isinstance(self.recompute, dict):
             _recompute_blocks(self.recompute)
+            self._set("recompute", dict(self.recompute))  # the caller's dict may change
         else:
             _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
                     " or {block path: 'keep' | 'min-cut' | 'block'}")
         if self.bucket is not None:
             _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
-        self.memory_budget = _size("memory_budget", self.memory_budget)
-        self.prefetch_bytes = _size("prefetch_bytes", self.prefetch_bytes)
-        self.bucket_bytes = _size("bucket_bytes", self.bucket_bytes)
+        for name in ("memory_budget", "prefetch_bytes", "bucket_bytes"):
+            self._set(name, _size(name, getattr(self, name)))
         _count("prefetch_depth", self.prefetch_depth, "(how many units ahead an all-gather "
                "may be issued; use prefetch=False for none)")
         _count("min_unit_numel", self.min_unit_numel, "(elements per unit of the size policy)")
         if isinstance(self.timeout, datetime.timedelta):
-            self.timeout = self.timeout.total_seconds()
+            self._set("timeout", self.timeout.total_seconds())
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
                 0 < self.timeout < float("inf")):
             raise ValueError(f"Config.timeout must be a positive number of seconds or a "
@@ -202,7 +203,7 @@ class Config:
                 raise ValueError(f"Config.gradient_divide_factor must be a positive number "
                                  f"(each reduced gradient is the ranks' sum divided by it; 1.0: "
                                  f"the sum) or None for the mean, got {f!r}")
-            self.gradient_divide_factor = float(f)
+            self._set("gradient_divide_factor", float(f))
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
         if self.offload_state is not None and (
@@ -235,17 +236,17 @@ class Config:
                 _one_of("device_profile", self.device_profile, tuple(PROFILES),
                         ", a DeviceProfile (autoshard.cost.calibrate()) or None")
         if self.bucket is None:
-            self.bucket = self.units is None and self.policy == "per-parameter"
+            self._set("bucket", self.units is None and self.policy == "per-parameter")
         if self.units is not None:
-            self.units = _units(self.units)
+            self._set("units", _units(self.units))
         if self.module_classes is not None:
             if isinstance(self.module_classes, (str, type)):
-                self.module_classes = [self.module_classes]
+                self._set("module_classes", [self.module_classes])
             if not all(isinstance(c, (str, type)) for c in self.module_classes):
                 raise TypeError("Config.module_classes must be a list of class names or "
                                 f"classes, got {self.module_classes!r}")
-            self.module_classes = [c if isinstance(c, str) else c.__name__
-                                   for c in self.module_classes]
+            self._set("module_classes", [c if isinstance(c, str) else c.__name__
+                                         for c in self.module_classes])
         if self.module_pattern is not None:
             if not isinstance(self.module_pattern, str):
                 raise TypeError("Config.module_pattern must be a regular expression string, "
@@ -255,6 +256,10 @@ class Config:
             except re.error as e:
                 raise ValueError(f"Config.module_pattern={self.module_pattern!r} is not a "
                                  f"valid regular expression: {e}") from None
+
+    def _set(self, name: str, value) -> None:
+        """Store a normalised value while ``__post_init__`` checks the fields."""
+        object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict:
         """Plain JSON data (an export's record of how it was planned); ``from_dict`` reads it.
@@ -299,6 +304,18 @@ class Config:
 
             d["device_profile"] = DeviceProfile(**prof)
         return cls(**d)
+
+
+def _frozen(self, name: str, value=None):
+    raise dataclasses.FrozenInstanceError(
+        f"Config is frozen: Config.{name} cannot change after Config(...) checked it; make a "
+        f"changed copy with dataclasses.replace(config, {name}=...)")
+
+
+# dataclass(frozen=True) writes these itself, so the message that says how to change a field
+# replaces them after the class is built
+Config.__setattr__ = _frozen
+Config.__delattr__ = _frozen
 
 
 def _dtype_name(dtype):

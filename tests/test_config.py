@@ -1,5 +1,6 @@
 """Every Config field refuses nonsense with a message naming the field and what it accepts."""
 
+import dataclasses
 import datetime
 
 import pytest
@@ -66,8 +67,6 @@ def test_bad_field_is_named_with_what_it_accepts(kwargs, exc, message):
 
 
 def test_every_field_is_covered():
-    import dataclasses
-
     covered = {next(iter(k)) for k, _, _ in BAD}
     assert covered == {f.name for f in dataclasses.fields(Config)}
 
@@ -77,3 +76,26 @@ def test_good_values_are_normalised():
                module_classes=[Config], units=[("a", "b")])
     assert c.memory_budget == 2 * 2**30 and c.timeout == 120.0
     assert c.module_classes == ["Config"] and c.units == [["a", "b"]]
+
+
+def test_fields_cannot_change_after_construction():
+    c = Config(policy="module")
+    for field in dataclasses.fields(Config):
+        with pytest.raises(dataclasses.FrozenInstanceError) as info:
+            setattr(c, field.name, getattr(c, field.name))
+        assert (f"Config is frozen: Config.{field.name} cannot change" in str(info.value)
+                and f"dataclasses.replace(config, {field.name}=...)" in str(info.value))
+    with pytest.raises(dataclasses.FrozenInstanceError, match="Config is frozen"):
+        del c.policy
+    assert c.policy == "module"
+    # a changed copy is checked as a new Config is
+    assert dataclasses.replace(c, policy="size").policy == "size"
+    with pytest.raises(ValueError, match="Config.policy='bogus' is not accepted"):
+        dataclasses.replace(c, policy="bogus")
+
+
+def test_a_recompute_dict_is_copied():
+    modes = {"blocks.0": "block"}
+    c = Config(recompute=modes)
+    modes["blocks.0"] = "bogus"
+    assert c.recompute == {"blocks.0": "block"}
