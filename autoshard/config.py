@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import numbers
 import re
+import sys
 from typing import Optional, Sequence, Union
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
@@ -12,18 +14,33 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+INT64_MAX = 2**63 - 1  # the largest size or count torch (and C++) can hold: 8 EiB as bytes
+# the longest Config.timeout: a week, far below what gloo's and NCCL's timers can hold
+# (gloo refuses about 9.2e12 s, where its microseconds pass an int64's range)
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
-def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
-    """``80GiB``, ``1.5e9``, ``512MB`` or an int -> bytes."""
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value)
-    m = re.fullmatch(r"\s*([\d.]+(?:e\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {value!r} as a size; write e.g. 80GiB, 512MB or 1e9")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def parse_bytes(value: Union[int, float, str, None], name: str = "size") -> Optional[int]:
+    """``80GiB``, ``1.5e9``, ``512MB`` or an int -> bytes (None stays None). A size is
+    positive, finite and at most ``INT64_MAX`` bytes; ``name`` (e.g. "Config.memory_budget") is
+    what an error calls the value."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a size such as 512MiB or 1e9, got {value!r}")
+    if isinstance(value, numbers.Real):
+        number = value
+    else:
+        m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*",
+                         str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}: cannot read {value!r} as a size; write e.g. 80GiB, "
+                             "512MB or 1e9")
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not 1 <= number <= INT64_MAX:  # NaN compares False, infinity too large
+        raise ValueError(f"{name}={value!r} must be positive and finite, from 1 byte to "
+                         f"2**63 - 1 bytes (8 EiB): a size such as 512MiB")
+    return int(number)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +146,9 @@ class Config:
         the division (by the factor, or by the ranks for the mean) is a step of its own.
     timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
         collective before autoshard raises an error naming it: the timeout of the process
-        group autoshard creates when there is none (default 300 s; torch's own default is
-        30 minutes); ranks still get 10 minutes to start and meet. A group you created
-        keeps the timeout you gave it.
+        group autoshard creates when there is none (default 300 s, at most a week; torch's
+        own default is 30 minutes); ranks still get 10 minutes to start and meet. A group
+        you created keeps the timeout you gave it.
     """
 
     policy: str = "auto"
@@ -194,12 +211,14 @@ class Config:
         if isinstance(self.timeout, datetime.timedelta):
             self._set("timeout", self.timeout.total_seconds())
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
-                0 < self.timeout < float("inf")):
-            raise ValueError(f"Config.timeout must be a positive number of seconds or a "
-                             f"datetime.timedelta, got {self.timeout!r}")
+                0 < self.timeout <= MAX_TIMEOUT_S):
+            raise ValueError(f"Config.timeout must be a positive number of seconds, at most "
+                             f"{MAX_TIMEOUT_S} (a week), or a datetime.timedelta of that, got "
+                             f"{self.timeout!r}")
         f = self.gradient_divide_factor
         if f is not None:
-            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < float("inf"):
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not (
+                    0 < f <= sys.float_info.max):  # finite, as a float
                 raise ValueError(f"Config.gradient_divide_factor must be a positive number "
                                  f"(each reduced gradient is the ranks' sum divided by it; 1.0: "
                                  f"the sum) or None for the mean, got {f!r}")
@@ -380,8 +399,9 @@ def _flag(name: str, value, more: str = "") -> None:
 
 
 def _count(name: str, value, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Config.{name} must be a positive int {what}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
+        raise ValueError(f"Config.{name} must be a positive int {what}, at most 2**63 - 1, "
+                         f"got {value!r}")
 
 
 def _size(name: str, value) -> Optional[int]:
@@ -390,13 +410,9 @@ def _size(name: str, value) -> Optional[int]:
         raise TypeError(f"Config.{name} must be a size such as 512MiB or 1e9, or None for "
                         f"the default, got {value!r}")
     try:
-        out = parse_bytes(value)
+        return parse_bytes(value, f"Config.{name}")
     except ValueError as e:
-        raise ValueError(f"Config.{name}: {e}") from None
-    if out is not None and out <= 0:
-        raise ValueError(f"Config.{name}={value!r} must be positive (a size such as 512MiB), "
-                         "or None for the default")
-    return out
+        raise ValueError(f"{e}, or None for the default") from None
 
 
 def _units(units) -> list:

@@ -243,7 +243,7 @@ class Plan:
         if "memory" not in self.symbolic:
             raise ValueError("this plan has no symbolic memory; make it with "
                              "autoshard.plan(..., make_inputs=fn) to fit one")
-        budget = parse_bytes(memory_budget) or self.memory_budget
+        budget = parse_bytes(memory_budget, "memory_budget") or self.memory_budget
         batch, seq = sympy.symbols("batch seq", positive=True)
         expr = sympy.sympify(self.symbolic["memory"], locals={"batch": batch, "seq": seq})
         expr = expr.subs(seq, seq_len if seq_len is not None else self.symbolic["seq_at"])

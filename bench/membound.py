@@ -185,7 +185,7 @@ def _rank(rank, world, args, store, out_path):
     t_start = time.perf_counter()
     ddp_peak, ddp_err = _trial("ddp", args, args.ref_batch, None, device, rank)
     if args.budget:
-        budget = parse_bytes(args.budget)
+        budget = parse_bytes(args.budget, "--budget")
     elif ddp_peak is None:
         raise RuntimeError(f"DDP failed at the reference batch: {ddp_err}")
     else:

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from autoshard import Config
+from autoshard.config import parse_bytes
 
 BAD = [
     ({"policy": "blocks"}, ValueError, "Config.policy='blocks' is not accepted; use one of 'auto'"),
@@ -16,22 +17,36 @@ BAD = [
     ({"units": [["a"], ["b", "a"]]}, ValueError, "'a' is in units[0] and units[1]"),
     ({"memory_budget": 0}, ValueError, "Config.memory_budget=0 must be positive"),
     ({"memory_budget": "lots"}, ValueError, "Config.memory_budget: cannot read 'lots'"),
+    ({"memory_budget": float("inf")}, ValueError, "Config.memory_budget=inf must be positive and "
+                                                  "finite, from 1 byte to 2**63 - 1 bytes"),
+    ({"memory_budget": float("nan")}, ValueError, "Config.memory_budget=nan must be positive"),
+    ({"memory_budget": "1e400GiB"}, ValueError, "Config.memory_budget='1e400GiB' must be"),
+    ({"memory_budget": 1e300}, ValueError, "Config.memory_budget=1e+300 must be positive and "
+                                           "finite, from 1 byte to 2**63 - 1 bytes"),
     ({"device_profile": "tpu"}, ValueError, "Config.device_profile='tpu' is not accepted"),
     ({"optimizer": "lion"}, ValueError, "Config.optimizer='lion' is not accepted"),
     ({"module_classes": [3]}, TypeError, "Config.module_classes must be a list of class"),
     ({"module_pattern": "blocks.("}, ValueError, "Config.module_pattern='blocks.(' is not a "
                                                  "valid regular expression"),
     ({"min_unit_numel": 0}, ValueError, "Config.min_unit_numel must be a positive int"),
+    ({"min_unit_numel": 2**63}, ValueError, "Config.min_unit_numel must be a positive int "
+                                            "(elements per unit of the size policy), at most"),
     ({"reshard_after_forward": 1}, ValueError, "Config.reshard_after_forward=1 is not accepted"),
     ({"bucket": "yes"}, TypeError, "Config.bucket must be True or False"),
     ({"bucket_bytes": -5}, ValueError, "Config.bucket_bytes=-5 must be positive"),
+    ({"bucket_bytes": float("nan")}, ValueError, "Config.bucket_bytes=nan must be positive"),
     ({"prefetch": "no"}, TypeError, "Config.prefetch must be True or False, got 'no'"),
     ({"recompute": 1}, ValueError, "Config.recompute=1 is not accepted; use one of True, "
                                    "False, 'blocks', 'auto'"),
     ({"prefetch_bytes": 0}, ValueError, "Config.prefetch_bytes=0 must be positive"),
+    ({"prefetch_bytes": float("inf")}, ValueError, "Config.prefetch_bytes=inf must be positive"),
     ({"prefetch_depth": -3}, ValueError, "Config.prefetch_depth must be a positive int"),
+    ({"prefetch_depth": 10**20}, ValueError, "Config.prefetch_depth must be a positive int"),
     ({"verify": None}, TypeError, "Config.verify must be True or False"),
     ({"timeout": 0}, ValueError, "Config.timeout must be a positive number of seconds"),
+    ({"timeout": 1e300}, ValueError, "Config.timeout must be a positive number of seconds, at "
+                                     "most 604800 (a week)"),
+    ({"timeout": datetime.timedelta(days=10**6)}, ValueError, "at most 604800 (a week)"),
     ({"mp_policy": "bf16"}, TypeError, "Config.mp_policy must be a torch.distributed.fsdp."
                                        "MixedPrecisionPolicy"),
     ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError,
@@ -53,6 +68,7 @@ BAD = [
     ({"gradient_divide_factor": 0}, ValueError, "Config.gradient_divide_factor must be a "
                                                 "positive number"),
     ({"gradient_divide_factor": True}, ValueError, "Config.gradient_divide_factor must be"),
+    ({"gradient_divide_factor": 10**400}, ValueError, "Config.gradient_divide_factor must be"),
     ({"force_sum_reduction_for_comms": None}, TypeError,
      "Config.force_sum_reduction_for_comms must be True or False"),
 ]
@@ -76,6 +92,16 @@ def test_good_values_are_normalised():
                module_classes=[Config], units=[("a", "b")])
     assert c.memory_budget == 2 * 2**30 and c.timeout == 120.0
     assert c.module_classes == ["Config"] and c.units == [["a", "b"]]
+    assert Config(timeout=datetime.timedelta(days=7)).timeout == 604800.0
+    assert Config(bucket_bytes="1.5e3KiB", prefetch_bytes=".5GiB").bucket_bytes == 1536000
+    assert Config(prefetch_bytes=".5GiB", min_unit_numel=2**63 - 1).prefetch_bytes == 2**29
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -5, 0.5,
+                                   "1e400", "-1GiB", "nanGiB", 2**63])
+def test_parse_bytes_refuses_what_is_no_size_naming_it(value):
+    with pytest.raises(ValueError, match=r"^--budget"):
+        parse_bytes(value, "--budget")
 
 
 def test_fields_cannot_change_after_construction():
