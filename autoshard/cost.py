@@ -14,6 +14,8 @@ Plain data and small functions, so a plan can be costed for any device on any ma
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import sys
 import time
 from typing import Optional
 
@@ -21,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
+from autoshard.config import INT64_MAX
 from autoshard.graph import _aliased_arg
 
 
@@ -45,9 +48,40 @@ class DeviceProfile:
     host_bandwidth: float = 0.0
     source: str = ""
 
+    def __post_init__(self):
+        """Refuse numbers no device has: a zero rate divides by zero in the cost model, and
+        an infinite one or a fraction outside its range predicts nonsense."""
+        for field in ("name", "source"):
+            if not isinstance(getattr(self, field), str):
+                raise TypeError(f"DeviceProfile.{field} must be a str, got "
+                                f"{getattr(self, field)!r}")
+        for field, (ok, what) in _PROFILE_NUMBERS.items():
+            value = getattr(self, field)
+            # NaN fails every comparison, so each check refuses it
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+                raise ValueError(f"DeviceProfile({self.name!r}).{field}={value!r} is not "
+                                 f"accepted: it must be {what}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+_BIG = sys.float_info.max  # the largest finite float: a larger number overflows the model
+# each number of a DeviceProfile: (whether a value is accepted, what it must be)
+_PROFILE_NUMBERS = {
+    "matmul_flops": (lambda v: 0 < v <= _BIG, "a positive, finite number of FLOP/s"),
+    "mem_bandwidth": (lambda v: 0 < v <= _BIG, "a positive, finite number of bytes/s"),
+    "alpha": (lambda v: 0 <= v <= _BIG,
+              "a finite number of seconds per collective step, 0 or more"),
+    "beta": (lambda v: 0 <= v <= _BIG, "a finite number of seconds per byte, 0 or more"),
+    "memory": (lambda v: 0 < v <= INT64_MAX, "a positive number of bytes, at most 2**63 - 1"),
+    "efficiency": (lambda v: 0 < v <= 1, "a fraction of the peak FLOP/s above 0 and at most 1"),
+    "collective_scratch": (lambda v: 0 <= v <= _BIG,
+                           "a finite fraction of a collective's buffer, 0 or more"),
+    "comm_overlap": (lambda v: 0 <= v <= 1, "a fraction of a collective's time from 0 to 1"),
+    "host_bandwidth": (lambda v: 0 <= v <= _BIG,
+                       "a finite number of bytes/s, 0 or more (0: the host is the device)"),
+}
 
 GiB = 2**30
 
@@ -81,7 +115,7 @@ PROFILES = {
 def get_profile(profile) -> DeviceProfile:
     if isinstance(profile, DeviceProfile):
         return profile
-    if profile not in PROFILES:
+    if not isinstance(profile, str) or profile not in PROFILES:
         raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}, "
                          "or pass autoshard.cost.calibrate()")
     return PROFILES[profile]

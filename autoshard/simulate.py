@@ -277,7 +277,7 @@ def activations(joint: fx.GraphModule) -> tuple:
     plan."""
     from autoshard.graph import param_derived
 
-    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 0), 0)
+    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1), 0)  # counts bytes, not time
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:
         if meta.is_tangent(n):

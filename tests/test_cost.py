@@ -1,9 +1,11 @@
+import dataclasses
 import json
 
+import pytest
 import torch
 
 import autoshard
-from autoshard.cost import PROFILES, calibrate, collective_time, node_time
+from autoshard.cost import PROFILES, calibrate, collective_time, get_profile, node_time
 from autoshard.models import GPT
 
 
@@ -28,6 +30,34 @@ def test_ring_collective_time():
 def test_profiles_cite_their_sources():
     for p in PROFILES.values():
         assert p.source and p.matmul_flops > 0 and p.memory > 0
+
+
+NONSENSE = [("matmul_flops", 0), ("mem_bandwidth", -1.0), ("mem_bandwidth", float("inf")),
+            ("alpha", float("nan")), ("beta", -1e-9), ("memory", 0), ("memory", 2**63),
+            ("efficiency", 0.0), ("efficiency", 1.5), ("comm_overlap", -0.1),
+            ("comm_overlap", 2.0), ("collective_scratch", float("inf")),
+            ("host_bandwidth", -1), ("matmul_flops", 10**400), ("memory", True)]
+
+
+@pytest.mark.parametrize("field,value", NONSENSE, ids=[f"{f}={v!r}"[:40] for f, v in NONSENSE])
+def test_a_nonsense_profile_is_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(PROFILES["h100"], name="mine", **{field: value})
+    assert f"DeviceProfile('mine').{field}={value!r} is not accepted: it must be" in str(
+        info.value)
+    with pytest.raises(ValueError, match=f"DeviceProfile\\('mine'\\).{field}="):
+        autoshard.Config.from_dict({"device_profile": dict(PROFILES["h100"].to_dict(),
+                                                           name="mine", **{field: value})})
+
+
+def test_edge_profiles_are_accepted_and_unknown_names_list_the_known():
+    free = dataclasses.replace(PROFILES["cpu"], alpha=0.0, beta=0.0, efficiency=1.0,
+                               comm_overlap=0.0, host_bandwidth=0.0, collective_scratch=0.0)
+    assert get_profile(free) is free
+    with pytest.raises(ValueError, match="unknown device profile 'tpu'; known: h100, a100, cpu"):
+        get_profile("tpu")
+    with pytest.raises(ValueError, match="unknown device profile"):
+        get_profile(["h100"])  # not a name: no TypeError about hashing
 
 
 def test_calibrate_measures_this_machine():
