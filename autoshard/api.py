@@ -15,7 +15,7 @@ from autoshard.capture import capture, flat_inputs
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat, depth, hooks, meta, state
-from autoshard.config import offloads
+from autoshard.config import check_names, offloads
 from autoshard.cost import get_profile
 from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
 from autoshard.spec import param_specs
@@ -772,6 +772,9 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
     if example_inputs is None:
         raise ValueError("plan() needs example_inputs, or make_inputs with batch and seq")
     config = config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
+    check_names(config, model)
     device = torch.device(device)
 
     def one(inputs, cfg):
@@ -970,6 +973,7 @@ def autoshard(
     config = config if config is not None else Config()
     if not isinstance(config, Config):
         raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
+    check_names(config, model)
     mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
     _dist.check_mesh(mesh, config.partial_mesh)
     device = _dist.mesh_device(mesh)

@@ -46,7 +46,9 @@ def parse_bytes(value: Union[int, float, str, None], name: str = "size") -> Opti
 @dataclasses.dataclass(frozen=True)
 class Config:
     """How autoshard shards and schedules a model. Frozen: every field is checked once, here;
-    ``dataclasses.replace(config, field=...)`` makes a changed copy, checked again.
+    ``dataclasses.replace(config, field=...)`` makes a changed copy, checked again. The names
+    it gives (module classes, a module pattern, units' parameters, recompute's blocks) are
+    checked against the model by ``autoshard()`` and ``plan()`` (``check_names``).
 
     policy: how units are chosen when ``units`` is None —
         "auto": minimise predicted step time within ``memory_budget`` (the default);
@@ -435,3 +437,60 @@ def _units(units) -> list:
             seen[f] = i
         out.append(list(u))
     return out
+
+
+def check_names(config: Config, model) -> None:
+    """Every name ``config`` gives must name something of ``model``: a module class in
+    ``module_classes``, a module path ``module_pattern`` matches, each parameter FQN of
+    ``units`` and each block path of a ``recompute`` dict. ``Config`` cannot check these
+    alone; a name that matches nothing would otherwise be ignored silently. ValueError lists
+    what the model has, and the close matches."""
+    owner = type(model).__name__
+    modules = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if p]
+    paths = [p for p, _ in modules]
+    if config.module_classes:
+        present = list(dict.fromkeys(type(m).__name__ for _, m in modules))
+        for name in config.module_classes:
+            if name not in present:
+                raise ValueError(f"Config.module_classes names {name!r}, but no submodule of "
+                                 f"{owner} is of that class; "
+                                 + _known(name, present, "its classes"))
+    if config.module_pattern is not None:
+        rx = re.compile(config.module_pattern)
+        if not any(rx.fullmatch(p) for p in paths):
+            raise ValueError(f"Config.module_pattern={config.module_pattern!r} matches no "
+                             f"module path of {owner} whole (re.fullmatch); "
+                             + _known(config.module_pattern, paths, "its module paths"))
+    if config.units is not None:
+        fqns = [f for f, _ in model.named_parameters(remove_duplicate=False)]
+        known = set(fqns)
+        for i, unit in enumerate(config.units):
+            for name in unit:
+                if name not in known:
+                    raise ValueError(f"Config.units[{i}] names {name!r}, which is not a "
+                                     f"parameter of {owner}; "
+                                     + _known(name, fqns, "its parameters"))
+    if isinstance(config.recompute, dict):
+        from autoshard.passes.units import repeated_blocks
+
+        blocks = repeated_blocks(model)
+        known = set(paths)
+        for path in config.recompute:
+            if path not in known:
+                raise ValueError(
+                    f"Config.recompute names block {path!r}, which is not a module of "
+                    f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks
+                                          else "its modules", shown=blocks or paths))
+
+
+def _known(name: str, names: list, what: str, shown: Optional[list] = None,
+           limit: int = 12) -> str:
+    """``what: a, b, ...``: the first ``limit`` of ``shown`` (default ``names``), then the
+    close matches to ``name`` among ``names``."""
+    import difflib
+
+    shown = names if shown is None else shown
+    more = f", ... ({len(shown) - limit} more)" if len(shown) > limit else ""
+    out = f"{what}: {', '.join(shown[:limit]) or 'none'}{more}"
+    close = difflib.get_close_matches(name, names, n=3)
+    return out + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")

@@ -125,3 +125,15 @@ def test_a_recompute_dict_is_copied():
     c = Config(recompute=modes)
     modes["blocks.0"] = "bogus"
     assert c.recompute == {"blocks.0": "block"}
+
+
+def test_plan_refuses_names_that_match_nothing():
+    from autoshard import plan
+    from autoshard.models import GPT
+
+    inputs = (torch.randint(0, 96, (2, 16)),)
+    with pytest.raises(ValueError, match=r"Config.module_classes names 'Blok', but no "
+                                         r"submodule of GPT .*\(did you mean 'Block'\?\)"):
+        plan(GPT(), inputs, world_size=2, config=Config(policy="module", module_classes="Blok"))
+    with pytest.raises(ValueError, match=r"its parameters: wte.weight, .*, \.\.\. \(15 more\)"):
+        plan(GPT(), inputs, world_size=2, config=Config(units=[["wte"]]))

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from autoshard import AutoshardError, autoshard, deferred_init
+from autoshard import AutoshardError, Config, autoshard, deferred_init
+from autoshard.models import GPT
 from autoshard.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
 from harness import run_ranks
@@ -578,6 +579,33 @@ def test_autosharded_submodule_is_named(mesh):
     autoshard(model[0], mesh=mesh)
     with pytest.raises(ValueError, match=r"module '0' \(ShardedLinear\) is already sharded"):
         autoshard(model, mesh=mesh)
+
+
+NAMES = [
+    ({"policy": "module", "module_classes": ["NoSuchBlock"]},
+     "Config.module_classes names 'NoSuchBlock', but no submodule of GPT is of that class; "
+     "its classes: Embedding, ModuleList, Block, LayerNorm, Linear (did you mean 'Block'?)"),
+    ({"policy": "module", "module_pattern": "layers"},
+     "Config.module_pattern='layers' matches no module path of GPT whole (re.fullmatch); its "
+     "module paths: wte, wpe, blocks, blocks.0, blocks.0.ln1,"),
+    ({"units": [["wte.weight"], ["blocks.0.attn.weight"]]},
+     "Config.units[1] names 'blocks.0.attn.weight', which is not a parameter of GPT; its "
+     "parameters: wte.weight, wpe.weight, blocks.0.ln1.weight,"),
+    ({"recompute": {"blocks.0": "keep", "blocks.9": "block"}},
+     "Config.recompute names block 'blocks.9', which is not a module of GPT; its repeated "
+     "blocks: blocks.0, blocks.1 (did you mean 'blocks.1' or 'blocks.0'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,says", NAMES, ids=[next(iter(k)) if len(k) == 1 else
+                                                    list(k)[1] for k, _ in NAMES])
+def test_config_names_that_match_nothing_are_refused_listing_what_exists(mesh, kwargs, says):
+    model = GPT()
+    snap = _snapshot(model)
+    with pytest.raises(ValueError) as e:
+        autoshard(model, mesh=mesh, config=Config(**kwargs))
+    assert says in str(e.value)
+    _assert_unchanged(model, snap)
 
 
 class Branchy(nn.Module):
