@@ -74,8 +74,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,exc,message", BAD, ids=[next(iter(k)) + "=" + repr(
-    next(iter(k.values()))) for k, _, _ in BAD])
+@pytest.mark.parametrize("kwargs,exc,message", BAD, ids=[(next(iter(k)) + "=" + repr(
+    next(iter(k.values()))))[:50] for k, _, _ in BAD])
 def test_bad_field_is_named_with_what_it_accepts(kwargs, exc, message):
     with pytest.raises(exc) as info:
         Config(**kwargs)
