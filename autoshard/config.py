@@ -6,7 +6,9 @@ import dataclasses
 import datetime
 import numbers
 import re
+import types
 import sys
+from collections.abc import Mapping
 from typing import Optional, Sequence, Union
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
@@ -197,9 +199,10 @@ class Config:
         for name in ("prefetch", "verify", "partial_mesh", "compile",
                      "force_sum_reduction_for_comms"):
             _flag(name, getattr(self, name))
-        if isinstance(self.recompute, dict):
+        if isinstance(self.recompute, Mapping):
             _recompute_blocks(self.recompute)
-            self._set("recompute", dict(self.recompute))  # the caller's dict may change
+            # a read-only copy: the caller's dict may change, and the Config may not
+            self._set("recompute", types.MappingProxyType(dict(self.recompute)))
         else:
             _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
                     " or {block path: 'keep' | 'min-cut' | 'block'}")
@@ -266,8 +269,8 @@ class Config:
             if not all(isinstance(c, (str, type)) for c in self.module_classes):
                 raise TypeError("Config.module_classes must be a list of class names or "
                                 f"classes, got {self.module_classes!r}")
-            self._set("module_classes", [c if isinstance(c, str) else c.__name__
-                                         for c in self.module_classes])
+            self._set("module_classes", tuple(c if isinstance(c, str) else c.__name__
+                                              for c in self.module_classes))
         if self.module_pattern is not None:
             if not isinstance(self.module_pattern, str):
                 raise TypeError("Config.module_pattern must be a regular expression string, "
@@ -286,6 +289,12 @@ class Config:
         """Plain JSON data (an export's record of how it was planned); ``from_dict`` reads it.
         Policies are written by their fields, a device profile by name or by its numbers."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.units is not None:
+            d["units"] = [list(u) for u in self.units]
+        if self.module_classes is not None:
+            d["module_classes"] = list(self.module_classes)
+        if isinstance(self.recompute, types.MappingProxyType):
+            d["recompute"] = dict(self.recompute)
         mp = self.mp_policy
         if mp is not None:
             d["mp_policy"] = {"param_dtype": _dtype_name(mp.param_dtype),
@@ -435,8 +444,8 @@ def _units(units) -> list:
                 raise ValueError(f"Config.units: parameter {f!r} is in units[{seen[f]}] and "
                                  f"units[{i}]; each parameter belongs to one unit")
             seen[f] = i
-        out.append(list(u))
-    return out
+        out.append(tuple(u))
+    return tuple(out)  # tuples: a frozen Config holds nothing that changes in place
 
 
 def check_names(config: Config, model) -> None:
@@ -470,7 +479,7 @@ def check_names(config: Config, model) -> None:
                     raise ValueError(f"Config.units[{i}] names {name!r}, which is not a "
                                      f"parameter of {owner}; "
                                      + _known(name, fqns, "its parameters"))
-    if isinstance(config.recompute, dict):
+    if isinstance(config.recompute, Mapping):
         from autoshard.passes.units import repeated_blocks
 
         blocks = repeated_blocks(model)

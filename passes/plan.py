@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Mapping
 
 import torch.fx as fx
 
@@ -80,7 +81,7 @@ def recompute_choices(setting, blocks: list) -> list:
     (``first_choices``)."""
     if setting is False:
         return [("none", None)]
-    if isinstance(setting, dict):
+    if isinstance(setting, Mapping):
         return [(_label(setting, blocks), dict(setting))]
     whole = [("blocks", {b: "block" for b in blocks})] if blocks else [("min-cut", {})]
     if setting == "blocks":

@@ -91,7 +91,19 @@ def test_good_values_are_normalised():
     c = Config(memory_budget="2GiB", timeout=datetime.timedelta(minutes=2),
                module_classes=[Config], units=[("a", "b")])
     assert c.memory_budget == 2 * 2**30 and c.timeout == 120.0
-    assert c.module_classes == ["Config"] and c.units == [["a", "b"]]
+    assert c.module_classes == ("Config",) and c.units == (("a", "b"),)
+    assert c.to_dict()["units"] == [["a", "b"]] and c.to_dict()["module_classes"] == ["Config"]
+
+
+def test_nothing_a_config_holds_changes_in_place():
+    """Frozen all the way down: its lists are tuples, its recompute dict read-only."""
+    c = Config(units=[["a"]], module_classes=["Block"], recompute={"blocks.0": "block"})
+    with pytest.raises(AttributeError):
+        c.units.append(("b",))
+    with pytest.raises(TypeError):
+        c.recompute["blocks.1"] = "keep"
+    assert Config.from_dict(c.to_dict()) == c
+    assert dataclasses.replace(c, policy="module").recompute == {"blocks.0": "block"}
     assert Config(timeout=datetime.timedelta(days=7)).timeout == 604800.0
     assert Config(bucket_bytes="1.5e3KiB", prefetch_bytes=".5GiB").bucket_bytes == 1536000
     assert Config(prefetch_bytes=".5GiB", min_unit_numel=2**63 - 1).prefetch_bytes == 2**29
