@@ -344,3 +344,31 @@ def meta_skipping_inits() -> list:
              ("dirac_", "dirac_", False), ("sparse_", "sparse_", True))
     return [(init, attr, f"torch.nn.init.{public}", random) for attr, public, random in table
             if callable(getattr(init, attr, None))]
+
+
+def group_alive(group) -> bool:
+    """Whether ``group`` is a process group not destroyed yet."""
+    from torch.distributed import distributed_c10d
+
+    return group in distributed_c10d._world.pg_map
+
+
+def drop_destroyed_groups(mesh) -> None:
+    """Let a DeviceMesh drop its references to the process groups destroyed since it was made
+    (it keeps each of its groups for torch.compile, in ``_pg_registry``), so that a destroyed
+    group is freed, and its worker threads joined, while the mesh lives on."""
+    for m in (mesh, getattr(mesh, "_root_mesh", None)):  # a submesh's groups: in its root's
+        registry = getattr(m, "_pg_registry", None)
+        if isinstance(registry, dict):
+            for name, group in list(registry.items()):
+                if not group_alive(group):
+                    del registry[name]
+
+
+def collectives_in_flight() -> int:
+    """How many functional collectives (the compiled steps' all-gathers and reduce-scatters)
+    were issued and not waited for yet: a step an error interrupted leaves its own."""
+    from torch._C import _distributed_c10d
+
+    size = getattr(_distributed_c10d, "_get_work_registry_size", None)
+    return size() if size is not None else 0

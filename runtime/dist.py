@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import os
 import time
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group exists: see release_at_exit)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard import _compat
@@ -17,6 +20,13 @@ from autoshard.errors import AutoshardError
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _said_single = False
+
+# What autoshard lets go of at exit (release_at_exit), all weakly held: the process groups it
+# created, the agreements holding one, and the meshes it shards over
+_made_groups: list = []  # weakref.ref to each group
+_agreements = weakref.WeakSet()
+_meshes = weakref.WeakValueDictionary()  # id(mesh) -> mesh (a mesh hashes by value)
+_at_exit = False
 
 
 def default_mesh(timeout_s: float = 300) -> DeviceMesh:
@@ -46,6 +56,7 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
             dist.init_process_group(backend, store=_rendezvous_store(rank, world, timeout_s),
                                     rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s))
+            track(group=dist.group.WORLD)
         else:
             if not _said_single:
                 warnings.warn(
@@ -56,8 +67,65 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
                 _said_single = True
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=timeout_s))
+            track(group=dist.group.WORLD)
     device_type = "cuda" if cuda and "nccl" in str(dist.get_backend()) else "cpu"
     return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def track(*, group=None, mesh=None, agreement=None) -> None:
+    """Note a process group autoshard created, a mesh it shards over, or an agreement, for
+    ``release_at_exit`` (registered with ``atexit`` on the first call)."""
+    global _at_exit
+    if not _at_exit:
+        atexit.register(release_at_exit)
+        _at_exit = True
+    if group is not None:
+        _made_groups.append(weakref.ref(group))
+    if mesh is not None:
+        _meshes[id(mesh)] = mesh
+    if agreement is not None:
+        _agreements.add(agreement)
+
+
+def release_at_exit() -> None:
+    """Destroy the process groups autoshard created, and let go of every group destroyed by
+    then (by this or by the user), while the interpreter still runs (``atexit``).
+
+    A gloo worker thread frees what its collective held (the tensors, and the Python state
+    captured with it: the context torch keeps in thread-local state during backward) after
+    the collective completes, and freeing it takes the GIL. Once Python has begun to
+    finalise, a thread that takes the GIL is ended by ``pthread_exit``, whose unwinding
+    through the worker's C++ frames calls ``std::terminate``: the process aborts
+    ("terminate called without an active exception") although the script ended normally.
+    Freeing a group joins its worker threads; so each group is freed here, before
+    finalisation, which needs every reference to it gone: an agreement's and a mesh's
+    (``_compat.drop_destroyed_groups``), and ``torch.distributed.nn``'s, whose functions take
+    the default group as a default argument when imported after it exists (this module
+    imports it first). A group the user created is the user's to destroy
+    (``dist.destroy_process_group()`` at the end of the script, as torch asks); autoshard
+    then lets go of it here. A broken group (a timed-out peer) is freed as any other.
+
+    Nothing is freed while a collective of a step is still unwaited (an error interrupted
+    the step): freeing its group would wait for it, up to the group's timeout, and a rank
+    that failed must exit at once, so that torchrun stops the others."""
+    if _compat.collectives_in_flight():
+        return
+    for agreement in list(_agreements):
+        own, agreement._own = agreement._own, None
+        if own is not None and _compat.group_alive(own):
+            _destroy(own)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not None and any(r() is world for r in _made_groups):
+        _destroy(None)
+    for mesh in list(_meshes.values()):
+        _compat.drop_destroyed_groups(mesh)
+
+
+def _destroy(group) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except Exception as e:  # noqa: BLE001  (at exit: say so, free the rest)
+        warnings.warn(f"autoshard: destroying a process group at exit failed: {e}")
 
 
 RENDEZVOUS_S = 600  # how long ranks may take to start and meet, whatever Config.timeout is
@@ -171,20 +239,23 @@ class Agreement:
         self.ranks = mesh.mesh.flatten().tolist()  # every rank of the mesh, in mesh order
         self.rank = self.ranks.index(dist.get_rank()) if dist.is_initialized() else 0
         self.step = 0  # forward calls so far on this rank
-        self._group = None
+        self._own = None  # the gloo group this agreement created, on a CUDA or 2-D mesh
         # torch's fake process group (memory studies of a large world in one process) has no
         # peers to agree with, and its all-gathers return nothing
         self.fake = dist.is_initialized() and dist.get_backend(mesh.get_group(0)) == "fake"
+        track(mesh=mesh)
 
     @property
     def group(self):
-        if self._group is None:
-            if self.mesh.device_type == "cpu" and self.mesh.ndim == 1:
-                self._group = self.mesh.get_group()
-            else:
-                self._group = dist.new_group(self.ranks, backend="gloo",
-                                             timeout=datetime.timedelta(seconds=self.timeout_s))
-        return self._group
+        """The mesh's own group on a 1-D CPU mesh (looked up, not kept: it is not this
+        agreement's to hold), else the gloo group this agreement created on first use."""
+        if self.mesh.device_type == "cpu" and self.mesh.ndim == 1:
+            return self.mesh.get_group()
+        if self._own is None:
+            self._own = dist.new_group(self.ranks, backend="gloo",
+                                       timeout=datetime.timedelta(seconds=self.timeout_s))
+            track(agreement=self)
+        return self._own
 
     def __call__(self, what: str, detail: str = "", exact: str = "", explain=None) -> None:
         """Check that every rank is at ``what`` (which names the step and what it runs).
