@@ -152,8 +152,8 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 
 def spawn_ranks(world: int, fn, *args) -> None:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks spawned on this machine (the
-    command line's multi-rank commands); each rank leaves without the process group's C++
-    teardown, so ``fn`` writes what it returns to files."""
+    command line's multi-rank commands); ``fn`` writes what it returns to files. Each rank
+    destroys its process group when ``fn`` returns, and exits as a script does."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -163,17 +163,13 @@ def spawn_ranks(world: int, fn, *args) -> None:
 
 
 def _spawned(rank: int, world: int, fn, args, tmp: str) -> None:
-    import sys
-
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world)
     fn(rank, world, *args)
     dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip the process group's C++ teardown at exit (it can abort)
+    dist.destroy_process_group()
 
 
 def group_name(mesh: DeviceMesh):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import tempfile
 
 import torch
@@ -27,12 +26,9 @@ def _entry(rank, world, fn, payload, tmp, port):
         dist.barrier()
     except RuntimeError:  # a fault test left the group broken (a timed-out peer)
         pass
-    # The result is on disk; leave without running the process group's and the profiler's
-    # C++ teardown, which can abort ("terminate called without an active exception") when
-    # their threads are destroyed in an unlucky order at exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if port is None and dist.is_initialized():  # our group: destroy it, as a script must
+        dist.destroy_process_group()
+    # else autoshard created it and destroys it at exit; the rank exits as a script does
 
 
 def _free_port() -> int:
