@@ -1,0 +1,34 @@
+"""Train a tiny model 3 steps with autoshard on the ranks torchrun starts, then simply end.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/teardown_script.py [--own-group]
+
+Without ``--own-group`` autoshard makes the process group from torchrun's environment and the
+script ends without synchronising or destroying anything; with it the script makes the group
+itself and destroys it at its end, as torch asks. Either way the model lives in the module's
+globals until the interpreter finalises. Every rank must exit 0 (tests/test_teardown.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autoshard import autoshard
+
+own_group = "--own-group" in sys.argv[1:]
+torch.set_num_threads(1)
+if own_group:
+    dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = autoshard(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                      torch.nn.Linear(32, 4)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.randn(8, 16)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+if own_group:
+    dist.destroy_process_group()
