@@ -362,7 +362,7 @@ class Agreement:
         except RuntimeError as e:  # DistBackendError too: a timeout or a lost peer
             peers = [r for r in range(self.world) if r != self.rank]
             raise AutoshardError(
-                f"rank {self.rank}, step {self.step}: no answer from peer ranks {peers} "
+                f"rank {self.rank}: no answer from peer ranks {peers} "
                 f"{self.waited(time.monotonic() - start)} at the agreement before {what} "
                 "(autoshard's check that all ranks are at the same step, before any "
                 "collective of it): a rank stopped, hangs, or failed earlier.\n  "
