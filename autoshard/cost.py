@@ -231,8 +231,9 @@ def _time(fn, reps: int = 5) -> float:
 def calibrate(device: Optional[torch.device] = None, group=None, name: str = "calibrated"
               ) -> DeviceProfile:
     """Measure this machine: matmul rate, memory bandwidth and, given a process group of two
-    or more ranks (call it on every rank), the collective alpha and beta. Without a group
-    alpha and beta are copied from the matching named profile."""
+    or more ranks (call it on every rank), the collective alpha and beta; with a group every
+    rank gets the same profile, the slowest rank's numbers. Without a group alpha and beta
+    are copied from the matching named profile."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -250,6 +251,14 @@ def calibrate(device: Optional[torch.device] = None, group=None, name: str = "ca
     if group is not None and torch.distributed.get_world_size(group) > 1:
         alpha, beta = _collective_alpha_beta(device, group, sync)
         overlap = _comm_overlap(device, group, sync)
+        # one profile for every rank (the ranks must plan alike): the slowest rank's rates,
+        # exact under MIN / MAX, whatever the backend's summation order
+        slow = torch.tensor([-flops, -bandwidth, alpha, beta, -overlap], dtype=torch.float64,
+                            device=device)
+        torch.distributed.all_reduce(slow, op=torch.distributed.ReduceOp.MAX, group=group)
+        flops, bandwidth, alpha, beta, overlap = (-slow[0].item(), -slow[1].item(),
+                                                  slow[2].item(), slow[3].item(),
+                                                  -slow[4].item())
     memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
               else base.memory)
     return DeviceProfile(name, flops, bandwidth, alpha,

@@ -42,8 +42,8 @@ _FIELDS = {"format": str, "version": int, "torch": str, "autoshard": str, "world
 _HOW = (
     "A per-rank state dict (torch.save(sharded.state_dict())) loads only on the rank and world "
     "size that saved it; to change either, save with autoshard.save(path, sharded, optimizer) "
-    "and load with autoshard.load_checkpoint(path, sharded, optimizer) (DCP underneath), or "
-    "load full tensors (sharded.full_state_dict())."
+    "and load with autoshard.load_checkpoint(path, sharded, optimizer) (torch.distributed."
+    "checkpoint underneath), or load full tensors (sharded.full_state_dict())."
 )
 
 
