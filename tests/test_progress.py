@@ -1,0 +1,54 @@
+"""Progress lines: nothing for a short phase, lines past the threshold, off with one setting."""
+
+import io
+import time
+
+import pytest
+
+from autoshard import progress
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    monkeypatch.setattr(progress, "AFTER_S", 0.05)
+    monkeypatch.setattr(progress, "EVERY_S", 0.05)
+    monkeypatch.setattr(progress, "_enabled", None)
+    monkeypatch.delenv("AUTOSHARD_PROGRESS", raising=False)
+
+
+def _run(steps, pause, **kw):
+    out = io.StringIO()
+    with progress.phase("planning", total=steps, unit="candidates", stream=out, **kw) as p:
+        for i in range(steps):
+            time.sleep(pause)
+            p.step(note=f"candidate {i}")
+    return out.getvalue()
+
+
+def test_short_phase_is_silent(monkeypatch):
+    monkeypatch.setattr(progress, "_enabled", None)
+    assert _run(3, 0.0) == ""
+
+
+def test_long_phase_logs_count_and_end(quick):
+    text = _run(4, 0.06)
+    lines = text.splitlines()
+    assert lines, text
+    assert "[autoshard] planning: " in lines[0] and "/4 candidates" in lines[0]
+    assert lines[-1].endswith("(done)") and "4/4 candidates" in lines[-1]
+
+
+def test_a_phase_without_steps_logs_while_it_waits(quick):
+    out = io.StringIO()
+    with progress.phase("compiling with inductor", stream=out):
+        time.sleep(1.3)  # the ticker writes while the caller is busy
+    assert "[autoshard] compiling with inductor: " in out.getvalue()
+
+
+@pytest.mark.parametrize("how", ["env", "call"])
+def test_off_with_one_setting(quick, monkeypatch, how):
+    if how == "env":
+        monkeypatch.setenv("AUTOSHARD_PROGRESS", "0")
+    else:
+        progress.enable(False)
+    assert _run(3, 0.06) == ""
