@@ -4,25 +4,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
 
+from autoshard.factory import load_factory
 from autoshard.spec import STRATEGIES
 
 
 def _factory(spec: str):
-    if ":" not in spec:
-        raise SystemExit(
-            f"expected MODULE:FACTORY (e.g. examples.gpt_shapes:gpt_175b), got {spec!r}")
-    mod, _, name = spec.partition(":")
-    sys.path.insert(0, os.getcwd())
     try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"cannot load {spec}: {e}") from e
-    return fn
+        return load_factory(spec)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
 
 
 def _plan(args) -> int:

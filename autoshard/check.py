@@ -902,10 +902,10 @@ def default_inputs(model: torch.nn.Module, factory, batch: int, seq: int):
 
 
 def _check_factory(spec: str, opts: dict, rank: int) -> CheckReport:
-    from autoshard.__main__ import _factory
+    from autoshard.factory import load_factory
     from autoshard.config import Config
 
-    factory = _factory(spec)
+    factory = load_factory(spec)
     torch.manual_seed(0)  # the same model on every rank
     model = factory()
     torch.manual_seed(1 + rank)  # each rank its own batch

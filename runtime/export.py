@@ -741,11 +741,11 @@ def describe(path, *, verify: bool = True) -> str:
 def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
     """One rank of ``python -m autoshard export``: build the factory's model (the same seed
     on every rank), shard it, compile it for the factory's inputs, export."""
-    from autoshard.__main__ import _factory
+    from autoshard.factory import load_factory
     from autoshard.api import autoshard
     from autoshard.check import default_inputs
 
-    factory = _factory(spec)
+    factory = load_factory(spec)
     torch.manual_seed(0)
     model = factory()
     torch.manual_seed(1 + rank)
