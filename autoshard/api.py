@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
-import weakref
 from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from autoshard.capture import capture, flat_inputs
+from autoshard.capture import flat_inputs
+from autoshard import compiler
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard import _compat, depth, hooks, meta, state
+from autoshard import _compat, hooks, state
 from autoshard.config import check_names, offloads
-from autoshard.cost import get_profile
-from autoshard.plans import Plan, _fmt_bytes, make_plan, offload_label, share
-from autoshard.spec import param_specs
-from autoshard.passes import PassContext, plan_step_pass, run_passes
-from autoshard.passes.plan import RESHARD
+from autoshard.plans import Plan
 from autoshard.runtime import dist as _dist
 from autoshard.runtime import optim
 from autoshard.runtime.executor import Program
-from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
+from autoshard.runtime.replicas import refresh_replicas
+from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict, place,
                                        stage_shards)
+from autoshard.spec import param_specs
 
 
 @dataclasses.dataclass
@@ -44,7 +41,7 @@ class _State:
     grad_sync: bool = True  # set_requires_gradient_sync
     # FQN -> full local gradient accumulated by steps without gradient sync
     pending: dict = dataclasses.field(default_factory=dict)
-    # FQN -> (full replica in the compute dtype, _stamp of the parameter it was gathered from)
+    # FQN -> (full replica in the compute dtype, what it was gathered from: runtime.replicas)
     replicas: dict = dataclasses.field(default_factory=dict)
     # signature -> every program captured for it, one per guarded state (autoshard.guards)
     variants: dict = dataclasses.field(default_factory=dict)
@@ -56,6 +53,9 @@ class _State:
     # path of each submodule by id
     entries: list = dataclasses.field(default_factory=list)
     entry_names: dict = dataclasses.field(default_factory=dict)
+    # where the shards are stored, shared by every entry: {"offload": the fraction of the
+    # state in host memory once the first plan placed it (None before); later plans keep it}
+    placement: dict = dataclasses.field(default_factory=lambda: {"offload": None})
 
 
 class ShardedModule(torch.nn.Module):
@@ -209,7 +209,7 @@ def _call(module, st: _State, args, kwargs):
         st.last = prog
         params = [mod._parameters[name] for mod, name in st.param_refs]
         buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
-        replicas = _refresh_replicas(st, prog, params)
+        replicas = refresh_replicas(st.replicas, st.mesh, st.agreement, prog, params)
         lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
                   for m, n in prog.captured.lifted]
         user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas, st.pending)
@@ -333,7 +333,7 @@ def _entry_state(root_st: _State, module, name: str, fn) -> _State:
     """The state of an entry other than the root's forward: the root's mesh, config and
     agreement, its own programs over ``module``'s parameters."""
     st = _State(root_st.mesh, root_st.device, root_st.config, fn, fqn_aliases(module),
-                agreement=root_st.agreement, entry=name)
+                agreement=root_st.agreement, entry=name, placement=root_st.placement)
     st.param_refs = _refs(module, "_parameters", module.named_parameters())
     st.buffer_refs = _refs(module, "_buffers", module.named_buffers())
     return st
@@ -379,265 +379,16 @@ def _user_class_name(module) -> str:
     return _class_name(module)
 
 
-def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None, from_shallow=False, grad_sync=True,
-                 accumulated=False, traced_hooks=frozenset(), lifted=()):
-    """Capture ``model``'s step, run the passes and predict the result; no process group is
-    touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
-    ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
-    sharding). ``grad_sync`` False: gradients come out full and unreduced
-    (``ShardedModule.set_requires_gradient_sync``); ``accumulated``: the backward takes what
-    such steps accumulated and reduces it with its own gradients.
-    ``traced_hooks``, ``lifted``: see ``autoshard.capture.capture``.
-    ``from_shallow``: build a deep stack of identical blocks from a few traced ones
-    (``autoshard.depth``) instead of tracing them all.
-
-    The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
-    recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
-    ``Config.offload_policy``, it then tries the model state in host memory. If none fits,
-    AutoshardError says the smallest budget that would.
-    """
-    say = progress or (lambda msg: None)
-    mp = config.mp_policy
-    mesh_shape = tuple(world_size) if isinstance(world_size, (tuple, list)) else (world_size,)
-    if isinstance(group_name, str) and len(mesh_shape) > 1:  # planning only: a name per dim
-        group_name = tuple(f"{group_name}:{d}" for d in range(len(mesh_shape)))
-    strategy = "zero3" if config.strategy == "auto" else config.strategy
-    specs = param_specs(model, mp, mesh_shape=mesh_shape, offload=offloads(config),
-                        strategy=strategy, grad_divide=config.gradient_divide_factor,
-                        force_sum=config.force_sum_reduction_for_comms)
-
-    def trace(specs):
-        return capture(
-            model, forward, specs, dict(model.named_buffers()), args, kwargs,
-            device=device, with_grad=torch.is_grad_enabled(),
-            input_dtype=mp.param_dtype if mp is not None and mp.cast_forward_inputs else None,
-            output_dtype=mp.output_dtype if mp is not None else None,
-            traced_hooks=traced_hooks, lifted=lifted,
-        )
-
-    stack = depth.block_stack(model) if from_shallow else None
-    cap = None
-    if stack is not None:
-        say(f"capturing the training step with {depth.SHALLOW} and {depth.SHALLOW + 1} of "
-            f"the {stack[1]} blocks of {stack[0]}, to build all {stack[1]} from")
-        cap = depth.capture_deep(model, *stack, specs, trace, say)
-    if cap is None:
-        say(f"capturing the training step ({len(specs)} parameters)")
-        cap = trace(specs)
-    say(f"captured {len(cap.gm.graph.nodes)} nodes")
-    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
-    ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
-                              config=config, aliases=aliases, progress=progress,
-                              grad_sync=grad_sync, accumulated=accumulated)
-    return cap, ctx, plan
-
-
-def plan_captured(cap, model, *, group_name, device, config, aliases=None, progress=None,
-                  grad_sync=True, accumulated=False):
-    """The passes and the prediction for a captured step (``compile_step`` after capture;
-    also what a loaded export runs on its stored joint graph at another world size), over
-    the mesh its ``ParamSpec``s name. ``model`` gives the module structure and the buffers.
-    With ``Config.strategy="auto"`` the step is planned as "zero1", "zero2" and "zero3" and
-    the fastest that fits is kept (``plan.candidates`` lists all three's). Returns
-    ``(ctx, plan)``."""
-    if config.strategy != "auto":
-        return _plan_one(cap, model, group_name=group_name, device=device, config=config,
-                         aliases=aliases, progress=progress, grad_sync=grad_sync,
-                         accumulated=accumulated, strategy=config.strategy)
-    tried = []
-    for strategy in ("zero1", "zero2", "zero3"):
-        specs = [dataclasses.replace(p, replica=strategy == "zero1" and p.sharded)
-                 for p in cap.params]
-        one = dataclasses.replace(cap, params=specs)
-        cfg = dataclasses.replace(config, strategy=strategy, reshard_after_forward=(
-            "search" if strategy == "zero3" else "auto"))
-        try:
-            ctx, plan = _plan_one(one, model, group_name=group_name, device=device, config=cfg,
-                                  aliases=aliases, progress=progress, grad_sync=grad_sync,
-                                  accumulated=accumulated, strategy=strategy)
-        except AutoshardError:
-            continue  # nothing of this strategy fits; the next shards more
-        tried.append((one, ctx, plan))
-    if not tried:  # none fits: zero3's error says what would
-        return _plan_one(cap, model, group_name=group_name, device=device,
-                         config=dataclasses.replace(config, strategy="zero3"), aliases=aliases,
-                         progress=progress, grad_sync=grad_sync, accumulated=accumulated,
-                         strategy="zero3")
-    fits = [t for t in tried if t[2].predicted["peak_bytes"] <= t[2].memory_budget] or tried
-    one, ctx, plan = min(fits, key=lambda t: t[2].predicted["step_s"])
-    plan.candidates = [dict(c, strategy=t[2].strategy, chosen=c["chosen"] and t[2] is plan)
-                       for t in tried for c in t[2].candidates]
-    cap.params, cap.gm = one.params, one.gm
-    return ctx, plan
-
-
-def _plan_one(cap, model, *, group_name, device, config, aliases, progress, grad_sync,
-              accumulated, strategy):
-    say = progress or (lambda msg: None)
-    mesh_shape = cap.params[0].mesh_shape if cap.params else (1,)
-    world_size = math.prod(mesh_shape)
-    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
-    budget = config.memory_budget or profile.memory
-    inputs = sum(meta.val_bytes(n) for n in cap.gm.graph.nodes
-                 if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT)
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    # without sync (and the step that reduces what it kept), one full local gradient per
-    # parameter, held all step
-    local_grads = (sum(p.gathered_bytes() for p in cap.params if p.requires_grad)
-                   if not grad_sync or accumulated else 0)
-    buffers += local_grads
-    searched = (config.policy == "auto" and config.units is None) or config.recompute == "auto"
-    ctx = PassContext(
-        captured=cap, group_name=group_name, model=model,
-        fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
-        reshard_after_forward=(False if strategy == "zero2" else "auto"
-                               if config.reshard_after_forward == "search"
-                               else config.reshard_after_forward), profile=profile,
-        memory_budget=budget, grad_sync=grad_sync, accumulated=accumulated,
-    )
-    say("planning units, recomputation and collectives; predicting time and memory")
-    gm = run_passes(cap.gm, ctx, [(plan_step_pass, {
-        "config": config, "verify": config.verify,
-        "other_static_bytes": buffers + inputs})])
-    pred, split, state = ctx.prediction, ctx.split, ctx.state
-    cap.gm = gm
-    plan = make_plan(
-        world_size, ctx.units, {p.fqn: p for p in ctx.captured.params}, [split.fwd, split.bwd],
-        prediction=pred, profile=profile, budget=budget,
-        policy="pinned" if config.units is not None else config.policy,
-        model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
-        host_state_bytes=state["host"],
-        recompute=ctx.recompute, candidates=ctx.candidates, offload=ctx.offload,
-        offload_params=ctx.offload_params,
-        reshard=(RESHARD[ctx.reshard_after_forward]
-                 if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
-        strategy=strategy,
-        mesh_shape=mesh_shape, grad_sync=grad_sync,
-    )
-    plan.predicted["local_grad_bytes"] = local_grads
-    if any(p.replica for p in ctx.captured.params):
-        _refresh_entries(plan, ctx, profile)
-    if searched and pred.peak_bytes > budget:
-        # the last candidates tried are the least memory a plan can take: one unit per
-        # parameter, and (recompute True or "auto") every repeated block recomputed whole
-        raise AutoshardError(
-            f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
-            f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
-            f"recomputation, {len(ctx.units)} units"
-            + (f", the model state in host memory (offload: "
-               f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
-            + f") needs {_fmt_bytes(pred.peak_bytes)}. "
-            "Raise Config.memory_budget to at least that, shard over more ranks, use a "
-            "smaller batch" + (", or Config(recompute=True) to recompute activations"
-                               if config.recompute is False else "") + "."
-        )
-    return ctx, plan
-
-
-def _refresh_replicas(st: _State, prog: Program, params: list) -> dict:
-    """Each replica (``ParamSpec.replica``) the program reads, gathered again from the shards
-    where anything wrote them since (``_written``): per unit and compute dtype one all-gather
-    over the mesh's shard dimension, as the plan's "after step" entries say. Whether a group
-    is gathered is agreed on first (``Agreement.any``, one 32-byte all-gather): a write on
-    some ranks only still changes the full parameter every rank reads, as FSDP2's gather of
-    the shards would, and every rank issues the same all-gathers. Returns FQN -> replica."""
-    specs = prog.captured.params
-    if not any(s.replica for s in specs):
-        return {}
-    at = {s.fqn: i for i, s in enumerate(specs)}
-    group = st.mesh.get_group(st.mesh.ndim - 1)
-    groups = []  # (compute dtype, parameter indices) per unit, in plan order
-    for unit in prog.plan.units:
-        by_dtype = {}
-        for f in unit.fqns:
-            if specs[at[f]].replica:
-                by_dtype.setdefault(specs[at[f]].compute_dtype, []).append(at[f])
-        groups += by_dtype.items()
-    written = [any(_written(st.replicas.get(specs[i].fqn), params[i]) for i in idx)
-               for _, idx in groups]
-    written = st.agreement.any(f"step {st.agreement.step}: replicas", written)
-    out = {}
-    for (dtype, idx), stale in zip(groups, written):
-        if stale:
-            _gather_replicas(st, prog, params, idx, dtype, group)
-        out.update((specs[i].fqn, st.replicas[specs[i].fqn][0]) for i in idx)
-    return out
-
-
-def _stamp(param) -> tuple:
-    """What a replica gathered from ``param`` stays valid for: its local tensor (by identity:
-    ``swap_tensors``, a new parameter object) and that tensor's version (a write to
-    ``to_local()``), the DTensor's own version (in-place ops on the parameter, which do not
-    advance the local tensor's), and its last noted update (an optimizer step, whose
-    foreach ops advance neither version; ``runtime.optim.note_update``)."""
-    local = param._local_tensor
-    return weakref.ref(local), local._version, param._version, optim.updated(param)
-
-
-def _written(entry, param) -> bool:
-    """Whether ``param`` may have changed since its replica ``entry`` was gathered."""
-    if entry is None:
-        return True
-    ref, *versions = entry[1]
-    now = _stamp(param)
-    return ref() is not param._local_tensor or versions != list(now[1:])
-
-
-def _gather_replicas(st, prog, params, idx, dtype, group) -> None:
-    """One all-gather (the c10d functional op the graphs use) of these parameters' shards,
-    cast to ``dtype``, into their replicas."""
-    funcol = torch.ops._c10d_functional
-    specs = prog.captured.params
-    with torch.no_grad():
-        flat = torch.cat([prog.pad(i, params[i]._local_tensor).reshape(-1).to(dtype)
-                          for i in idx])
-        n = specs[idx[0]].shards
-        buf = torch.empty(n * flat.numel(), dtype=dtype, device=flat.device)
-        funcol.wait_tensor.default(funcol.all_gather_into_tensor_out.default(
-            flat, n, group.group_name, out=buf))
-        cols, off = buf.view(n, -1), 0
-        for i in idx:
-            lay = specs[i].layout
-            full = cols[:, off:off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
-            off += lay.local_numel
-            st.replicas[specs[i].fqn] = (full[:lay.shape[0]].clone(), _stamp(params[i]))
-
-
-def _refresh_entries(plan, ctx, profile) -> None:
-    """A plan whose parameters have replicas (ZeRO-1) also gathers, per unit and compute
-    dtype, the shards the optimizer updated into them before the next call: schedule entries
-    ("after step"), and their time (exposed: nothing runs beside it) and bytes in the
-    prediction."""
-    from autoshard.cost import collective_time
-    from autoshard.plans import ScheduleEntry
-
-    specs = {p.fqn: p for p in ctx.captured.params}
-    for unit in ctx.units:
-        by_dtype = {}
-        for f in unit.fqns:
-            if specs[f].replica:
-                by_dtype.setdefault(specs[f].compute_dtype, []).append(specs[f])
-        for group in by_dtype.values():
-            nbytes, n = sum(s.gathered_bytes() for s in group), group[0].shards
-            plan.schedule.append(ScheduleEntry("after step", unit.index, "all_gather", nbytes,
-                                               "(optimizer step)", ""))
-            t = collective_time(nbytes, n, profile)
-            for key in ("step_s", "exposed_comm_s"):
-                plan.predicted[key] += t
-            plan.predicted["comm_bytes"] += nbytes
-            plan.predicted["sent_bytes"] += nbytes * (n - 1) // n
-
-
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
-    cap, ctx, plan = compile_step(
+    cap, ctx, plan = compiler.compile_step(
         model, st.orig_forward, args, kwargs, world_size=tuple(st.mesh.shape),
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases, grad_sync=st.grad_sync,
         accumulated=bool(st.pending) and st.grad_sync, traced_hooks=st.traced_hooks,
+        placed=st.placement["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
-    return _program(st, cap, ctx, plan)
+    return _program(st, cap, ctx, plan, model)
 
 
 def _holds(st: _State, prog: Program) -> bool:
@@ -689,24 +440,18 @@ def _follow(model, st: _State, guards) -> None:
             "it on every call.")
 
 
-def _program(st: _State, cap, ctx, plan) -> Program:
-    """The runnable program of a planned step, once every rank has the same schedule."""
-    if plan.offload and not offloads(st.config):
-        fits = plan.predicted["peak_bytes"] <= plan.memory_budget
-        part = f", offload_state={share(plan.offload)}" if plan.offload < 1 else ""
-        raise AutoshardError(
-            f"no plan fits the memory budget of {_fmt_bytes(plan.memory_budget)} per rank with "
-            f"the model state on the device; with "
-            f"{'it' if plan.offload >= 1 else 'the last ' + share(plan.offload) + ' of it'} "
-            f"in host memory ({_fmt_bytes(plan.predicted['host_state_bytes'])}) one "
-            f"{'fits' if fits else 'comes closest'} (peak "
-            f"{_fmt_bytes(plan.predicted['peak_bytes'])}). Shards are placed when the model "
-            "is wrapped: pass autoshard(model, config=Config(offload_policy="
-            f"torch.distributed.fsdp.CPUOffloadPolicy(){part})).")
+def _program(st: _State, cap, ctx, plan, model=None) -> Program:
+    """The runnable program of a planned step, once every rank has the same schedule; the
+    plan's placement (the shards it keeps in host memory) applied to ``model``'s parameters
+    (``storage.place``) when it is the first plan, so later plans keep it."""
     # the same signature can still compile differently (a rank-dependent model): compare
     st.agreement(f"step {st.agreement.step}: compiled program",
                  f"{len(plan.units)} units, {len(plan.schedule)} communication steps",
                  exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
+    if model is not None:
+        pin = getattr(st.config.offload_policy, "pin_memory", True)
+        place(model, cap.params, st.device, pin=pin)
+        st.placement["offload"] = plan.offload
     prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
                    st.device.type, agreement=st.agreement,
                    compiled=st.config.compile)
@@ -779,9 +524,9 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
 
     def one(inputs, cfg):
         args, kwargs = _split_inputs(inputs)
-        return compile_step(model, type(model).forward, args, kwargs, world_size=world_size,
-                            group_name="plan", device=device, config=cfg,
-                            progress=progress, from_shallow=True)[2]
+        return compiler.compile_step(model, type(model).forward, args, kwargs,
+                                     world_size=world_size, group_name="plan", device=device,
+                                     config=cfg, progress=progress, from_shallow=True)[2]
 
     p = one(example_inputs, config)
     if make_inputs is not None:
@@ -791,25 +536,8 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
             progress("fitting memory and time in batch and seq (two more traces)")
         p2 = one(make_inputs(2 * batch, seq), pinned)
         p3 = one(make_inputs(batch, 2 * seq), pinned)
-        p.symbolic = _fit(p, p2, p3, batch, seq)
+        p.symbolic = compiler.fit_symbolic(p, p2, p3, batch, seq)
     return p
-
-
-def _fit(p1: Plan, p2: Plan, p3: Plan, batch: int, seq: int) -> dict:
-    import sympy
-
-    b, s = sympy.symbols("batch seq", positive=True)
-    out = {"batch_at": batch, "seq_at": seq,
-           "method": "fit a + batch*(b*seq + c*seq**2) to traces at (B,S), (2B,S), (B,2S)"}
-    for key, field in (("memory", "peak_bytes"), ("time", "step_s")):
-        m1, m2, m3 = (float(p.predicted[field]) for p in (p1, p2, p3))
-        k1, k2 = (m2 - m1) / batch, (m3 - m1) / batch
-        c = (k2 - k1) / (2 * seq**2)
-        lin = (k1 - c * seq**2) / seq
-        a = m1 - batch * k1
-        out[key] = str(sympy.Float(a, 8) + b * (sympy.Float(lin, 6) * s
-                                                 + sympy.Float(c, 6) * s**2))
-    return out
 
 
 def _split_inputs(example_inputs):
@@ -915,14 +643,8 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def autoshard(
-    model: torch.nn.Module,
-    *,
-    mesh=None,
-    config: Optional[Config] = None,
-    example_inputs=None,
-    param_init_fn=None,
-) -> ShardedModule:
+def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = None,
+              example_inputs=None, param_init_fn=None) -> ShardedModule:
     """Shard ``model``'s parameters over ``mesh`` and compile its training step.
 
     mesh: a 1-D DeviceMesh, or a 2-D one with dimensions ("replicate", "shard") for hybrid
@@ -959,9 +681,61 @@ def autoshard(
     All or nothing: if anything fails (a model another wrapper such as FSDP2's
     ``fully_shard`` already distributes, an initialisation error, a capture error with
     ``example_inputs``), the model is left exactly as it was: the same parameter and buffer
-    objects with the same values on the same device, the same class.
-    Returns the same model object, now a ``ShardedModule``.
+    objects with the same values on the same device, the same class. Returns the same model
+    object, now a ``ShardedModule``.
     """
+    config = _checked(model, config, param_init_fn)
+    mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
+    _dist.check_mesh(mesh, config.partial_mesh)
+    device = _dist.mesh_device(mesh)
+    st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
+                agreement=_dist.Agreement(mesh, config.timeout))
+    _agree_on_model(st.agreement, model, config)
+    example = _example(example_inputs, device)
+    # each parameter's placement, decided once; every new tensor is built before anything
+    # changes, then swapped in, and undone on failure
+    specs = param_specs(model, mesh_shape=tuple(mesh.shape), offload=offloads(config),
+                        strategy="zero3" if config.strategy == "auto" else config.strategy)
+    staged = stage_shards(model, mesh, device, specs, param_init_fn=param_init_fn,
+                          pin_memory=getattr(config.offload_policy, "pin_memory", True))
+    cls = type(model)
+    undo = staged.commit()
+    try:
+        model.__class__ = _sharded_class(cls)
+        model._autoshard = st
+        st.param_refs = _refs(model, "_parameters", model.named_parameters())
+        st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
+        _install_submodule_entries(model, st)
+        if example is not None:
+            args, kwargs = example
+            _compile_for(model, st, args, kwargs, _signature(model, st, args, kwargs),
+                         sharded=False)
+    except BaseException:
+        for mod, name in st.entries:
+            mod.__dict__.pop(name, None)
+        undo()
+        model.__class__ = cls
+        model.__dict__.pop("_autoshard", None)
+        raise
+    return model
+
+
+def _example(example_inputs, device):
+    """``autoshard(example_inputs=)`` as ``(args, kwargs)`` (None without), every tensor on
+    the mesh's ``device``."""
+    if example_inputs is None:
+        return None
+    args, kwargs = _split_inputs(example_inputs)
+    for x in tree_flatten((args, kwargs))[0]:
+        if isinstance(x, torch.Tensor) and x.device != device:
+            raise AutoshardError(
+                f"example input on {x.device} but this rank's mesh device is {device}; "
+                f"move it with .to({str(device)!r})")
+    return args, kwargs
+
+
+def _checked(model, config, param_init_fn) -> Config:
+    """``autoshard()``'s arguments checked; the Config (the default one for None)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autoshard() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModule):
@@ -974,42 +748,4 @@ def autoshard(
     if not isinstance(config, Config):
         raise TypeError(f"config must be an autoshard.Config, got {type(config).__name__}")
     check_names(config, model)
-    mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
-    _dist.check_mesh(mesh, config.partial_mesh)
-    device = _dist.mesh_device(mesh)
-    st = _State(mesh, device, config, type(model).forward, fqn_aliases(model),
-                agreement=_dist.Agreement(mesh, config.timeout))
-    _agree_on_model(st.agreement, model, config)
-
-    if example_inputs is not None:
-        args, kwargs = _split_inputs(example_inputs)
-        for x in tree_flatten((args, kwargs))[0]:
-            if isinstance(x, torch.Tensor) and x.device != device:
-                raise AutoshardError(
-                    f"example input on {x.device} but this rank's mesh device is {device}; "
-                    f"move it with .to({str(device)!r})"
-                )
-
-    # every new tensor is built before anything changes; then swapped in, undone on failure
-    staged = stage_shards(model, mesh, device, param_init_fn=param_init_fn,
-                          offload=config.offload_policy if offloads(config) else None,
-                          offload_state=offloads(config), strategy=config.strategy)
-    cls = type(model)
-    undo = staged.commit()
-    try:
-        model.__class__ = _sharded_class(cls)
-        model._autoshard = st
-        st.param_refs = _refs(model, "_parameters", model.named_parameters())
-        st.buffer_refs = _refs(model, "_buffers", model.named_buffers())
-        _install_submodule_entries(model, st)
-        if example_inputs is not None:
-            _compile_for(model, st, args, kwargs, _signature(model, st, args, kwargs),
-                         sharded=False)
-    except BaseException:
-        for mod, name in st.entries:
-            mod.__dict__.pop(name, None)
-        undo()
-        model.__class__ = cls
-        model.__dict__.pop("_autoshard", None)
-        raise
-    return model
+    return config

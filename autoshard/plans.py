@@ -98,6 +98,9 @@ class Plan:
     # how the ranks' gradients become one (ParamSpec.scaling): "mean", or "sum / f" where
     # set_gradient_divide_factor(f), with ", sum collectives" where forced to sum
     reduction: str = "mean"
+    # why nothing fits the budget, and what would (the planner's; None when a plan fits or
+    # the user fixed every choice)
+    unfit: Optional[str] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

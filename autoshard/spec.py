@@ -227,14 +227,21 @@ def hosted(params, fraction: float) -> set:
     return out
 
 
+# set on a sharded parameter whose shard lives in host memory (``stage_shards`` for a
+# CPUOffloadPolicy, ``autoshard.runtime.storage.place`` for a plan that chose offload): where a
+# parameter is stored is decided once, and every later plan reads it from here
+ON_HOST = "_autoshard_on_host"
+
+
 def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
                 offload: float = 0.0, strategy: str = "zero3", grad_divide=None,
                 force_sum: bool = False) -> list:
     """ParamSpec per (deduplicated) parameter of ``model``, sharded over ``mesh_shape``'s
     last dimension (replicated over the others) as ``strategy`` says; ``mp_policy``: a
     MixedPrecisionPolicy, applied to floating parameters as FSDP2 applies it; ``offload``: the
-    fraction of the sharded state kept in host memory (``hosted``); ``grad_divide`` and
-    ``force_sum``: how every gradient's reduction divides (``ParamSpec.scaling``)."""
+    fraction of the sharded state kept in host memory (``hosted``), besides the parameters
+    already stored there (``ON_HOST``); ``grad_divide`` and ``force_sum``: how every
+    gradient's reduction divides (``ParamSpec.scaling``)."""
     named = list(model.named_parameters())
     host = hosted([(f, p.shape) for f, p in named], offload)
     specs = []
@@ -245,7 +252,8 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
                                mesh_shape=tuple(mesh_shape),
                                placements=placements_for(p.shape, len(mesh_shape), strategy),
-                               device="host" if fqn in host else "device",
+                               device=("host" if fqn in host or getattr(p, ON_HOST, False)
+                                       else "device"),
                                replica=strategy == "zero1" and p.ndim > 0,
                                grad_divide=grad_divide, force_sum=force_sum))
     return specs

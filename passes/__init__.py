@@ -1,6 +1,9 @@
 """Graph passes and the one runner that applies them.
 
-A pass is ``def <verb>_<object>_pass(gm, ctx, *, options) -> gm``. The runner applies an
+A pass is ``def <verb>_<object>_pass(gm, ctx, *, options)``. It reads the context, which is
+frozen, and returns the graph, or ``(graph, {field: value})`` for what it decided (units,
+the split program): the runner hands the next pass a context with those fields replaced.
+Passes run in the declared ``ORDER``, checked by the runner. The runner applies an
 ordered list, lints the graph after each, and runs the verifier when asked (``Config.verify``,
 ``AUTOSHARD_VERIFY=1`` as the tests set it, or ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1``
 prints per-pass time and op-count diff; ``=2`` also dumps the numbered graph after each pass.
@@ -27,7 +30,7 @@ from autoshard.passes.verify import verify  # noqa: F401
 from autoshard.passes.plan import plan_step_pass  # noqa: F401,E402
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PassContext:
     """What passes share: the captured signature (its ``params`` say how each parameter is
     sharded, over how many ranks, in which dtypes), and what earlier passes decided (units,
@@ -61,12 +64,12 @@ class PassContext:
     split: Any = None  # autoshard.passes.split.SplitProgram, set by split
     # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes),
     # the fraction of the sharded state it keeps on the host, that state's bytes
-    # (autoshard.spec.model_state_bytes), and every candidate tried with its prediction
+    # (autoshard.spec.model_state_bytes)
     prediction: Any = None
     recompute: Any = None
     offload: float = 0.0
     state: Optional[dict] = None
-    candidates: list = dataclasses.field(default_factory=list)
+    plan: Any = None  # set by plan_step: the finished autoshard.plans.Plan
 
 
 def debug_level() -> int:
@@ -80,35 +83,83 @@ def _op_counts(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
+# The pipeline's order: a list given to the runner keeps it (passes not named here, such as
+# the planner, run anywhere). Recomputation first: it decides the activation memory the unit
+# choice works with; the split last: it partitions what the others built.
+ORDER = ("recompute_activations_pass", "assign_units_pass", "bucket_units_pass",
+         "insert_collectives_pass", "prefetch_pass", "split_pass")
+# what a pass reads from the context, and the pass that provides it: checked before it runs
+NEEDS = {"bucket_units_pass": ("units",), "insert_collectives_pass": ("units",),
+         "prefetch_pass": ("collectives_inserted",)}
+PROVIDER = {"units": "assign_units_pass", "collectives_inserted": "insert_collectives_pass"}
+
+
+def check_order(passes: list, ctx: PassContext) -> None:
+    """``ValueError`` naming the two passes when ``passes`` breaks ``ORDER``, or a pass
+    whose input (``NEEDS``) neither the context holds nor an earlier pass provides."""
+    names = [fn.__name__ for fn, _ in passes]
+    ranks = [(ORDER.index(n), n) for n in names if n in ORDER]
+    for (a, na), (b, nb) in zip(ranks, ranks[1:]):
+        if b < a:
+            raise ValueError(f"pass {nb} must run before {na} (autoshard.passes.ORDER), "
+                             f"but the list is {names}")
+    for i, name in enumerate(names):
+        for need in NEEDS.get(name, ()):
+            if not getattr(ctx, need) and PROVIDER[need] not in names[:i]:
+                raise ValueError(f"pass {name} needs ctx.{need}, which {PROVIDER[need]} "
+                                 f"provides; it has not run (passes before it: "
+                                 f"{names[:i] or 'none'})")
+
+
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_each: bool = False,
                lint: bool = True):
-    """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph;
+    """Apply ``passes`` (a list of ``(fn, options)``) in order and return the final graph and
+    context (``ctx`` with what the passes decided; ``ctx`` itself is not changed);
     ``lint``: check the graph's wiring after each (the planner's candidates skip it unless
-    verifying: the plan it returns is checked by the pass that chose it)."""
+    verifying: the plan it returns is checked by the pass that chose it). The order is
+    checked first (``check_order``); a pass that fails says which passes ran before it."""
+    check_order(passes, ctx)
     level = debug_level()
     verify_each = verify_each or level > 0 or os.environ.get("AUTOSHARD_VERIFY") == "1"
     for i, (fn, options) in enumerate(passes):
         before = _op_counts(gm) if level else None
-        n_before = len(gm.graph.nodes)
         t0 = time.perf_counter()
-        gm = fn(gm, ctx, options=options or {})
-        if lint or verify_each:
-            gm.graph.lint()
-        if getattr(fn, "reorder_only", False) and len(gm.graph.nodes) != n_before:
-            raise AssertionError(f"{fn.__name__} is reorder-only but changed the node count")
-        if verify_each:
-            verify(gm, ctx)
+        try:
+            gm, ctx = _run_one(fn, gm, ctx, options, lint or verify_each, verify_each)
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python 3.11+
+                ran = [f.__name__ for f, _ in passes[:i]]
+                e.add_note(f"in pass {fn.__name__}, after {ran or 'no other pass'} in this run")
+            raise
         if level:
-            dt = (time.perf_counter() - t0) * 1e3
-            after = _op_counts(gm)
-            diff = {k: after[k] - before[k] for k in sorted(set(after) | set(before))
-                    if after[k] != before[k]}
-            print(f"[autoshard] pass {i} {fn.__name__}: {dt:.1f} ms, ops {diff}", file=sys.stderr)
-            if level >= 2:
-                print(f"[autoshard] graph after {fn.__name__}:", file=sys.stderr)
-                for k, n in enumerate(gm.graph.nodes):
-                    print(f"  {k:5d} {n.format_node()}", file=sys.stderr)
-    return gm
+            _debug(fn, gm, i, before, t0, level)
+    return gm, ctx
+
+
+def _run_one(fn, gm, ctx, options, lint: bool, verify_each: bool):
+    n_before = len(gm.graph.nodes)
+    out = fn(gm, ctx, options=options or {})
+    gm, ctx = (out[0], dataclasses.replace(ctx, **out[1])) if isinstance(out, tuple) else (
+        out, ctx)
+    if lint:
+        gm.graph.lint()
+    if getattr(fn, "reorder_only", False) and len(gm.graph.nodes) != n_before:
+        raise AssertionError(f"{fn.__name__} is reorder-only but changed the node count")
+    if verify_each:
+        verify(gm, ctx)
+    return gm, ctx
+
+
+def _debug(fn, gm, i: int, before, t0: float, level: int) -> None:
+    dt = (time.perf_counter() - t0) * 1e3
+    after = _op_counts(gm)
+    diff = {k: after[k] - before[k] for k in sorted(set(after) | set(before))
+            if after[k] != before[k]}
+    print(f"[autoshard] pass {i} {fn.__name__}: {dt:.1f} ms, ops {diff}", file=sys.stderr)
+    if level >= 2:
+        print(f"[autoshard] graph after {fn.__name__}:", file=sys.stderr)
+        for k, n in enumerate(gm.graph.nodes):
+            print(f"  {k:5d} {n.format_node()}", file=sys.stderr)
 
 
 def unit_options(config) -> dict:

@@ -49,9 +49,9 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         run.append(u)
     close()
     by_fqn = {meta.tag(n, meta.FQN): n for n in gm.graph.nodes if meta.is_param(n)}
-    ctx.units = []
+    units = []
     for i, u in enumerate(merged):
-        ctx.units.append(Unit(i, u.name, list(u.fqns), keep=u.keep))
+        units.append(Unit(i, u.name, list(u.fqns), keep=u.keep))
         for f in u.fqns:
             meta.tags(by_fqn[f])[meta.UNIT] = i
-    return gm
+    return gm, {"units": units}

@@ -178,9 +178,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         list(roots),
         lambda root, last: _plain_tags(meta.FREE, roots[root], meta.tag(last, meta.REGION)),
     )
-    ctx.collectives_inserted = True
     gm.recompile()
-    return gm
+    return gm, {"collectives_inserted": True}
 
 
 def _add_accumulated(gm, pos, unit, grads, fqns) -> list:

@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch.fx as fx
 
@@ -110,21 +112,547 @@ def _label(modes: dict, blocks: list) -> str:
     return ", ".join(parts) or "min-cut"
 
 
-def plan_step_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
-    """Choose and build the plan: returns the chosen candidate's graph.
+STRATEGIES_SEARCHED = ("zero1", "zero2", "zero3")  # Config.strategy="auto", least memory last
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One choice of everything a plan decides: the sharding flavour, the fraction of the
+    sharded state in host memory, the recomputation (its label and the recompute pass's
+    ``{block path: mode}``, None for none), the unit candidate (an index into
+    ``autoshard.passes.auto.tries``, 0 for a fixed policy), which units reshard after the
+    forward (``RESHARD``'s keys) and, offloaded, the fraction of resharded units copying
+    their shards in again for the backward."""
+
+    strategy: str
+    offload: float
+    recompute: str
+    modes: Optional[Mapping]
+    units: int
+    reshard: Any
+    offload_params: float
+
+
+@dataclasses.dataclass
+class Lowered:
+    """A candidate lowered: its joint graph with every collective in place (not yet split),
+    the pass context that built it (its units, placement and model state) and the
+    simulator's prediction of its step."""
+
+    candidate: Candidate
+    gm: fx.GraphModule
+    ctx: Any
+    prediction: Any
+
+
+def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
+          verify: bool = False) -> Lowered:
+    """``cand`` built on ``base`` (the captured graph with ``cand``'s recomputation applied,
+    left untouched) and predicted: units, collectives, prefetch, then the simulator. Reads
+    ``ctx`` (the placement's context: specs, profile, bytes held all step) without changing
+    it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
+    from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
+                                  split_pass)
+    from autoshard.passes.collectives import offloaded_units
+    from autoshard.simulate import simulate_joint
+
+    cctx = dataclasses.replace(ctx, reshard_after_forward=cand.reshard,
+                               offload_params=cand.offload_params)
+    # recomputation is done already, per choice; the chosen plan alone is split
+    passes = [p for p in default_passes(config, candidate=cand.units, auto_cache=cache)
+              if p[0] not in (recompute_activations_pass, split_pass)]
+    out, cctx = run_passes(clone_graph(base), cctx, passes, verify_each=verify, lint=False)
+    params = cand.offload_params
+    if ctx.offload:  # the fraction that took effect: a whole number of units copy again
+        specs = {p.fqn: p for p in ctx.captured.params}
+        hosted = offloaded_units(cctx.units, specs)
+        params = sum(not u.held for u in hosted) / len(hosted) if hosted else 0.0
+    pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
+                          ctx.state["host"] - ctx.state["host_grads"])
+    cctx = dataclasses.replace(cctx, offload_params=params, prediction=pred,
+                               recompute=(cand.recompute, cand.modes))
+    return Lowered(cand, out, cctx, pred)
+
+
+def plan_step_pass(gm: fx.GraphModule, ctx, *, options):
+    """Choose and build the plan: returns the chosen candidate's split graph and the context
+    it was built in.
 
     Needs: the captured joint graph (untouched: every candidate works on a copy) and in
     ``ctx`` the profile and budget. Options: ``config`` (the Config), ``other_static_bytes``
-    (buffers and inputs, held all step), ``verify``. With no ``Config.offload_policy``,
-    offload is tried when nothing fits on the device.
-    Guarantees: ``ctx`` is the chosen candidate's (units, split program, parameter
-    descriptions), ``ctx.prediction`` its Prediction, ``ctx.recompute`` its recomputation
-    (label, modes), ``ctx.state`` its model state (``autoshard.spec.model_state_bytes``),
-    ``ctx.candidates`` every candidate tried; when none fits, the one with the least peak is
-    chosen (the caller says what it needs). Does nothing else to ``gm``.
+    (buffers and inputs, held all step), ``local_grad_bytes`` (of those, the full local
+    gradients a step without gradient sync holds), ``placed`` (the fraction of the state an
+    earlier plan stored in host memory, kept as the specs say; None: searched), ``verify``.
+    Guarantees: the context returned is the chosen candidate's (units, split program,
+    parameter descriptions with the strategy's placement), its ``prediction`` the
+    Prediction, its ``plan`` the finished Plan: every candidate tried, the entries after the optimizer
+    step, and ``plan.unfit`` saying why when nothing fits (the plan with the least peak is
+    chosen then). Does nothing else to ``gm``.
     """
     with _Garbage() as garbage:
-        return _plan_step(gm, ctx, options, garbage)
+        return Planner(gm, ctx, options, garbage).run()
+
+
+class Planner:
+    """The search: per strategy (``Config.strategy``, or each of ``STRATEGIES_SEARCHED`` for
+    "auto") a ``_Search`` over placements, recomputation, units and resharding; the fastest
+    plan that fits wins, else the one with the least peak."""
+
+    def __init__(self, gm, ctx, options: dict, garbage):
+        self.gm, self.ctx, self.options, self.garbage = gm, ctx, options, garbage
+        self.config = options["config"]
+
+    def run(self):
+        config = self.config
+        strategies = STRATEGIES_SEARCHED if config.strategy == "auto" else (config.strategy,)
+        outcomes = [self._strategy(s) for s in strategies]
+        tried = [o for o in outcomes if o[2].unfit is None] or [outcomes[-1]]
+        # none fits: zero3's says what would
+        fits = [o for o in tried if o[2].predicted["peak_bytes"] <= o[2].memory_budget] or tried
+        out, best, plan = min(fits, key=lambda o: o[2].predicted["step_s"])
+        if len(outcomes) > 1:
+            plan.candidates = [dict(c, strategy=o[2].strategy,
+                                    chosen=c["chosen"] and o[2] is plan)
+                               for o in tried for c in o[2].candidates]
+        chosen = {f.name: getattr(best.ctx, f.name) for f in dataclasses.fields(best.ctx)}
+        return out, {**chosen, "plan": plan}
+
+    def _searched(self) -> bool:
+        """Whether the user left a choice to the search (then a plan that does not fit is an
+        error, not the user's)."""
+        config = self.config
+        return (config.policy == "auto" and config.units is None) or config.recompute == "auto"
+
+    def _strategy(self, strategy: str):
+        """``(split graph, best Lowered, its Plan)`` for one strategy."""
+        from autoshard.passes import run_passes, split_pass
+
+        config, ctx = self.config, self.ctx
+        setting = ("search" if config.strategy == "auto" and strategy == "zero3"
+                   else "auto" if config.strategy == "auto" else config.reshard_after_forward)
+        if config.strategy == "auto":
+            specs = [dataclasses.replace(p, replica=strategy == "zero1" and p.sharded)
+                     for p in ctx.captured.params]
+            ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured,
+                                                                        params=specs))
+        ctx = dataclasses.replace(ctx, reshard_after_forward=(
+            False if strategy == "zero2" else "auto" if setting == "search" else setting))
+        best, candidates = _Search(self.gm, ctx, self.options, self.garbage, strategy,
+                                   setting).run()
+        out, split = run_passes(best.gm, best.ctx, [(split_pass, {})],
+                                verify_each=self.options.get("verify", False))
+        best = dataclasses.replace(best, ctx=split)
+        return out, best, self._finish(best, candidates, strategy)
+
+    def _finish(self, best: Lowered, candidates: list, strategy: str):
+        """The Plan of ``best`` (split): its schedule and prediction, the candidates, the gathers
+        after the optimizer step, and why it is not enough when it does not fit."""
+        from autoshard.plans import make_plan
+
+        ctx, config, pred = best.ctx, self.config, best.prediction
+        specs = {p.fqn: p for p in ctx.captured.params}
+        mesh_shape = ctx.captured.params[0].mesh_shape if ctx.captured.params else (1,)
+        state = ctx.state
+        plan = make_plan(
+            math.prod(mesh_shape), ctx.units, specs, [ctx.split.fwd, ctx.split.bwd],
+            prediction=pred, profile=ctx.profile, budget=ctx.memory_budget,
+            policy="pinned" if config.units is not None else config.policy,
+            model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
+            host_state_bytes=state["host"], recompute=ctx.recompute, candidates=candidates,
+            offload=ctx.offload, offload_params=ctx.offload_params,
+            reshard=(RESHARD[ctx.reshard_after_forward]
+                     if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
+            strategy=strategy, mesh_shape=mesh_shape, grad_sync=ctx.grad_sync)
+        plan.predicted["local_grad_bytes"] = self.options.get("local_grad_bytes", 0)
+        if any(p.replica for p in ctx.captured.params):
+            _after_step(plan, ctx)
+        plan.unfit = (_unfit(plan, ctx, config)
+                      if self._searched() and pred.peak_bytes > ctx.memory_budget else None)
+        return plan
+
+
+class _Search:
+    """One strategy's search: the placements of the state (on the device; with no
+    ``Config.offload_policy`` and nothing fitting there, in host memory, as little as fits)
+    and per placement every recomputation choice and unit candidate (``_Placement``).
+    ``setting``: the strategy's ``reshard_after_forward`` ("search" tries keeping every unit
+    gathered too)."""
+
+    def __init__(self, gm, ctx, options, garbage, strategy: str, setting):
+        self.gm, self.ctx, self.options, self.garbage = gm, ctx, options, garbage
+        self.config, self.strategy, self.setting = options["config"], strategy, setting
+        self.candidates: list = []  # every candidate tried or ruled out, as the plan shows it
+        self.best: Optional[Lowered] = None
+        self.best_row: Optional[dict] = None  # its row in ``candidates``
+        self.searched: dict = {}  # the parameters on the host -> whether a plan fits
+        self.all_hosted = None  # (least peak, optimizer bytes) with all of the state hosted
+        # what every placement computes alike: each choice's graph and activations, the unit
+        # groupings
+        self.bases, self.activations, self.groupings = {}, {}, {}
+
+    def run(self):
+        """``(best Lowered, candidates)``; the best is the least peak when none fits."""
+        from autoshard.config import offloads
+
+        forced, placed = offloads(self.config), self.options.get("placed")
+        may_offload = self.config.offload_policy is None  # when nothing fits on the device
+        if placed is not None:  # an earlier plan stored the state: the specs say where
+            self.placement(placed, None, keep=True)
+        elif forced:
+            self.placement(forced, None)
+        elif (not self.placement(0.0, "unfit" if may_offload else None) and may_offload
+              and self.placement(1.0, "all")):
+            lo, hi = 0, len(OFFLOAD_STATE) - 1  # OFFLOAD_STATE[-1] fits
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self.placement(OFFLOAD_STATE[mid], "all") else (mid + 1,
+                                                                                      hi)
+        for c in self.candidates:
+            c["chosen"] = c is self.best_row
+        return self.best, self.candidates
+
+    def placement(self, offload: float, reuse, keep: bool = False) -> bool:
+        """Search with ``offload`` of the state on the host (once per placement: on a small
+        model two fractions can place alike); whether a plan fits then. ``reuse``: whether a
+        later placement reads the choices' graphs (None: none; "unfit": one does if no plan
+        fits; "all"). ``keep``: the specs' devices are the placement (``offload`` its
+        fraction)."""
+        budget = self.ctx.memory_budget
+        placed = _placed(self.ctx, offload, self.config, self.options, keep)
+        key = frozenset(s.fqn for s in placed.captured.params if s.device == "host")
+        if key in self.searched:
+            return self.searched[key]
+        # brought back onto the device, optimizer state is held all step: every plan tried
+        # with all of the state on the host needs that much more, at least
+        if self.all_hosted is not None:
+            least, hosted_optimizer = self.all_hosted
+            back = placed.state["optimizer"] - hosted_optimizer
+            if least + back > budget:
+                self.candidates.append({
+                    "recompute": "-", "offload": offload, "offload_params": None,
+                    "units": None, "step_s": None, "peak_bytes": least + back, "fits": False,
+                    "note": f"the least peak with all of the state on the host plus the "
+                            f"{_fmt_bytes(back)} of optimizer state this brings back exceeds "
+                            "the budget"})
+                self.searched[key] = False
+                return False
+        _Placement(self, placed, reuse).run()
+        self.searched[key] = any(c["fits"] and c["offload"] == offload for c in self.candidates)
+        if offload == 1.0:
+            self.all_hosted = (min(c["peak_bytes"] for c in self.candidates
+                                   if c["offload"] == 1.0 and c["step_s"] is not None),
+                               placed.state["optimizer"])
+        return self.searched[key]
+
+    def consider(self, low: Lowered, row: dict) -> None:
+        """Record a lowered candidate; keep it if it is the best so far."""
+        self.candidates.append(row)
+        if self.best is None or self._better(low, self.best):
+            self.best, self.best_row = low, row
+        self.garbage.candidate_done()
+
+    def best_fits(self) -> bool:
+        return self.best is not None and self.best.prediction.peak_bytes <= self.ctx.memory_budget
+
+    def _better(self, a: Lowered, b: Lowered) -> bool:
+        """Fits first, then fastest, then the least state on the host; among the unfit, the
+        least memory."""
+        budget = self.ctx.memory_budget
+        pa, pb = a.prediction, b.prediction
+        a_fits, b_fits = pa.peak_bytes <= budget, pb.peak_bytes <= budget
+        if a_fits != b_fits:
+            return a_fits
+        if not a_fits:
+            return pa.peak_bytes < pb.peak_bytes
+        return (pa.total, a.ctx.state["host"]) < (pb.total, b.ctx.state["host"])
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One recomputation choice within a placement: its graph and what every unit candidate
+    on it shares."""
+
+    label: str
+    modes: Optional[Mapping]
+    base: fx.GraphModule
+    cache: dict  # autoshard.passes.auto's per-graph cache
+    floor: int  # bytes held all step plus its activations
+    compute: float = 0.0  # seconds of compute, plus the gradient copies every plan makes
+    cands: list = dataclasses.field(default_factory=list)  # auto.tries: (s, bound, groups)
+    tried: set = dataclasses.field(default_factory=set)
+    read: set = dataclasses.field(default_factory=set)  # parameters the forward reads
+
+
+class _Placement:
+    """Every recomputation choice and unit candidate for one placement of the state (``ctx``
+    from ``_placed``), recorded in the search. Choices go from recomputing nothing to
+    recomputing most; see the module docstring for what is skipped and why."""
+
+    def __init__(self, search: _Search, ctx, reuse):
+        from autoshard.passes.units import repeated_blocks
+
+        self.search, self.ctx, self.reuse = search, ctx, reuse
+        config = self.config = search.config
+        self.verify = search.options.get("verify", False)
+        blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
+        self.choices = recompute_choices(config.recompute, blocks)
+        self.searching_units = config.policy == "auto" and config.units is None
+        self.big = len(search.gm.graph.nodes) > BIG_GRAPH
+        self.budget = ctx.memory_budget
+        # offloaded, the fractions of units copying their shards in twice to try per candidate
+        self.ladder = ((config.offload_params,) if config.offload_params is not None
+                       else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
+        self.specs = {p.fqn: p for p in ctx.captured.params}
+        self.floors: dict = {}  # choice -> bytes held all step plus its activations
+
+    def row(self, label, **fields) -> dict:
+        """A candidate's row as the plan shows it."""
+        return {"recompute": label, "offload": self.ctx.offload, "offload_params": None,
+                **fields}
+
+    def prepare(self, i: int):
+        """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
+        from autoshard.passes import recompute_activations_pass, run_passes
+        from autoshard.simulate import activations
+
+        s = self.search
+        if i not in s.bases:
+            base = clone_graph(s.gm)
+            if self.choices[i][1] is not None:
+                base, _ = run_passes(base, self.ctx, [(recompute_activations_pass,
+                                                       {"blocks": self.choices[i][1]})],
+                                     verify_each=self.verify)
+            s.activations[i] = activations(base)
+            s.bases[i] = base
+        self.floors[i] = self.ctx.static_bytes + s.activations[i][0]
+        return s.bases[i], self.floors[i]
+
+    def first_fitting_choice(self, first: int) -> int:
+        """On a big graph, the first choice whose activations fit, by bisection: each
+        recomputes more than the one before, so its floor is lower."""
+        lo, hi = 0, len(self.choices) - 1
+        if first < len(self.choices) and self.prepare(first - 1)[1] <= self.budget:
+            hi = first - 1  # a choice always tried holds one: no fallback is built
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if self.prepare(mid)[1] > self.budget else (lo, mid)
+        return lo
+
+    def run(self) -> None:
+        s = self.search
+        first = first_choices(self.config.recompute, self.choices)
+        tried_before = len(s.candidates)
+        start = self.first_fitting_choice(first) if self.big else 0
+        slower = None  # on a big graph, a choice whose plans were all slower than the chosen
+        for i, (label, modes) in enumerate(self.choices):
+            if i == first and any(c["fits"] for c in s.candidates[tried_before:]):
+                break  # the rest are fallbacks, and a plan of this placement fits without them
+            if slower is not None:  # each choice recomputes more than the one before
+                s.candidates.append(self.row(
+                    label, units=None, step_s=None, peak_bytes=None, fits=None,
+                    note=f"recomputes more than {slower}, whose plans are all slower than "
+                         "the chosen one"))
+                continue
+            if i < start and i not in self.floors:
+                j = min(k for k in self.floors if k > i and self.floors[k] > self.budget)
+                s.candidates.append(self.row(
+                    label, units=None, step_s=None, peak_bytes=self.floors[j], fits=False,
+                    note=f"recomputes less than {self.choices[j][0]}, whose activations alone "
+                         "exceed the budget"))
+                continue
+            slower = self.choice(i, label, modes)
+
+    def choice(self, i: int, label: str, modes):
+        """Try choice ``i``'s unit candidates; the label if, on a big graph, every plan of it
+        was slower than the chosen one (the choices after it are not built), else None."""
+        from autoshard.cost import node_time
+
+        s = self.search
+        base, floor = self.prepare(i)
+        if self.reuse is None or (self.reuse == "unfit" and s.best_fits()):
+            for j in [j for j in s.bases if j <= i]:  # no later placement reads them
+                del s.bases[j]
+        # and per choice, its activations and unit candidates, computed once
+        ch = _Choice(label, modes, base, {"groupings": s.groupings,
+                                          "activations": s.activations[i]}, floor)
+        if i != len(self.choices) - 1 and floor > self.budget:
+            s.candidates.append(self.row(label, units=None, step_s=None, peak_bytes=floor,
+                                         fits=False,
+                                         note="activations alone exceed the budget"))
+            return None
+        ch.compute = sum(node_time(n, self.ctx.profile) for n in base.graph.nodes)
+        if s.best_fits() and ch.compute >= s.best.prediction.total:
+            s.candidates.append(self.row(
+                label, units=None, step_s=None, peak_bytes=floor, fits=None,
+                note=f"its compute alone ({ch.compute * 1e3:.1f} ms) is slower than the "
+                     "chosen plan"))
+            return label if self.big else None
+        outcomes = self.unit_candidates(ch)
+        return label if self.big and all(o is None for o in outcomes) else None
+
+    def unit_candidates(self, ch: _Choice) -> list:
+        """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the
+        first that fits, by bisection (fastest first is most memory first)."""
+        from autoshard import meta
+        from autoshard.passes import unit_options
+        from autoshard.passes.auto import gradient_copies, tries
+
+        if self.searching_units:
+            ch.cands = tries(ch.base, self.ctx, {**unit_options(self.config),
+                                                 "auto_cache": ch.cache})
+        ch.compute += gradient_copies(ch.base, self.specs, self.ctx.profile)
+        ch.read = {meta.tag(p, meta.FQN) for p in ch.base.graph.nodes
+                   if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
+        if not self.searching_units:
+            return [self.attempt(ch, 0)]
+        if not self.big:
+            return [self.attempt(ch, k) for k in range(len(ch.cands))]
+        lo, hi, outcomes = 0, len(ch.cands) - 1, []
+        while lo < hi:
+            mid = (lo + hi) // 2
+            outcomes.append(self.attempt(ch, mid))
+            lo, hi = (mid + 1, hi) if outcomes[-1] is False else (lo, mid)
+        if lo not in ch.tried:
+            outcomes.append(self.attempt(ch, lo))
+        return outcomes
+
+    def slower_floor(self, ch: _Choice, k: int) -> bool:
+        """Whether candidate ``k``'s compute and the copies its grouping surely makes are
+        already slower than the best plan that fits (then it is recorded, not built)."""
+        from autoshard.passes.auto import copy_floor
+
+        s = self.search
+        if not s.best_fits():
+            return False
+        floor_s = ch.compute + (copy_floor(ch.cands[k][2], self.specs, self.ctx.profile,
+                                           ch.read, self.ctx.reshard_after_forward)
+                                if self.searching_units else 0.0)
+        if floor_s < s.best.prediction.total:
+            return False
+        s.candidates.append(self.row(
+            ch.label, units=len(ch.cands[k][2]) if self.searching_units else None,
+            step_s=None, peak_bytes=ch.cands[k][1] if self.searching_units else ch.floor,
+            fits=None,
+            note=f"its compute and copies alone ({floor_s * 1e3:.1f} ms) are slower than the "
+                 "chosen plan"))
+        return True
+
+    def attempt(self, ch: _Choice, k: int):
+        """Unit candidate ``k`` through the pipeline: whether it fits, or None when its
+        compute and copies alone are slower than the best plan that fits (not built).
+        Offloaded, the fewest units copying their shards in twice that fits, among the
+        ladder's fractions of the n offloaded units (each count once); peaks fall along it,
+        so the last is tried (if it does not fit, none does), then the least that fits
+        between, by bisection. A plan that fits with communication exposed is tried again
+        with every unit kept from forward to backward (``reshard_after_forward="search"``)
+        when its bound (the peak plus every resharded unit held) surely fits."""
+        from autoshard.passes.collectives import offloaded_units
+
+        ch.tried.add(k)
+        if self.slower_floor(ch, k):
+            return None
+        reshard = self.ctx.reshard_after_forward
+        low = self.evaluate(ch, k, reshard, self.ladder[0])
+        fits = low.prediction.peak_bytes <= self.budget
+        n = len(offloaded_units(low.ctx.units, self.specs)) if self.ctx.offload else 0
+        steps = sorted({round(f * n) for f in self.ladder}) if n else [0]
+        if not fits and len(steps) > 1:
+            last = self.evaluate(ch, k, reshard, steps[-1] / n)
+            if last.prediction.peak_bytes <= self.budget:
+                low, fits, lo, hi = last, True, 1, len(steps) - 1
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    got = self.evaluate(ch, k, reshard, steps[mid] / n)
+                    if got.prediction.peak_bytes <= self.budget:
+                        low, hi = got, mid
+                    else:
+                        lo = mid + 1
+        pred = low.prediction
+        held = sum(self.specs[f].gathered_bytes() for u in low.ctx.units if not u.keep
+                   for f in u.fqns)
+        if (fits and self.search.setting == "search" and pred.exposed_comm > 0
+                and 0 < held and pred.peak_bytes + held <= self.budget):
+            self.evaluate(ch, k, False, low.ctx.offload_params)
+        return fits
+
+    def evaluate(self, ch: _Choice, k: int, reshard, params) -> Lowered:
+        """Unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``, lowered,
+        predicted and recorded."""
+        cand = Candidate(self.search.strategy, self.ctx.offload, ch.label, ch.modes, k, reshard,
+                         params)
+        low = lower(ch.base, self.ctx, cand, self.config, ch.cache, verify=self.verify)
+        pred = low.prediction
+        self.search.consider(low, self.row(
+            ch.label, offload_params=low.ctx.offload_params if self.ctx.offload else None,
+            units=len(low.ctx.units), reshard=RESHARD[reshard], step_s=pred.total,
+            peak_bytes=pred.peak_bytes, fits=pred.peak_bytes <= self.budget, note=""))
+        return low
+
+
+def _placed(ctx, offload: float, config, options, keep: bool = False):
+    """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
+    the device (``keep``: as the specs place it already), and the bytes held all step that
+    follow."""
+    from autoshard.config import OPTIMIZER_STATES
+    from autoshard.spec import hosted, model_state_bytes
+
+    specs = ctx.captured.params
+    host = ({s.fqn for s in specs if s.device == "host"} if keep
+            else hosted([(s.fqn, s.shape) for s in specs], offload))
+    if any((s.device == "host") != (s.fqn in host) for s in specs):
+        specs = [dataclasses.replace(s, device="host" if s.fqn in host else "device")
+                 for s in specs]
+        ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
+    state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
+    other = options.get("other_static_bytes", 0)
+    return dataclasses.replace(
+        ctx, state=state, offload=offload,
+        static_bytes=state["params"] + state["grads"] + state["optimizer"] + other,
+        sim_static_bytes=state["params"] + state["optimizer"] + other)
+
+
+def _after_step(plan, ctx) -> None:
+    """A plan whose parameters have replicas (ZeRO-1) also gathers, per unit and compute
+    dtype, the shards the optimizer updated into them before the next call: schedule entries
+    ("after step"), and their time (exposed: nothing runs beside it) and bytes in the
+    prediction."""
+    from autoshard.cost import collective_time
+    from autoshard.plans import ScheduleEntry
+
+    specs = {p.fqn: p for p in ctx.captured.params}
+    for unit in ctx.units:
+        by_dtype = {}
+        for f in unit.fqns:
+            if specs[f].replica:
+                by_dtype.setdefault(specs[f].compute_dtype, []).append(specs[f])
+        for group in by_dtype.values():
+            nbytes, n = sum(s.gathered_bytes() for s in group), group[0].shards
+            plan.schedule.append(ScheduleEntry("after step", unit.index, "all_gather", nbytes,
+                                               "(optimizer step)", ""))
+            t = collective_time(nbytes, n, ctx.profile)
+            for key in ("step_s", "exposed_comm_s"):
+                plan.predicted[key] += t
+            plan.predicted["comm_bytes"] += nbytes
+            plan.predicted["sent_bytes"] += nbytes * (n - 1) // n
+
+
+def _unfit(plan, ctx, config) -> str:
+    """Why no plan fits: the smallest plan the search made (the last candidates tried are
+    the least memory a plan can take: one unit per parameter, and with recompute True or
+    "auto" every repeated block recomputed whole) and what would make one fit."""
+    from autoshard.plans import offload_label
+
+    budget, world_size = ctx.memory_budget, plan.world_size
+    return (
+        f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
+        f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
+        f"recomputation, {len(ctx.units)} units"
+        + (f", the model state in host memory (offload: "
+           f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
+        + f") needs {_fmt_bytes(plan.predicted['peak_bytes'])}. "
+        "Raise Config.memory_budget to at least that, shard over more ranks, use a "
+        "smaller batch" + (", or Config(recompute=True) to recompute activations"
+                           if config.recompute is False else "") + ".")
 
 
 class _Garbage:
@@ -147,298 +675,3 @@ class _Garbage:
         self.count += 1
         if self.enabled and self.count % COLLECT_EVERY == 0:  # the caller may want none
             gc.collect()
-
-
-def _plan_step(gm, ctx, options, garbage):
-    from autoshard import passes
-    from autoshard.config import offloads
-
-    config, budget = options["config"], ctx.memory_budget
-    candidates, best, shared = [], None, {"garbage": garbage}
-
-    searched = {}  # the parameters on the host -> whether a plan fits
-
-    def search(offload: float, reuse) -> bool:
-        """Search with ``offload`` of the state on the host (once per placement: on a small
-        model two fractions can place alike); whether a plan fits then. ``reuse``: whether a
-        later search reads the choices' graphs (None: none; "unfit": one does if no plan
-        fits; "all")."""
-        nonlocal best
-        placed = _placed(ctx, offload, config, options)
-        key = frozenset(s.fqn for s in placed.captured.params if s.device == "host")
-        if key in searched:
-            return searched[key]
-        # brought back onto the device, optimizer state is held all step: every plan tried
-        # with all of the state on the host needs that much more, at least
-        back = placed.state["optimizer"] - shared.get("all_hosted", (0, 0))[1]
-        if "all_hosted" in shared and shared["all_hosted"][0] + back > budget:
-            candidates.append({
-                "recompute": "-", "offload": offload, "offload_params": None, "units": None,
-                "step_s": None, "peak_bytes": shared["all_hosted"][0] + back, "fits": False,
-                "note": f"the least peak with all of the state on the host plus the "
-                        f"{_fmt_bytes(back)} of optimizer state this brings back exceeds "
-                        "the budget"})
-            searched[key] = False
-            return False
-        shared["reuse"] = reuse
-        best = _search(gm, placed, options, candidates, best, shared)
-        searched[key] = any(c["fits"] and c["offload"] == offload for c in candidates)
-        if offload == 1.0:
-            shared["all_hosted"] = (min(c["peak_bytes"] for c in candidates
-                                        if c["offload"] == 1.0 and c["step_s"] is not None),
-                                    placed.state["optimizer"])
-        return searched[key]
-
-    forced = offloads(config)
-    planner = config.offload_policy is None  # may offload when nothing fits on the device
-    if forced:
-        search(forced, None)
-    elif not search(0.0, "unfit" if planner else None) and planner and search(1.0, "all"):
-        lo, hi = 0, len(OFFLOAD_STATE) - 1  # OFFLOAD_STATE[-1] fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if search(OFFLOAD_STATE[mid], "all") else (mid + 1, hi)
-    pred, out, chosen = best
-    out = passes.run_passes(out, chosen, [(passes.split_pass, {})],
-                            verify_each=options.get("verify", False))
-    chosen_at = next(i for i, c in enumerate(candidates) if c.pop("best", False))
-    for i, c in enumerate(candidates):
-        c["chosen"] = i == chosen_at
-    for f in dataclasses.fields(ctx):
-        setattr(ctx, f.name, getattr(chosen, f.name))
-    ctx.candidates = candidates
-    return out
-
-
-def _placed(ctx, offload: float, config, options):
-    """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
-    the device, and the bytes held all step that follow."""
-    from autoshard.config import OPTIMIZER_STATES
-    from autoshard.spec import hosted, model_state_bytes
-
-    specs = ctx.captured.params
-    host = hosted([(s.fqn, s.shape) for s in specs], offload)
-    if any((s.device == "host") != (s.fqn in host) for s in specs):
-        specs = [dataclasses.replace(s, device="host" if s.fqn in host else "device")
-                 for s in specs]
-        ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
-    else:
-        ctx = dataclasses.replace(ctx)
-    state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
-    other = options.get("other_static_bytes", 0)
-    ctx.state, ctx.offload = state, offload
-    ctx.static_bytes = state["params"] + state["grads"] + state["optimizer"] + other
-    ctx.sim_static_bytes = state["params"] + state["optimizer"] + other
-    return ctx
-
-
-def _search(gm, ctx, options, candidates: list, best, shared: dict):
-    """Every recomputation choice and unit candidate for one placement of the state; appends
-    to ``candidates`` and returns the better of ``best`` and what it found. ``shared``: what
-    every search computes alike (each choice's graph and activations, the unit groupings)."""
-    from autoshard import meta
-    from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
-                                  split_pass, unit_options)
-    from autoshard.passes.auto import copy_floor, gradient_copies, tries
-    from autoshard.passes.collectives import offloaded_units
-    from autoshard.passes.units import repeated_blocks
-    from autoshard.cost import node_time
-    from autoshard.simulate import activations, simulate_joint
-
-    config, verify = options["config"], options.get("verify", False)
-    blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
-    choices = recompute_choices(config.recompute, blocks)
-    searching_units = config.policy == "auto" and config.units is None
-    big = len(gm.graph.nodes) > BIG_GRAPH
-    budget = ctx.memory_budget
-    # offloaded, the fractions of units copying their shards in twice to try per candidate
-    ladder = ((config.offload_params,) if config.offload_params is not None
-              else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
-    # as every candidate of this search records it
-    where = {"offload": ctx.offload, "offload_params": None}
-    # whether a later search reads the choices' graphs (see _plan_step)
-    reuse = shared["reuse"]
-
-    specs = {p.fqn: p for p in ctx.captured.params}
-    gathered = {f: p.gathered_bytes() for f, p in specs.items()}
-
-    def evaluate(base, label, modes, k, reshard, params):
-        """Run unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``
-        through the pipeline and simulate it; record it, and keep it if it is the best so
-        far."""
-        nonlocal best
-        cctx = dataclasses.replace(ctx, reshard_after_forward=reshard, offload_params=params)
-        # recomputation is done already, per choice; the chosen plan alone is split
-        passes = [p for p in default_passes(config, candidate=k, auto_cache=cache)
-                  if p[0] not in (recompute_activations_pass, split_pass)]
-        out = run_passes(clone_graph(base), cctx, passes, verify_each=verify, lint=False)
-        if ctx.offload:  # the fraction that took effect: a whole number of units copy again
-            hosted = offloaded_units(cctx.units, specs)
-            cctx.offload_params = (sum(not u.held for u in hosted) / len(hosted) if hosted
-                                   else 0.0)
-        pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
-                              ctx.state["host"] - ctx.state["host_grads"])
-        cctx.prediction, cctx.recompute = pred, (label, modes)
-        candidates.append({"recompute": label, **where,
-                           "offload_params": cctx.offload_params if ctx.offload else None,
-                           "units": len(cctx.units),
-                           "reshard": RESHARD[reshard], "step_s": pred.total,
-                           "peak_bytes": pred.peak_bytes, "fits": pred.peak_bytes <= budget,
-                           "note": ""})
-        if best is None or better((pred, out, cctx), best):
-            for c in candidates:
-                c.pop("best", None)
-            best = (pred, out, cctx)
-            candidates[-1]["best"] = True
-        shared["garbage"].candidate_done()
-        return cctx, pred
-
-    def better(a, b):  # fits first, then fastest, then the least state on the host; among
-        # the unfit, the least memory
-        a_fits, b_fits = a[0].peak_bytes <= budget, b[0].peak_bytes <= budget
-        if a_fits != b_fits:
-            return a_fits
-        if not a_fits:
-            return a[0].peak_bytes < b[0].peak_bytes
-        return (a[0].total, a[2].state["host"]) < (b[0].total, b[2].state["host"])
-
-    bases = shared.setdefault("bases", {})
-    acts = shared.setdefault("activations", {})
-    floors = {}
-
-    def prepare(i):
-        """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
-        if i not in bases:
-            base = clone_graph(gm)
-            if choices[i][1] is not None:
-                base = run_passes(base, dataclasses.replace(ctx),
-                                  [(recompute_activations_pass, {"blocks": choices[i][1]})],
-                                  verify_each=verify)
-            acts[i] = activations(base)
-            bases[i] = base
-        floors[i] = ctx.static_bytes + acts[i][0]
-        return bases[i], floors[i]
-
-    first, tried_before = first_choices(config.recompute, choices), len(candidates)
-    start = 0  # the first choice whose activations fit; each recomputes more than the one
-    if big:  # before, so its floor is lower: bisected on a big graph
-        lo, hi = 0, len(choices) - 1
-        if first < len(choices) and prepare(first - 1)[1] <= budget:
-            hi = first - 1  # a choice always tried holds one: no fallback is built
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (mid + 1, hi) if prepare(mid)[1] > budget else (lo, mid)
-        start = lo
-    # the unit groupings (autoshard.passes.auto), the same for every choice
-    groupings = shared.setdefault("groupings", {})
-    slower = None  # on a big graph, a choice whose plans were all slower than the chosen one
-    for i, (label, modes) in enumerate(choices):
-        if i == first and any(c["fits"] for c in candidates[tried_before:]):
-            break  # the rest are fallbacks, and a plan of this placement fits without them
-        if slower is not None:  # each choice recomputes more than the one before
-            candidates.append({"recompute": label, **where, "units": None, "step_s": None,
-                               "peak_bytes": None, "fits": None,
-                               "note": f"recomputes more than {slower}, whose plans are all "
-                                       "slower than the chosen one"})
-            continue
-        if i < start and i not in floors:
-            j = min(k for k in floors if k > i and floors[k] > budget)
-            candidates.append({"recompute": label, **where, "units": None,
-                               "step_s": None, "peak_bytes": floors[j], "fits": False,
-                               "note": f"recomputes less than {choices[j][0]}, whose "
-                                       "activations alone exceed the budget"})
-            continue
-        base, floor = prepare(i)
-        if reuse is None or (reuse == "unfit" and best is not None
-                             and best[0].peak_bytes <= budget):
-            for j in [j for j in bases if j <= i]:  # no later search reads them
-                del bases[j]
-        # and per choice, its activations and unit candidates, computed once
-        cache = {"groupings": groupings, "activations": acts[i]}
-        last_choice = i == len(choices) - 1
-        if not last_choice and floor > budget:
-            candidates.append({"recompute": label, **where, "units": None,
-                               "step_s": None, "peak_bytes": floor, "fits": False,
-                               "note": "activations alone exceed the budget"})
-            continue
-        compute = sum(node_time(n, ctx.profile) for n in base.graph.nodes)
-        if best is not None and best[0].peak_bytes <= budget and compute >= best[0].total:
-            candidates.append({"recompute": label, **where, "units": None,
-                               "step_s": None, "peak_bytes": floor, "fits": None,
-                               "note": f"its compute alone ({compute * 1e3:.1f} ms) is "
-                                       "slower than the chosen plan"})
-            slower = label if big else None
-            continue
-        if searching_units:
-            cands = tries(base, ctx, {**unit_options(config), "auto_cache": cache})
-        tried = set()
-        compute += gradient_copies(base, specs, ctx.profile)
-        read = {meta.tag(p, meta.FQN) for p in base.graph.nodes
-                if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
-
-        def run(k, params):
-            return evaluate(base, label, modes, k, ctx.reshard_after_forward, params)
-
-        def attempt(k):
-            """Candidate ``k`` through the pipeline: whether it fits, or None when its compute
-            and copies alone are slower than the best plan that fits (not run)."""
-            tried.add(k)
-            if best is not None and best[0].peak_bytes <= budget:
-                floor_s = compute + (copy_floor(cands[k][2], specs, ctx.profile, read,
-                                                ctx.reshard_after_forward)
-                                     if searching_units else 0.0)
-                if floor_s >= best[0].total:
-                    candidates.append({
-                        "recompute": label, **where,
-                        "units": len(cands[k][2]) if searching_units else None,
-                        "step_s": None,
-                        "peak_bytes": cands[k][1] if searching_units else floor, "fits": None,
-                        "note": f"its compute and copies alone ({floor_s * 1e3:.1f} ms) are "
-                                "slower than the chosen plan"})
-                    return None
-            cctx, pred = run(k, ladder[0])
-            fits = pred.peak_bytes <= budget
-            n = len(offloaded_units(cctx.units, specs)) if ctx.offload else 0
-            # offloaded: the fewest units copying their shards in twice that fits, among the
-            # ladder's fractions of these n units (each count once); peaks fall along it, so
-            # the last is tried (if it does not fit, none does), then the least that fits
-            # between, by bisection
-            steps = sorted({round(f * n) for f in ladder}) if n else [0]
-            if not fits and len(steps) > 1:
-                last = run(k, steps[-1] / n)
-                if last[1].peak_bytes <= budget:
-                    (cctx, pred), fits, lo, hi = last, True, 1, len(steps) - 1
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        got = run(k, steps[mid] / n)
-                        if got[1].peak_bytes <= budget:
-                            (cctx, pred), hi = got, mid
-                        else:
-                            lo = mid + 1
-            # every unit kept from forward to backward saves the backward's all-gathers; tried
-            # when its bound (the peak plus every resharded unit held) surely fits and some
-            # communication is exposed
-            held = sum(gathered[f] for u in cctx.units if not u.keep for f in u.fqns)
-            if (fits and config.reshard_after_forward == "search" and pred.exposed_comm > 0
-                    and 0 < held and pred.peak_bytes + held <= budget):
-                evaluate(base, label, modes, k, False, cctx.offload_params)
-            return fits
-
-        if not searching_units:
-            outcomes = [attempt(0)]
-        elif big:  # the first that fits, by bisection: fastest first is most memory first
-            lo, hi, outcomes = 0, len(cands) - 1, []
-            while lo < hi:
-                mid = (lo + hi) // 2
-                outcomes.append(attempt(mid))
-                if outcomes[-1] is False:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            if lo not in tried:
-                outcomes.append(attempt(lo))
-        else:
-            outcomes = [attempt(k) for k in range(len(cands))]
-        if big and all(o is None for o in outcomes):
-            slower = label
-    return best

@@ -128,9 +128,8 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         first_pack = _issue_block(rs[k + 1])[0]
         for n in block:
             first_pack.prepend(n)
-    ctx.prefetch_cap = cap
     gm.recompile()
-    return gm
+    return gm, {"prefetch_cap": cap}
 
 
 prefetch_pass.reorder_only = True

@@ -102,7 +102,7 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         _copy_into(bwd_graph, [n for n in bwd_nodes if n.op != "placeholder"], benv)
         bwd_graph.output([benv[values[i]] for i in bwd_idx])
         bwd = _compat.graph_module(gm, bwd_graph)
-    ctx.split = SplitProgram(
+    return gm, {"split": SplitProgram(
         fwd=_compat.graph_module(gm, fwd_graph),
         bwd=bwd,
         fwd_roles=[roles[i] for i in fwd_idx],
@@ -110,5 +110,4 @@ def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         saved=[n.name for n in saved],
         n_tangents=len(tangents),
         acc_fqns=[meta.tag(n, meta.FQN) for n in accs],
-    )
-    return gm
+    )}

@@ -152,29 +152,28 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     rank = {f: i for i, f in enumerate(order)}
     groups.sort(key=lambda g: min(rank[f] for f in g[1]))
     by_fqn = {meta.tag(n, meta.FQN): n for n in phs}
-    ctx.units = []
+    units = []
     for i, (name, fq) in enumerate(groups):
         fq = sorted(fq, key=rank.__getitem__)
-        ctx.units.append(Unit(i, name, fq))
+        units.append(Unit(i, name, fq))
         for f in fq:
             meta.tags(by_fqn[f])[meta.UNIT] = i
-    _choose_kept(gm, ctx, by_fqn)
-    return gm
+    _choose_kept(gm, ctx.reshard_after_forward, units, by_fqn)
+    return gm, {"units": units}
 
 
-def _choose_kept(gm, ctx, by_fqn) -> None:
-    mode = ctx.reshard_after_forward
+def _choose_kept(gm, mode, units: list, by_fqn) -> None:
     if mode is True:
         return
     if mode is False:
-        for u in ctx.units:
+        for u in units:
             u.keep = True
         return
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     end = {}  # unit -> position of its last forward read
-    for u in ctx.units:
+    for u in units:
         reads = [pos[r] for f in u.fqns for r in by_fqn[f].users if meta.is_forward(r)]
         if reads:
             end[u.index] = max(reads)
     if end:  # the backward starts by gathering it again
-        ctx.units[max(end, key=end.__getitem__)].keep = True
+        units[max(end, key=end.__getitem__)].keep = True

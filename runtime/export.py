@@ -649,7 +649,8 @@ def _check_backend(mesh, path: str) -> None:
 
 
 def _load_program(folder: str, model, st, same: bool):
-    from autoshard.api import _program, plan_captured
+    from autoshard.api import _program
+    from autoshard.compiler import plan_captured
     from autoshard.passes.split import SplitProgram
     from autoshard.plans import Plan
     from autoshard.runtime import dist as _dist

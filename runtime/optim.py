@@ -115,7 +115,7 @@ def note_update(params) -> None:
     derived from their values (a ZeRO-1 replica) is gathered again before it is read. An
     optimizer's foreach updates advance neither the DTensor's version counter nor its local
     tensor's (torch's foreach ops on tensor subclasses), so this is how they are seen; the
-    other in-place writes advance one of the two (``autoshard.api._stamp``)."""
+    other in-place writes advance one of the two (``autoshard.runtime.replicas._stamp``)."""
     n = next(_updates)
     for p in params:
         setattr(p, _UPDATED, n)

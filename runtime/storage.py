@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from autoshard.spec import ShardLayout, hosted, placements_for
+from autoshard.spec import ON_HOST, param_specs
 from autoshard.runtime import optim
 from autoshard.runtime.materialize import _Materializer, _Slot, _slots, init_steps
 
@@ -140,9 +140,8 @@ class StagedShards:
         return undo
 
 
-def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
-                 param_init_fn=None, offload=None, offload_state: float = 1.0,
-                 strategy: str = "zero3") -> StagedShards:
+def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None, *,
+                 param_init_fn=None, pin_memory: bool = True) -> StagedShards:
     """Build this rank's DTensor parameters (its rows of each) and the buffers on ``device``,
     without changing ``model``; ``commit()`` swaps them in.
 
@@ -161,25 +160,22 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     tensor nothing initialises, or whose constructor's writes cannot be replayed, raises
     ``ValueError`` naming it.
 
-    Rows are split over the mesh's last dimension and replicated over the others (a 2-D
-    ("replicate", "shard") mesh, HSDP); ``strategy="ddp"``: every parameter is replicated
-    whole (``autoshard.spec.placements_for``).
-
-    ``offload`` (a CPUOffloadPolicy): the shards of ``offload_state`` of the parameters
-    (``autoshard.spec.hosted``: the last first, never scalars) are kept in host memory, pinned
-    when the device is a GPU and the policy asks for it.
+    ``specs`` (``autoshard.spec.param_specs``, by FQN; default: sharded over the mesh's last
+    dimension) decide each parameter's placement: rows split over the mesh's last dimension
+    and replicated over the others (a 2-D ("replicate", "shard") mesh, HSDP), or replicated
+    whole (DDP); a spec on the "host" keeps the shard in host memory, pinned when the device
+    is a GPU and ``pin_memory``, and marks it ``ON_HOST``.
     """
-    rank, world = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
-    if strategy == "ddp":  # every rank stores all of every parameter
-        rank, world = 0, 1
+    rank = mesh.get_local_rank(mesh.ndim - 1)
     slots = _slots(model)
-    host = hosted([(s.fqn, s.tensor.shape) for s in slots.values() if s.is_param],
-                  offload_state if offload is not None else 0.0)
+    if specs is None:
+        specs = param_specs(model, mesh_shape=tuple(mesh.shape))
+    specs = {s.fqn: s for s in specs}
 
     def local(slot: _Slot, full: torch.Tensor) -> torch.Tensor:
         if not slot.is_param:
             return full.detach()
-        lay = ShardLayout(full.shape, world)
+        lay = specs[slot.fqn].layout
         if not lay.sharded:
             return full.detach()
         a, b = lay.local_range(rank)
@@ -199,32 +195,63 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, *,
     params, buffers = {}, {}
     for sid, slot in slots.items():
         t = slot.tensor
-        if not slot.is_param:
-            if sid in values:
-                buffers[sid] = values[sid]
-            elif t.device != device:
-                buffers[sid] = t.to(device)
-            continue
-        lay = ShardLayout(t.shape, world)
-        if sid in values:
-            local_t = values[sid]
-        elif lay.sharded:
-            a, b = lay.local_range(rank)
-            local_t = t.detach()[a:b].to(device, copy=True).contiguous()
-        else:
-            local_t = t.detach().to(device, copy=True)
-        if slot.fqn in host:
-            local_t = local_t.to("cpu")
-            if device.type == "cuda" and offload.pin_memory:
-                local_t = local_t.pin_memory()
-        dt = DTensor.from_local(local_t, mesh, placements_for(t.shape, mesh.ndim, strategy),
-                                run_check=False, shape=t.shape,
-                                stride=_contiguous_stride(t.shape))
-        new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
-        optim.mark(new)
-        params[sid] = new
+        if slot.is_param:
+            params[sid] = _shard(slot, values.get(sid), specs[slot.fqn], mesh, rank, device,
+                                 pin_memory)
+        elif sid in values:
+            buffers[sid] = values[sid]
+        elif t.device != device:
+            buffers[sid] = t.to(device)
     names = {sid: slot.fqn for sid, slot in slots.items() if slot.is_param}
     return StagedShards(model, params, buffers, flags, names)
+
+
+def _shard(slot: _Slot, value, spec, mesh, rank: int, device: torch.device,
+           pin_memory: bool) -> torch.nn.Parameter:
+    """The new DTensor parameter of ``slot``: this rank's rows of ``value`` (the materialised
+    shard) or of the tensor, placed as ``spec`` says."""
+    t, lay = slot.tensor, spec.layout
+    if value is not None:
+        local_t = value
+    elif lay.sharded:
+        a, b = lay.local_range(rank)
+        local_t = t.detach()[a:b].to(device, copy=True).contiguous()
+    else:
+        local_t = t.detach().to(device, copy=True)
+    if spec.device == "host":
+        local_t = local_t.to("cpu")
+        if device.type == "cuda" and pin_memory:
+            local_t = local_t.pin_memory()
+    dt = DTensor.from_local(local_t, mesh, spec.placements, run_check=False, shape=t.shape,
+                            stride=_contiguous_stride(t.shape))
+    new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
+    optim.mark(new)
+    if spec.device == "host":
+        setattr(new, ON_HOST, True)
+    return new
+
+
+def place(model: torch.nn.Module, specs, device: torch.device, *, pin: bool = True) -> list:
+    """Store the shard of every parameter ``specs`` places in host memory there, in place
+    (``param.data``: an optimizer already built over the parameters keeps them), marked
+    ``ON_HOST`` so every later plan keeps it there; pinned on a GPU when ``pin``. What a plan
+    that chose offload applies before it first runs. Returns the FQNs moved."""
+    moved = []
+    for spec in specs:
+        if spec.device != "host":
+            continue
+        p = model.get_parameter(spec.fqn)
+        if getattr(p, ON_HOST, False):
+            continue
+        with torch.no_grad():
+            local = p.to_local().to("cpu", copy=True)
+            if device.type == "cuda" and pin:
+                local = local.pin_memory()
+            p.data = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+        setattr(p, ON_HOST, True)
+        moved.append(spec.fqn)
+    return moved
 
 
 def shard_module(model: torch.nn.Module, mesh, device: torch.device, *,

@@ -6,7 +6,7 @@ import torch
 
 from autoshard import Config
 from autoshard.capture import capture, param_specs
-from autoshard.passes import PassContext
+from autoshard.passes import PassContext, run_passes
 from autoshard.runtime.storage import fqn_aliases
 
 
@@ -26,9 +26,9 @@ def captured(model, *inputs, world_size=2, reshard_after_forward=True, with_grad
 
 
 def run(gm, ctx, *passes, **options):
-    for p in passes:
-        gm = p(gm, ctx, options=options if p.__name__ == "assign_units_pass" else {})
-    return gm
+    """``(graph, context)`` after ``passes``; ``options`` go to assign_units."""
+    return run_passes(gm, ctx, [(p, options if p.__name__ == "assign_units_pass" else {})
+                                for p in passes])
 
 
 def default_config():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from autoshard import depth
-from autoshard.api import compile_step
+from autoshard.compiler import compile_step
 from autoshard.capture import capture
 from autoshard.config import Config
 from autoshard.models import GPT, tiny_hf
@@ -58,7 +58,7 @@ def test_the_plan_is_the_same_built_or_traced():
                                     group_name="plan", device=torch.device("cpu"),
                                     config=cfg, from_shallow=shallow)
         got.append([(c["recompute"], c["units"], c["step_s"], c["peak_bytes"])
-                    for c in ctx.candidates])
+                    for c in plan.candidates])
     assert len(got[0]) > 3
     assert got[0] == got[1]
 

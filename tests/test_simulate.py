@@ -6,7 +6,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from autoshard import meta
-from autoshard.api import compile_step
+from autoshard.compiler import compile_step
 from autoshard.config import Config
 from autoshard.models import GPT, tiny_hf
 from autoshard.simulate import simulate, simulate_joint

@@ -21,7 +21,7 @@ def _comm(gm):
 
 def _gpt(world=2, **kw):
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=world, **kw)
-    return run(gm, ctx, assign_units_pass, insert_collectives_pass), ctx
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass)
 
 
 def test_one_all_gather_per_unit_per_pass_and_one_reduce_scatter():
@@ -49,7 +49,7 @@ def test_gather_sits_right_before_the_first_use_and_collectives_are_c10d_functio
 
 def test_placeholders_hold_padded_local_shards_and_grads_come_back_sharded():
     gm, ctx = captured(Odd(), torch.randn(4, 6), world_size=4)
-    run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass)
     shapes = {meta.tag(n, meta.FQN): tuple(n.meta["val"].shape)
               for n in gm.graph.nodes if meta.is_param(n)}
     assert shapes["embed.weight"] == (2, 6)  # 7 rows over 4 ranks: 2 each, padded
@@ -72,7 +72,7 @@ def test_gathered_parameters_reach_their_ops_contiguous_and_copies_are_freed(mod
     the storage it lives in (a copy of part of the buffer, or the buffer) is freed."""
     torch.manual_seed(0)
     gm, ctx = captured(model(), x, world_size=world)
-    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass)
     shapes = {p.fqn: p.shape for p in ctx.captured.params if p.gathers}
     read = {a for n in gm.graph.nodes if not meta.is_comm(n) and n.op != "output"
             for a in n.all_input_nodes if meta.tag(a, meta.COMM) == meta.AG_UNPACK}
@@ -86,7 +86,7 @@ def test_gathered_parameters_reach_their_ops_contiguous_and_copies_are_freed(mod
 
 def test_frozen_parameters_are_gathered_but_never_reduced():
     gm, ctx = captured(Odd(), torch.randn(4, 6), world_size=2)
-    run(gm, ctx, assign_units_pass, insert_collectives_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass)
     frozen = next(n for n in gm.graph.nodes if meta.tag(n, meta.FQN) == "frozen.weight")
     assert all(meta.tag(u, meta.COMM) == meta.AG_PACK for u in frozen.users)
     rs = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.RS_ISSUE]

@@ -3,6 +3,8 @@
 On this machine the host is the device, so the plans here use the H100 profile: its host link
 (``host_bandwidth``) prices the copies, and only device memory counts against the budget."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -11,7 +13,6 @@ import autoshard
 from autoshard import meta
 from autoshard.cost import PROFILES, node_time, tensor_bytes
 from autoshard.models import GPT
-from autoshard.plans import share
 
 INPUTS = (torch.randint(0, 96, (8, 32)),)
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -30,7 +31,7 @@ def _plan(offload, layers=2, world_size=2, **config):
 
 
 def _sharded_compiled(offload, layers=2, **config):
-    from autoshard.api import compile_step
+    from autoshard.compiler import compile_step
 
     model = GPT(seq=32, layers=layers)
     cfg = autoshard.Config(policy="module", prefetch=False, device_profile="h100",
@@ -145,9 +146,13 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little
 
 
 @pytest.mark.filterwarnings("ignore:autoshard. no process group")
-def test_the_runtime_asks_for_the_fraction_the_planner_offloads_and_runs_its_plan():
-    """Shards are placed when the model is wrapped, so the runtime (one rank here) asks for
-    the policy and the fraction; given them, it runs that very plan."""
+def test_the_runtime_applies_the_fraction_the_planner_offloads_and_keeps_it():
+    """The plan places the shards: the fraction the planner chose without an offload policy
+    is stored in host memory before the first step (marked on the parameters, in place, so
+    an optimizer built before it keeps them), the step equals eager's, and a later plan
+    keeps that placement; the same plan as the policy asking for that fraction."""
+    from autoshard.spec import ON_HOST
+
     on, off = _plan(False, world_size=1), _plan(True, world_size=1)
     budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2
     # the min cut alone: whole blocks recomputed would fit on the device
@@ -155,15 +160,33 @@ def test_the_runtime_asks_for_the_fraction_the_planner_offloads_and_runs_its_pla
                   recompute={})
     planned = _plan(None, world_size=1, memory_budget=budget, recompute={})
     assert 0 < planned.offload < 1
-    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(**config))
-    asked = rf"CPUOffloadPolicy\(\), offload_state={share(planned.offload)}\)\)"
-    with pytest.raises(autoshard.AutoshardError, match=asked):
-        model(*INPUTS)
-    model = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
-        **config, offload_policy=CPUOffloadPolicy(), offload_state=planned.offload))
-    model(*INPUTS)
+    torch.manual_seed(0)
+    eager = GPT(seq=32)
+    model = deepcopy(eager)
+    model = autoshard.autoshard(model, config=autoshard.Config(**config))
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not any(getattr(p, ON_HOST, False) for p in params.values())
+    model(*INPUTS).sum().backward()
     assert model.plan.offload == planned.offload
     assert model.plan.predicted == planned.predicted
+    hosted = {f for f, p in params.items() if getattr(p, ON_HOST, False)}
+    assert hosted == {s.fqn for s in model._autoshard.last.captured.params
+                      if s.device == "host"} and 0 < len(hosted) < len(params)
+    assert all(p is params[f] for f, p in model.named_parameters())  # in place
+    eager(*INPUTS).sum().backward()
+    for f, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), eager.get_parameter(f).grad,
+                                   rtol=1e-5, atol=1e-6)
+    opt.step()
+    # a new input shape is planned again, on the placement the first plan chose
+    model(INPUTS[0][:, :16]).sum().backward()
+    assert model.plan.offload == planned.offload
+    assert {s.fqn for s in model._autoshard.last.captured.params if s.device == "host"} == hosted
+    given = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
+        **config, offload_policy=CPUOffloadPolicy(), offload_state=planned.offload))
+    given(*INPUTS)
+    assert given.plan.predicted == planned.predicted
 
 
 def _copies_in(ctx, region=None):

@@ -1,3 +1,5 @@
+import dataclasses
+
 import torch
 
 import autoshard
@@ -8,6 +10,7 @@ from autoshard.passes import (
     bucket_units_pass,
     insert_collectives_pass,
     prefetch_pass,
+    run_passes,
     verify,
 )
 from autoshard.passes.verify import VerificationError
@@ -16,8 +19,8 @@ from graphs import captured, run
 
 def _gpt(layers=4):
     gm, ctx = captured(GPT(layers=layers), torch.randint(0, 96, (2, 16)))
-    ctx.profile = autoshard.cost.PROFILES["cpu"]
-    return run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module"), ctx
+    ctx = dataclasses.replace(ctx, profile=autoshard.cost.PROFILES["cpu"])
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
 
 
 def _order(gm):
@@ -41,7 +44,7 @@ def test_prefetch_reorders_only_and_overlaps_each_gather_with_the_previous_unit(
     gm, ctx = _gpt()
     assert _compute_between_issue_and_wait(gm, "fwd") == [0] * 5
     n = len(gm.graph.nodes)
-    gm = prefetch_pass(gm, ctx, options={"max_depth": 1})
+    gm, ctx = run_passes(gm, ctx, [(prefetch_pass, {"max_depth": 1})])
     assert len(gm.graph.nodes) == n
     verify(gm, ctx)
     for region in ("fwd", "bwd"):
@@ -53,7 +56,7 @@ def test_prefetch_reorders_only_and_overlaps_each_gather_with_the_previous_unit(
 
 def test_reduce_scatter_waits_move_to_the_next_reduce_scatter():
     gm, ctx = _gpt()
-    gm = prefetch_pass(gm, ctx, options={})
+    gm, ctx = run_passes(gm, ctx, [(prefetch_pass, {})])
     verify(gm, ctx)
     nodes = list(gm.graph.nodes)
     issues = [n for n in nodes if meta.tag(n, meta.COMM) == meta.RS_ISSUE]
@@ -73,8 +76,8 @@ def test_reduce_scatter_waits_move_to_the_next_reduce_scatter():
 def test_prefetch_is_deterministic():
     a, _ = _gpt()
     b, ctx = _gpt()
-    a = prefetch_pass(a, ctx, options={})
-    b = prefetch_pass(b, ctx, options={})
+    a, _ = run_passes(a, ctx, [(prefetch_pass, {})])
+    b, _ = run_passes(b, ctx, [(prefetch_pass, {})])
     assert [n.name for n in a.graph.nodes] == [n.name for n in b.graph.nodes]
 
 
@@ -84,9 +87,9 @@ def test_byte_bound_limits_depth_and_the_verifier_checks_it():
                      == meta.AG_ISSUE)
     root = next(meta.val_bytes(n) for n in gm.graph.nodes
                 if meta.tag(n, meta.COMM) == meta.AG_ISSUE)
-    gm = prefetch_pass(gm, ctx, options={"max_inflight_bytes": root + unit_bytes})
+    gm, ctx = run_passes(gm, ctx, [(prefetch_pass, {"max_inflight_bytes": root + unit_bytes})])
     verify(gm, ctx)
-    ctx.prefetch_cap = unit_bytes  # a bound the schedule does not meet
+    ctx = dataclasses.replace(ctx, prefetch_cap=unit_bytes)  # a bound the schedule misses
     try:
         verify(gm, ctx)
     except VerificationError as e:
@@ -97,9 +100,9 @@ def test_byte_bound_limits_depth_and_the_verifier_checks_it():
 
 def test_bucket_merges_adjacent_small_units():
     gm, ctx = captured(GPT(layers=4), torch.randint(0, 96, (2, 16)))
-    run(gm, ctx, assign_units_pass, policy="per-parameter")
+    gm, ctx = run(gm, ctx, assign_units_pass, policy="per-parameter")
     n = len(ctx.units)
-    bucket_units_pass(gm, ctx, options={"min_bytes": 60_000})
+    gm, ctx = run_passes(gm, ctx, [(bucket_units_pass, {"min_bytes": 60_000})])
     assert 1 < len(ctx.units) < n
     assert all(sum(1 for _ in u.fqns) >= 1 for u in ctx.units)
     from autoshard.passes.auto import unit_bytes

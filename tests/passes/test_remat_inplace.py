@@ -175,6 +175,6 @@ def test_unsafe_recomputation_is_rejected_on_the_joint_and_on_the_split_graphs(m
         run_passes(gm, ctx, [(recompute_activations_pass, {})], verify_each=True)
     monkeypatch.delenv("AUTOSHARD_VERIFY")
     gm, ctx = captured(Router(), torch.randn(5, 8))
-    run_passes(gm, ctx, [(recompute_activations_pass, {}), (split_pass, {})])
+    _, ctx = run_passes(gm, ctx, [(recompute_activations_pass, {}), (split_pass, {})])
     with pytest.raises(VerificationError, match="written in place"):
         _check_split_recomputed(ctx.split)

@@ -9,7 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 from autoshard import depth, graph
 from autoshard._compat import make_fx
-from autoshard.api import compile_step
+from autoshard.compiler import compile_step
 from autoshard.config import Config
 from autoshard.models import GPT, tiny_hf
 

@@ -9,7 +9,7 @@ from models import CNN
 
 def test_split_saves_no_gathered_parameter():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
-    run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
     sp = ctx.split
     fwd_out = list(sp.fwd.graph.nodes)[-1].args[0]
     saved = fwd_out[len(sp.fwd_roles):]
@@ -25,12 +25,12 @@ def test_split_saves_no_gathered_parameter():
 
 def test_split_returns_mutated_buffers_from_forward():
     gm, ctx = captured(CNN(), torch.randn(2, 3, 8, 8))
-    run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
     roles = [r[meta.ROLE] for r in ctx.split.fwd_roles]
     assert roles.count(meta.OUT_BUFFER) == 6  # running mean, var, count of two BatchNorms
 
 
 def test_forward_only_capture_has_no_backward():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), with_grad=False)
-    run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass, split_pass)
     assert ctx.split.bwd is None and ctx.split.saved == []

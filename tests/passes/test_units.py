@@ -14,7 +14,7 @@ def _units(ctx):
 
 def test_module_policy_makes_each_repeated_block_a_unit_and_the_rest_root():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
-    run(gm, ctx, assign_units_pass, policy="module")
+    gm, ctx = run(gm, ctx, assign_units_pass, policy="module")
     names = [u.name for u in ctx.units]
     assert names == ["root", "blocks.0", "blocks.1"]  # numbered by first use
     root = ctx.units[0].fqns
@@ -26,13 +26,13 @@ def test_module_policy_makes_each_repeated_block_a_unit_and_the_rest_root():
 
 def test_sequential_of_mixed_layers_is_not_split():
     gm, ctx = captured(CNN(), torch.randn(2, 3, 8, 8))
-    run(gm, ctx, assign_units_pass, policy="module")
+    gm, ctx = run(gm, ctx, assign_units_pass, policy="module")
     assert [u.name for u in ctx.units] == ["root"]
 
 
 def test_units_follow_first_use_and_tag_placeholders():
     gm, ctx = captured(MLP(), torch.randn(2, 16))
-    run(gm, ctx, assign_units_pass, policy="module")
+    gm, ctx = run(gm, ctx, assign_units_pass, policy="module")
     assert [u.name for u in ctx.units] == ["layers.0", "layers.1", "layers.2", "root"]
     for n in gm.graph.nodes:
         if meta.is_param(n):
@@ -42,7 +42,7 @@ def test_units_follow_first_use_and_tag_placeholders():
 
 def test_explicit_units_accept_tied_aliases_and_put_the_rest_in_root():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
-    run(gm, ctx, assign_units_pass, units=[["head.weight", "wpe.weight"]])
+    gm, ctx = run(gm, ctx, assign_units_pass, units=[["head.weight", "wpe.weight"]])
     assert ctx.units[0].fqns == ["wte.weight", "wpe.weight"]
     assert ctx.units[1].name == "root"
 
@@ -54,4 +54,4 @@ def test_explicit_units_accept_tied_aliases_and_put_the_rest_in_root():
 def test_bad_explicit_units_are_named(units, message):
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
     with pytest.raises(ValueError, match=message):
-        run(gm, ctx, assign_units_pass, units=units)
+        gm, ctx = run(gm, ctx, assign_units_pass, units=units)

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from graphs import captured, run
 
 def _gpt():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
-    return run(gm, ctx, assign_units_pass, insert_collectives_pass), ctx
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass)
 
 
 def _first(gm, comm, region=None):
@@ -102,7 +104,7 @@ def _reductions(gm):
 
 def test_hybrid_gradients_are_reduce_scattered_then_all_reduced():
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=(2, 2))
-    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
     verify(gm, ctx)
     assert set(map(tuple, _reductions(gm).values())) == {
         ((meta.RS_ISSUE, 2), (meta.AR_ISSUE, 2))}
@@ -124,14 +126,14 @@ def test_hybrid_gradients_are_reduce_scattered_then_all_reduced():
 @pytest.mark.parametrize("sync", [True, False])
 def test_ddp_gradients_are_all_reduced_once_or_kept_local(sync):
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=4, strategy="ddp")
-    ctx.grad_sync = sync
-    gm = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
+    ctx = dataclasses.replace(ctx, grad_sync=sync)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
     verify(gm, ctx)
     assert not any(meta.tag(n, meta.COMM) == meta.AG_ISSUE for n in gm.graph.nodes)  # as stored
     want = [(meta.AR_ISSUE, 4)] if sync else []
     assert all(steps == want for steps in _reductions(gm).values())
     if sync:  # a step without sync must reduce nothing
-        ctx.grad_sync = False
+        ctx = dataclasses.replace(ctx, grad_sync=False)
         with pytest.raises(VerificationError, match="without a reduction"):
             verify(gm, ctx)
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import models
-from autoshard.api import compile_step
+from autoshard.compiler import compile_step
 from autoshard.config import Config
 from autoshard.graph import _aliased_arg
 from autoshard.runtime import graphio
