@@ -287,7 +287,8 @@ class Plan:
                 label="predicted memory")
         n_fwd = sum(1 for _, _, g, _ in line if g == meta.FWD)
         ax.axvline(n_fwd, color="gray", ls="--", lw=0.8)
-        ax.text(n_fwd, top / scale, " backward", va="top", fontsize=8)
+        ax.text(n_fwd, 0.02, " backward", va="bottom", fontsize=8,
+                transform=ax.get_xaxis_transform())
         if peak is not None:
             where = module_label(line[peak][3], line[peak][2])
             ax.plot([peak], [top / scale], "o", color="black", ms=4, label="peak")
