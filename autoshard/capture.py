@@ -532,8 +532,8 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
             t[meta.MODULE] = next(reversed(stack)) if stack else ""
             if n.meta.get("ac_graph_id") is not None:
                 t[meta.CHECKPOINT] = n.meta["ac_graph_id"]
-            if seq is not None:
-                by_seq[seq] = n
+            if seq is not None:  # the op that made autograd node seq; ops after it that
+                by_seq.setdefault(seq, n)  # make none (no_grad, integer) repeat its number
         else:
             src = by_seq.get(seq)
             if src is not None:

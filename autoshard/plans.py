@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 from fractions import Fraction
 from typing import Optional
 
+import torch.fx as fx
 from tabulate import tabulate
 
 from autoshard import meta
@@ -26,6 +28,8 @@ _SHOWN = {
     meta.FREE: "free",
 }
 
+
+WIDTH = 100  # columns every table fits
 
 # before each forward and each backward the ranks all-gather a digest of what they run, and
 # before a ZeRO-1 call which replicas any rank's writes made stale
@@ -53,7 +57,10 @@ class UnitInfo:
 class ScheduleEntry:
     """One communication step: ``op`` of ``unit`` placed right after compute node ``after``
     (in module ``module``) of the ``region`` graph. ``bytes``: the gathered buffer for an
-    all-gather, the reduced buffer for a reduce-scatter, the storage released for a free."""
+    all-gather, the reduced buffer for a reduce-scatter, the storage released for a free.
+    ``serves``: the module of the op it is for (an all-gather's and its wait's: the first op
+    reading the unit's parameters; a reduce-scatter's or all-reduce's and its wait's: the last
+    op making a gradient it reduces); "" for a free."""
 
     region: str
     unit: int
@@ -61,6 +68,7 @@ class ScheduleEntry:
     bytes: int
     after: str
     module: str
+    serves: str = ""
 
 
 @dataclasses.dataclass
@@ -74,7 +82,8 @@ class Plan:
     device: dict = dataclasses.field(default_factory=dict)  # the DeviceProfile used
     memory_budget: int = 0
     predicted: dict = dataclasses.field(default_factory=dict)  # see summary_table()
-    memory_timeline: list = dataclasses.field(default_factory=list)  # [seconds, bytes, graph, node]
+    # [seconds, bytes, graph, module path of the node]
+    memory_timeline: list = dataclasses.field(default_factory=list)
     events: list = dataclasses.field(default_factory=list)  # [lane, name, start, dur, unit]
     symbolic: dict = dataclasses.field(default_factory=dict)  # {"memory": expr, "time": expr}
     recompute: str = ""  # the recomputation chosen: "none", "min-cut", "blocks k/L", ...
@@ -121,36 +130,53 @@ class Plan:
         return False if self.recompute_blocks is None else dict(self.recompute_blocks)
 
     def candidates_table(self) -> str:
+        """One row per plan predicted; a column whose value every row shares is said above
+        the table instead (offload, resharded)."""
         yes_no = {True: "yes", False: "no"}
-        rows = [(c["recompute"], offload_label(c.get("offload"), c.get("offload_params")),
+        rows = [[c["recompute"], offload_label(c.get("offload"), c.get("offload_params")),
                  c["units"] if c["units"] is not None else "-", c.get("reshard", "-"),
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
                  _fmt_bytes(c["peak_bytes"]) if c["peak_bytes"] is not None else "-",
                  yes_no.get(c["fits"], "-"),
-                 "chosen" if c.get("chosen") else c.get("note", ""))
+                 "chosen" if c.get("chosen") else c.get("note", "")]
                 for c in self.candidates]
-        return tabulate(rows, headers=["recompute", "offload", "units", "resharded",
-                                       "predicted step", "peak", "fits", ""])
+        headers = ["recompute", "offload", "units", "resharded", "step", "peak", "fits", ""]
+        shared = []
+        for col in (3, 1):  # resharded, offload: only where plans differ
+            values = {r[col] for r in rows} - {"-"}
+            if len(values) == 1 and len(rows) > 1:
+                shared.append(f"{headers[col]}: {values.pop()}")
+                for r in rows:
+                    del r[col]
+                del headers[col]
+        table = _fit(rows, headers, wrap={len(headers) - 1})
+        return (f"every plan: {', '.join(reversed(shared))}\n" if shared else "") + table
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
                  "kept" if u.kept else "resharded, shards held" if u.held else "resharded")
                 + ((_home(u.hosted),) if self.offload else ())
                 for u in self.units]
-        return tabulate(rows, headers=["unit", "name", "params", "numel", "bytes",
-                                       "after forward"] + (["state"] if self.offload else []))
+        return _fit(rows, ["unit", "name", "params", "numel", "bytes", "after forward"]
+                    + (["state"] if self.offload else []), wrap={1})
 
-    def schedule_table(self, ops: Optional[set] = None) -> str:
+    def schedule_table(self, ops: Optional[set] = None, frees: bool = False) -> str:
+        """The communication steps in order, numbered as in ``schedule``: the unit, the op,
+        its bytes, the module of the compute op it is placed after, and the module of the op
+        it serves (``ScheduleEntry.serves``). Free rows are counted below the table, not
+        shown, unless ``frees`` or ``ops`` (the ops to show) names "free"."""
         names = {u.index: u.name for u in self.units}
-        rows = [
-            (i, e.region, f"{e.unit}:{names.get(e.unit, '?')}", e.op, _fmt_bytes(e.bytes),
-             e.after, e.module or "-")
-            for i, e in enumerate(self.schedule)
-            if ops is None or e.op in ops
-        ]
-        return tabulate(
-            rows, headers=["#", "pass", "unit", "op", "bytes", "placed after", "module"]
-        )
+        if ops is None:
+            ops = {e.op for e in self.schedule} - (set() if frees else {"free"})
+        rows = [(i, e.region, f"{e.unit}:{names.get(e.unit, '?')}", e.op, _fmt_bytes(e.bytes),
+                 _where(e),
+                 e.serves or "-")
+                for i, e in enumerate(self.schedule) if e.op in ops]
+        table = _fit(rows, ["#", "pass", "unit", "op", "bytes", "placed after", "serves"],
+                     shorten={2, 5, 6})
+        folded = 0 if "free" in ops else sum(e.op == "free" for e in self.schedule)
+        return table + (f"\n({folded} free rows not shown: frees=True shows them)"
+                        if folded else "")
 
     def summary_table(self) -> str:
         p = self.predicted
@@ -177,7 +203,7 @@ class Plan:
             ("  ranks' agreement (outside the graphs)",
              f"{2 + (self.strategy == 'zero1')} all-gathers of {AGREEMENT_BYTES} B per rank"
              if self.world_size > 1 else "none (one rank)"),
-            ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} (at {p['peak_at']})"),
+            ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} at {p['peak_at']}"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
             *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),
                ("  offload", offload_label(self.offload, self.offload_params))]
@@ -186,24 +212,27 @@ class Plan:
         ]
         for k, v in self.symbolic.items():
             rows.append((f"{k} (symbolic)", v))
-        return tabulate(rows, tablefmt="plain")
+        return _fit(rows, (), wrap={1}, tablefmt="plain")
 
     def comm_bytes(self) -> int:
         return sum(e.bytes for e in self.schedule if e.op in ("all_gather", "reduce_scatter"))
 
     def to_chrome_trace(self, path) -> None:
         """Write a Chrome/Perfetto trace: compute and communication lanes and a memory
-        counter track, from the predicted timeline."""
+        counter track, from the predicted timeline. A compute slice is named by its module
+        (``"blocks.0.fc (backward)"``), a collective by its op, unit and bytes
+        (``"all_gather blocks.0 (194.50 KiB)"``, with ``unit``, ``unit_name`` and ``bytes`` in
+        its args)."""
         us = 1e6
         ev = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank (predicted)"}},
               {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "compute"}},
               {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1,
                "args": {"name": "communication"}}]
-        for lane, name, start, dur, unit in self.events:
+        for lane, name, start, dur, unit, args in self._trace_events():
             ev.append({"ph": "X", "pid": 0, "tid": 0 if lane == "compute" else 1, "name": name,
-                       "ts": start * us, "dur": max(dur * us, 0.001), "args": {"unit": unit}})
+                       "ts": start * us, "dur": max(dur * us, 0.001), "args": args})
         last = None
-        for t, b, graph, node in self.memory_timeline:
+        for t, b, _, _ in self.memory_timeline:
             if b != last:
                 ev.append({"ph": "C", "pid": 0, "name": "memory", "ts": t * us,
                            "args": {"MiB": b / 2**20}})
@@ -211,8 +240,40 @@ class Plan:
         with open(path, "w") as f:
             json.dump({"traceEvents": ev, "displayTimeUnit": "ms"}, f)
 
+    def _trace_events(self):
+        """``self.events`` named for people: ``(lane, name, start, dur, unit, args)``. The
+        collectives in the events are the schedule's issues in the graphs, in order."""
+        names = {u.index: u.name for u in self.units}
+        issues = iter([e for e in self.schedule if e.region in (meta.FWD, meta.BWD)
+                       and e.op in ("all_gather", "reduce_scatter", "all_reduce")])
+        for lane, name, start, dur, unit in self.events:
+            args = {"unit": unit}
+            if lane == "compute":
+                region, _, path = name.partition(":")
+                name = module_label("" if path == "-" else path, region)
+            else:
+                entry = next(issues, None)
+                op = name.split(" ")[0]
+                if entry is not None and (entry.op, entry.unit) == (op, unit):
+                    args.update(unit_name=names.get(unit, "?"), bytes=entry.bytes)
+                    name = f"{op} {names.get(unit, '?')} ({_fmt_bytes(entry.bytes)})"
+                else:
+                    name = f"{op} {names.get(unit, '?')}"
+                    args["unit_name"] = names.get(unit, "?")
+            yield lane, name, start, dur, unit, args
+
     def memory_plot(self, path) -> None:
         """Draw the predicted per-rank memory over the step (needs matplotlib)."""
+        import matplotlib.pyplot as plt
+
+        fig = self.memory_figure()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    def memory_figure(self):
+        """The figure ``memory_plot`` draws: memory per rank over the graph nodes, in KiB, MiB
+        or GiB by its peak, the peak marked with its value and module, the budget a labelled
+        line (named in the legend when far above the peak, the axis kept to the curve)."""
         try:
             import matplotlib
 
@@ -220,21 +281,37 @@ class Plan:
             import matplotlib.pyplot as plt
         except ImportError as e:
             raise ImportError("memory_plot needs matplotlib: pip install 'autoshard[plot]'") from e
-        xs = list(range(len(self.memory_timeline)))
-        ys = [b / 2**20 for _, b, _, _ in self.memory_timeline]
+        line = self.memory_timeline
+        peak = max(range(len(line)), key=lambda i: line[i][1], default=None)
+        top = line[peak][1] if peak is not None else 0
+        unit, scale = _scale(max(top, 1))
         fig, ax = plt.subplots(figsize=(10, 4))
-        ax.plot(xs, ys, lw=1)
-        n_fwd = sum(1 for _, _, g, _ in self.memory_timeline if g == "fwd")
+        ax.plot(range(len(line)), [b / scale for _, b, _, _ in line], lw=1,
+                label="predicted memory")
+        n_fwd = sum(1 for _, _, g, _ in line if g == meta.FWD)
         ax.axvline(n_fwd, color="gray", ls="--", lw=0.8)
-        ax.text(n_fwd, max(ys, default=0), " backward", va="top", fontsize=8)
+        ax.text(n_fwd, 0.02, " backward", va="bottom", fontsize=8,
+                transform=ax.get_xaxis_transform())
+        if peak is not None:
+            where = module_label(line[peak][3], line[peak][2])
+            ax.plot([peak], [top / scale], "o", color="black", ms=4, label="peak")
+            ax.annotate(f"peak {_fmt_bytes(top)} at {where}", (peak, top / scale),
+                        xytext=(0, 8), textcoords="offset points", fontsize=8,
+                        ha="right" if peak > len(line) / 2 else "left")
         if self.memory_budget:
-            ax.axhline(self.memory_budget / 2**20, color="red", lw=0.8)
+            ax.axhline(self.memory_budget / scale, color="red", lw=0.8,
+                       label=f"memory budget {_fmt_bytes(self.memory_budget)}"
+                       + (" (above the plot)" if self.memory_budget > 1.5 * top else ""))
+            if self.memory_budget > 1.5 * top:
+                ax.set_ylim(0, top / scale * 1.2)
+        ax.legend(loc="lower right", fontsize=8)
         ax.set_xlabel("graph node (forward, then backward)")
-        ax.set_ylabel("MiB per rank")
-        ax.set_title(f"predicted memory, world size {self.world_size}, {len(self.units)} units")
+        ax.set_ylabel(f"{unit} per rank")
+        n = len(self.units)
+        ax.set_title(f"predicted memory per rank: world size {self.world_size}, "
+                     f"{n} unit{'s' if n != 1 else ''}")
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        return fig
 
     def max_batch_size(self, memory_budget=None, seq_len=None) -> int:
         """The largest batch whose predicted peak fits ``memory_budget`` (default: the plan's),
@@ -283,6 +360,8 @@ def read_schedule(graphs) -> list:
     for gm in graphs:
         if gm is None:
             continue
+        where = node_modules(gm)
+        serves = _served(gm, where)
         prev = None
         for n in gm.graph.nodes:
             kind = meta.tag(n, meta.COMM)
@@ -300,12 +379,168 @@ def read_schedule(graphs) -> list:
                         op=_SHOWN[kind],
                         bytes=size,
                         after=prev.name if prev is not None else "(start)",
-                        module=(meta.tag(prev, meta.MODULE) or "") if prev is not None else "",
+                        module=where[prev] if prev is not None else "",
+                        serves=serves.get(n, ""),
                     )
                 )
-            elif n.op == "call_function" and not meta.is_comm(n):
+            elif _is_compute(n):
                 prev = n
     return entries
+
+
+def _is_compute(n) -> bool:
+    return n.op == "call_function" and not meta.is_comm(n)
+
+
+_STEPS = (("ag_", "all-gather"), ("all_gather", "all-gather"), ("rs_", "reduce-scatter"),
+          ("reduce_scatter", "reduce-scatter"), ("ar_", "all-reduce"),
+          ("all_reduce", "all-reduce"), ("free", "free"), ("h2d", "copy to the device"),
+          ("d2h", "copy to the host"))
+
+
+def node_modules(gm, units=None) -> dict:
+    """Per node of ``gm``, the module path the plan names it by: its module tag; for a
+    communication node its step and unit (``"all-gather of blocks.1"``, ``units``: the unit
+    names by index); for an op with no tag (made by a pass, or by autograd for no module) the
+    op's before it."""
+    out, last = {}, ""
+    for n in gm.graph.nodes:
+        kind, path = meta.tag(n, meta.COMM), meta.tag(n, meta.MODULE)
+        if kind is not None:
+            step = next((v for k, v in _STEPS if kind.startswith(k)), kind)
+            unit = meta.tag(n, meta.UNIT)
+            out[n] = f"{step} of {(units or {}).get(unit, f'unit {unit}')}"
+        else:
+            out[n] = last = path if path is not None else last
+    return out
+
+
+def _served(gm, where: dict) -> dict:
+    """Per collective issue and wait of ``gm``, the module path of the op it serves
+    (``ScheduleEntry.serves``); ``where``: ``node_modules``."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    readers = {}  # unit -> positions of the ops reading its gathered parameters
+    for n in nodes:
+        if _is_compute(n):
+            for a in n.all_input_nodes:
+                if meta.tag(a, meta.COMM) == meta.AG_UNPACK:
+                    readers.setdefault(meta.tag(a, meta.UNIT), []).append(pos[n])
+    out = {}
+    for n in nodes:
+        kind = meta.tag(n, meta.COMM)
+        if kind == meta.AG_WAIT:
+            after = [p for p in readers.get(meta.tag(n, meta.UNIT), ()) if p > pos[n]]
+            if after:
+                out[n] = where[nodes[min(after)]]
+        elif kind in (meta.RS_ISSUE, meta.AR_ISSUE):
+            made = _makers(n.args[0])
+            if made:
+                out[n] = where[max(made, key=pos.__getitem__)]
+    for n in nodes:  # an issue serves what its wait does, and the other way round
+        if meta.is_wait(n) and isinstance(n.args[0], fx.Node):
+            issue = n.args[0]
+            if issue in out or n in out:
+                out[issue] = out[n] = out.get(issue, out.get(n))
+    return out
+
+
+def _makers(node) -> list:
+    """The compute ops whose values ``node`` is packed from (through communication nodes)."""
+    seen, todo, out = set(), [node], []
+    while todo:
+        n = todo.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if _is_compute(n):
+            out.append(n)
+        elif meta.is_comm(n) and not meta.is_collective_issue(n) and not meta.is_wait(n):
+            todo.extend(n.all_input_nodes)
+    return out
+
+
+def module_label(path, region=None) -> str:
+    """How the plan names the code a node runs: its module path (``"(root)"``: the root
+    module's own code), with ``" (backward)"`` for a backward node."""
+    return (path or "(root)") + (" (backward)" if region == meta.BWD else "")
+
+
+def _where(e) -> str:
+    """The schedule's "placed after" cell: the module of the op before the step."""
+    if e.after in ("(start)", "(optimizer step)"):
+        return e.after
+    return e.module or "(root)"
+
+
+def _scale(n: int) -> tuple:
+    """The unit to draw ``n`` bytes in: ``(name, bytes)``, the largest not above ``n``."""
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return name, size
+    return "B", 1
+
+
+def _fit(rows, headers, *, shorten=(), wrap=(), width: int = WIDTH, **fmt) -> str:
+    """``tabulate(rows, headers, **fmt)`` in at most ``width`` columns: the columns ``shorten``
+    (module paths) lose their left ends to "...", the columns ``wrap`` (text) wrap; the widest
+    narrows first, none below 12 columns or its header."""
+    rows = [list(r) for r in rows]
+    cols = set(shorten) | set(wrap)
+    text = tabulate(rows, headers, **fmt)
+    over = max(map(len, text.splitlines()), default=0) - width
+    if over <= 0 or not rows or not cols:
+        return text
+    floor = {c: max(12, len(headers[c]) if headers else 0) for c in cols}
+    have = {c: max(len(line) for r in rows for line in str(r[c]).splitlines()) for c in cols}
+    limit = dict(have)
+    while over > 0:
+        c = max((c for c in cols if limit[c] > floor[c]), key=limit.get, default=None)
+        if c is None:
+            break
+        second = max([limit[d] for d in cols if d != c] + [floor[c]])
+        cut = min(over, limit[c] - max(second, floor[c]) or 1, limit[c] - floor[c])
+        limit[c] -= cut
+        over -= cut
+    for r in rows:
+        for c in cols:
+            if limit[c] < have[c]:
+                r[c] = (_shorten(str(r[c]), limit[c]) if c in shorten
+                        else _wrap(str(r[c]), limit[c]))
+    return tabulate(rows, headers, **fmt)
+
+
+def _wrap(text: str, limit: int) -> str:
+    """``text`` in lines of at most ``limit`` characters: words, or a unit's name split after
+    its ".." and its paths shortened (``_shorten``)."""
+    if " " in text or ".." not in text:
+        return "\n".join(textwrap.wrap(text, limit))
+    first, _, last = text.partition("..")
+    return _shorten(first + "..", limit) + "\n" + _shorten(last, limit)
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters: a module path loses its left end to "..."
+    (whole names where they fit), keeping a trailing " (backward)" and a leading unit index
+    ("3:")."""
+    if len(text) <= limit:
+        return text
+    index, colon, rest = text.partition(":")
+    if colon and index.isdigit():
+        return index + colon + _shorten(rest, limit - len(index) - 1)
+    if ".." in text:  # a unit's range: where it starts
+        return _shorten(text.partition("..")[0], limit - 2) + ".."
+    path, suffix = text, ""
+    if text.endswith(")") and " (" in text:
+        path, _, rest = text.rpartition(" (")
+        suffix = " (" + rest
+    room = limit - len(suffix) - 3
+    if room < 4:
+        return "..." + text[len(text) - (limit - 3):]
+    parts = path.split(".")
+    tails = [".".join(parts[k:]) for k in range(1, len(parts))]
+    tail = next((t for t in tails if len(t) <= room and not t.startswith(".")), path[-room:])
+    return "..." + tail + suffix
 
 
 def _home(hosted: float) -> str:
@@ -362,7 +597,13 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
             "host_state_bytes": host_state_bytes, "host_peak_bytes": p.host_peak_bytes,
             "both_peak_bytes": p.both_peak_bytes,
         }
-        plan.memory_timeline = p.timeline
+        names = {u.index: u.name for u in units}
+        where = {(g, n.name): path for g, gm in zip((meta.FWD, meta.BWD), graphs)
+                 if gm is not None for n, path in node_modules(gm, names).items()}
+        graph, _, node = p.peak_at.partition(":")
+        plan.predicted["peak_at"] = (module_label(where.get((graph, node), ""), graph)
+                                     if node else p.peak_at)
+        plan.memory_timeline = [[t, b, g, where.get((g, n), "")] for t, b, g, n in p.timeline]
         plan.events = p.events
     return plan
 

@@ -134,12 +134,12 @@ def auto_candidates(gm, ctx, order, options) -> list:
 def _groupings(ctx, order, specs, options) -> list:
     """Every candidate grouping of the parameters ``order`` (in first-use order), once each:
     the fixed policies' and the DP's for each cap."""
-    from autoshard.passes.units import _module_groups, _size_groups
+    from autoshard.passes.units import _module_groups, _size_groups, span_names
 
     profile = ctx.profile
     seg = _Segments(order, specs, profile)
     total = seg.size[-1]
-    groupings = [[("model", list(order))], [(f, [f]) for f in order]]
+    groupings = [[("root", list(order))], [(f, [f]) for f in order]]
     mod = _module_groups(ctx.model, order, options) if ctx.model is not None else []
     if mod:
         rest = [f for f in order if f not in {x for _, g in mod for x in g}]
@@ -150,7 +150,7 @@ def _groupings(ctx, order, specs, options) -> list:
     caps |= {total >> k for k in range(1, 7)}
     for cap in sorted(caps, reverse=True):
         groups = _dp(order, seg, cap)
-        groupings.append([(f"group{k}", g) for k, g in enumerate(groups)])
+        groupings.append(list(zip(span_names(groups, order), groups)))
     out, seen = [], set()
     for groups in groupings:
         key = tuple(tuple(g) for _, g in groups)

@@ -18,7 +18,7 @@ class Unit:
     reduce-scatter (per dtype)."""
 
     index: int
-    name: str  # module path of the block, or "root"
+    name: str  # the module paths covering its parameters (``span_names``), or "root"
     fqns: list
     keep: bool = False  # gathered from forward to backward (not resharded after forward)
     # its shards, in host memory, are copied to the device once for the forward's all-gather
@@ -44,6 +44,42 @@ def repeated_blocks(model: torch.nn.Module) -> list:
 
     visit(model, "")
     return found
+
+
+def span_names(groups, order) -> list:
+    """Each unit's name, for units of parameters ``groups`` (lists of FQNs) among all the
+    parameters ``order``: the module paths that cover its parameters. A path covers a
+    parameter when every parameter under it is in the unit (the parameter's own FQN covers it
+    alone). One covering path is the name (``"layers.3"``, ``"layers.3.attn"``; the root
+    module's: ``"root"``); consecutive numbered siblings are a range (``"layers.0-3"``); else
+    the first and last paths, in the order of ``order``: ``"wte..layers.0"``,
+    ``"layers.0.mlp..layers.1.attn"``. Names only: the units are as given."""
+    under, pos = {}, {}  # module path -> its parameters; FQN -> position
+    for i, f in enumerate(order):
+        pos[f] = i
+        parts = f.split(".")
+        for k in range(len(parts) + 1):
+            under.setdefault(".".join(parts[:k]), []).append(f)
+    return [_span_name(sorted(fqns, key=lambda f: pos.get(f, -1)), under) for fqns in groups]
+
+
+def _span_name(fqns, under: dict) -> str:
+    mine, paths = set(fqns), {}
+    for f in fqns:
+        parts = f.split(".")
+        paths.setdefault(next(p for p in (".".join(parts[:k]) for k in range(len(parts) + 1))
+                              if all(g in mine for g in under.get(p, [f]))), None)
+    paths = list(paths)
+    if len(paths) == 1:
+        return paths[0] or "root"
+    parent = {p.rpartition(".")[0] for p in paths}
+    tails = [p.rpartition(".")[2] for p in paths]
+    if len(parent) == 1 and all(t.isdigit() for t in tails):
+        nums = [int(t) for t in tails]
+        if nums == list(range(nums[0], nums[0] + len(nums))):
+            head = parent.pop()
+            return f"{head + '.' if head else ''}{nums[0]}-{nums[-1]}"
+    return f"{paths[0] or 'root'}..{paths[-1] or 'root'}"
 
 
 def _first_use_order(gm: fx.GraphModule) -> list:
@@ -88,7 +124,7 @@ def _size_groups(order, numel, min_numel) -> list:
             groups[-1].extend(cur)
         else:
             groups.append(cur)
-    return [(f"size{i}", g) for i, g in enumerate(groups)]
+    return list(zip(span_names(groups, order), groups))
 
 
 def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
@@ -98,9 +134,11 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     Options: ``units`` — explicit lists of FQNs (any tied alias accepted), or ``policy``:
     "auto" (see ``auto_units``), "module", "size", "per-parameter", "whole-model".
     Guarantees: every parameter is in exactly one unit; parameters no explicit unit or module
-    names form the "root" unit; units are numbered in order of first use in the graph;
-    ``Unit.keep`` follows ``ctx.reshard_after_forward`` (True: none kept, False: all, "auto":
-    the unit read last in forward, which the backward would gather again first).
+    names form the "root" unit; a unit is named by its block (module policy), else by the
+    module paths covering its parameters (``span_names``); units are numbered in order of
+    first use in the graph; ``Unit.keep`` follows ``ctx.reshard_after_forward`` (True: none
+    kept, False: all, "auto": the unit read last in forward, which the backward would gather
+    again first).
     Never changes the graph's nodes.
     """
     phs = _first_use_order(gm)
@@ -130,7 +168,8 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
                     )
                 seen[c] = i
                 fq.append(c)
-            groups.append((f"unit{i}", fq))
+            groups.append(fq)
+        groups = list(zip(span_names(groups, order), groups))
     elif policy == "module" and ctx.model is not None:
         groups = _module_groups(ctx.model, order, options)
     elif policy == "size":
@@ -139,7 +178,7 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     elif policy == "per-parameter":
         groups = [(f, [f]) for f in order]
     elif policy == "whole-model":
-        groups = [("model", list(order))]
+        groups = [("root", list(order))]
     elif policy == "auto":
         from autoshard.passes.auto import auto_units
 

@@ -55,3 +55,54 @@ def test_bad_explicit_units_are_named(units, message):
     gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)))
     with pytest.raises(ValueError, match=message):
         gm, ctx = run(gm, ctx, assign_units_pass, units=units)
+
+
+ORDER = (["wte.weight", "wpe.weight"]
+         + [f"blocks.{i}.{m}.{w}" for i in range(3) for m in ("ln1", "fc")
+            for w in ("weight", "bias")]
+         + ["ln_f.weight", "ln_f.bias"])
+
+
+@pytest.mark.parametrize("fqns, name", [
+    (ORDER, "root"),  # the whole model
+    (["ln_f.bias", "ln_f.weight"], "ln_f"),  # a module, given in any order
+    ([f for f in ORDER if f.startswith("blocks.")], "blocks"),
+    ([f for f in ORDER if f.startswith(("blocks.1.", "blocks.2."))], "blocks.1-2"),
+    (["blocks.0.fc.weight"], "blocks.0.fc.weight"),  # part of a module: the parameter
+    (ORDER[:6], "wte..blocks.0"),
+    (ORDER[4:9], "blocks.0.fc..blocks.1.fc.weight"),
+    (["blocks.0.ln1.weight", "blocks.2.ln1.weight"], "blocks.0.ln1.weight..blocks.2.ln1.weight"),
+])
+def test_a_unit_is_named_by_the_module_paths_covering_its_parameters(fqns, name):
+    from autoshard.passes.units import span_names
+
+    assert span_names([fqns], ORDER) == [name]
+
+
+@pytest.mark.parametrize("policy", ["auto", "size", "whole-model"])
+def test_units_of_every_policy_are_named_by_module_paths(policy):
+    import autoshard
+
+    with torch.device("meta"):
+        model = GPT(layers=12)
+    budget = "2200KiB" if policy == "auto" else None  # several units, the rest of the model
+    plan = autoshard.plan(model, (torch.randint(0, 96, (2, 16)),), world_size=2,
+                          config=autoshard.Config(policy=policy, memory_budget=budget,
+                                                  min_unit_numel=60000))
+    names = [u.name for u in plan.units]
+    assert len(set(names)) == len(names) and (len(names) > 1) == (policy != "whole-model")
+    for u in plan.units:
+        first, last = _ends(u.name)
+        assert first == "root" or u.fqns[0].startswith(first), (u.name, u.fqns)
+        assert last == "root" or u.fqns[-1].startswith(last), (u.name, u.fqns)
+
+
+def _ends(name):
+    """The paths a unit's name says its first and last parameters are under."""
+    if ".." in name:
+        return tuple(name.split(".."))
+    head, _, tail = name.rpartition(".")
+    if "-" in tail:  # a range of numbered blocks
+        lo, hi = tail.split("-")
+        return f"{head}.{lo}", f"{head}.{hi}"
+    return name, name
