@@ -1,6 +1,7 @@
 """Progress lines: nothing for a short phase, lines past the threshold, off with one setting."""
 
 import io
+import threading
 import time
 
 import pytest
@@ -52,3 +53,16 @@ def test_off_with_one_setting(quick, monkeypatch, how):
     else:
         progress.enable(False)
     assert _run(3, 0.06) == ""
+
+
+def _tickers():
+    return [t for t in threading.enumerate() if t.name.startswith("autoshard-progress-")]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_phase_that_cannot_show_costs_no_thread(quick, on):
+    progress.enable(on)
+    with progress.phase("loading a checkpoint", stream=io.StringIO()) as p:
+        running = _tickers()
+        p.step()
+    assert bool(running) == on and not _tickers()
