@@ -8,22 +8,15 @@ import os
 import sys
 import time
 
+from autoshard.config import POLICIES
 from autoshard.factory import load_factory
 from autoshard.spec import STRATEGIES
-
-
-def _factory(spec: str):
-    try:
-        return load_factory(spec)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
 
 
 def _plan(args) -> int:
     import torch
 
     import autoshard
-    from autoshard.config import Config
 
     t0 = time.perf_counter()
 
@@ -31,24 +24,13 @@ def _plan(args) -> int:
         if not args.quiet:
             print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    factory = _factory(args.factory)
+    config, world = _plan_config(args)  # the arguments' mistakes before any work
+    factory = load_factory(args.factory)
     progress(f"building {args.factory} on the meta device")
     with torch.device("meta"):
         model = factory()
     make = getattr(factory, "example_inputs", None) or (
         lambda b, s: (torch.zeros(b, s, dtype=torch.long),))
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    config = Config(policy=args.policy, memory_budget=args.memory_budget,
-                    device_profile=args.device_profile, mp_policy=_mp_policy(args),
-                    recompute=RECOMPUTE[args.recompute],
-                    offload_policy=CPUOffloadPolicy() if args.offload or args.offload_state
-                    else None, offload_state=args.offload_state, strategy=args.strategy)
-    world = (args.world_size if args.replicate == 1
-             else (args.replicate, args.world_size // args.replicate))
-    if args.world_size % args.replicate:
-        raise SystemExit(f"--replicate {args.replicate} must divide --world-size "
-                         f"{args.world_size}")
     if args.symbolic:
         plan = autoshard.plan(model, world_size=world, config=config,
                               make_inputs=make, batch=args.batch, seq=args.seq,
@@ -69,6 +51,31 @@ def _plan(args) -> int:
     if args.plot:
         plan.memory_plot(args.plot)
     return 0
+
+
+def _plan_config(args) -> tuple:
+    """The plan's Config and world size (a pair under --replicate) from the arguments."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from autoshard.config import Config
+
+    _world_size(args)
+    if args.replicate < 1 or args.world_size % args.replicate:
+        raise ValueError(f"--replicate {args.replicate} must divide --world-size "
+                         f"{args.world_size}")
+    config = Config(policy=args.policy, memory_budget=args.memory_budget,
+                    device_profile=args.device_profile, mp_policy=_mp_policy(args),
+                    recompute=RECOMPUTE[args.recompute],
+                    offload_policy=CPUOffloadPolicy() if args.offload or args.offload_state
+                    else None, offload_state=args.offload_state, strategy=args.strategy)
+    world = (args.world_size if args.replicate == 1
+             else (args.replicate, args.world_size // args.replicate))
+    return config, world
+
+
+def _world_size(args) -> None:
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {args.world_size}")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -92,9 +99,8 @@ def _mp_policy(args):
 def _check(args) -> int:
     from autoshard.check import run_factory
 
-    _factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
-    if args.world_size < 1:
-        raise SystemExit(f"--world-size must be at least 1, got {args.world_size}")
+    load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
+    _world_size(args)
     text, ok = run_factory(args.factory, batch=args.batch, seq=args.seq,
                            world_size=args.world_size, policy=args.policy, atol=args.atol,
                            rtol=args.rtol)
@@ -108,13 +114,12 @@ def _export(args) -> int:
     from autoshard.runtime import commit
     from autoshard.runtime.export import describe, export_factory
 
-    _factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
-    if args.world_size < 1:
-        raise SystemExit(f"--world-size must be at least 1, got {args.world_size}")
+    load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
+    _world_size(args)
     out = os.path.abspath(args.out)
     found = commit.state(out, "manifest.json", ("checkpoint.json",))
     if found not in ("free", "complete", "interrupted"):  # an earlier export is replaced whole
-        raise SystemExit(f"cannot export to {args.out}: it is {found}, not an export; choose "
+        raise ValueError(f"cannot export to {args.out}: it is {found}, not an export; choose "
                          "a new path or remove it first")
     opts = {"batch": args.batch, "seq": args.seq, "out": out, "inference": not args.training_only,
             "config": Config(policy=args.policy, mp_policy=_mp_policy(args))}
@@ -133,116 +138,205 @@ def _export(args) -> int:
 
 
 def _inspect(args) -> int:
-    from autoshard.errors import AutoshardError
     from autoshard.runtime.export import describe, stored_plan
 
-    try:
-        print(describe(args.path, verify=not args.no_verify))
-        if args.trace or args.plot:
-            plan = stored_plan(args.path, args.program)
-            if args.trace:
-                plan.to_chrome_trace(args.trace)
-            if args.plot:
-                plan.memory_plot(args.plot)
-    except AutoshardError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    print(describe(args.path, verify=not args.no_verify))
+    if args.trace or args.plot:
+        plan = stored_plan(args.path, args.program)
+        if args.trace:
+            plan.to_chrome_trace(args.trace)
+        if args.plot:
+            plan.memory_plot(args.plot)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autoshard")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small GPT on 2 gloo ranks beside a reference")
-    demo.add_argument("--steps", type=int, default=8)
-    demo.add_argument("--world-size", type=int, default=2)
-    demo.add_argument("--layers", type=int, default=2)
-    pl = sub.add_parser("plan", help="plan a model for any world size on this machine")
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's formatter that shows each option's default, unless its help names it."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+FACTORY_HELP = ("MODULE:FACTORY returning a (real, not meta) nn.Module; FACTORY.example_inputs("
+                "batch, seq) if present makes the inputs, else integer tokens (batch, seq)")
+
+
+def _version() -> str:
+    """autoshard's version and torch's, as ``--version`` prints them."""
+    import importlib.metadata
+
+    import torch
+
+    import autoshard
+
+    version = getattr(autoshard, "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("autoshard")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown (not installed)"
+    return f"autoshard {version} (torch {torch.__version__})"
+
+
+def _prog() -> str:
+    """The command's name as it was run: the ``autoshard`` script or ``python -m``."""
+    return "autoshard" if os.path.basename(sys.argv[0]) == "autoshard" else "python -m autoshard"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: one subcommand per job."""
+    top = argparse.ArgumentParser(
+        prog=_prog(), formatter_class=_Formatter,
+        description="Plan, check, export and inspect fully sharded training steps.",
+        epilog="A mistake in the arguments or the model is one line on stderr; "
+        "AUTOSHARD_DEBUG=1 shows its traceback. AUTOSHARD_PROGRESS=0 turns off the progress "
+        "lines of long phases (capture, inductor, checkpoints).")
+    top.add_argument("--version", action="version", version=_version(),
+                     help="print autoshard's version and torch's, and exit")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_demo(sub)
+    _add_plan(sub)
+    _add_check(sub)
+    _add_export(sub)
+    _add_inspect(sub)
+    return top
+
+
+def _add_demo(sub) -> None:
+    demo = sub.add_parser("demo", formatter_class=_Formatter,
+                          help="train a small GPT on 2 gloo ranks beside a reference")
+    demo.add_argument("--steps", type=int, default=8, help="training steps")
+    demo.add_argument("--world-size", type=int, default=2, help="gloo ranks on this machine")
+    demo.add_argument("--layers", type=int, default=2, help="transformer blocks of the GPT")
+
+
+def _add_plan(sub) -> None:
+    from autoshard.cost import PROFILES
+
+    pl = sub.add_parser("plan", formatter_class=_Formatter,
+                        help="plan a model for any world size on this machine")
     pl.add_argument("factory", help="MODULE:FACTORY returning an nn.Module")
-    pl.add_argument("--world-size", type=int, default=8)
+    pl.add_argument("--world-size", type=int, default=8, help="ranks to plan for")
     pl.add_argument("--batch", type=int, default=1, help="per-rank batch")
-    pl.add_argument("--seq", type=int, default=2048)
-    pl.add_argument("--device-profile", default="h100")
-    pl.add_argument("--memory-budget", default=None, help="per rank, e.g. 80GiB")
-    pl.add_argument("--policy", default="auto",
-                    choices=["auto", "module", "size", "per-parameter", "whole-model"])
-    pl.add_argument("--param-dtype", choices=DTYPES, default=None,
-                    help="gather and compute parameters in this dtype (MixedPrecisionPolicy "
-                    "param_dtype); the shards and optimizer state keep the model's dtype")
-    pl.add_argument("--reduce-dtype", choices=DTYPES, default=None,
-                    help="reduce-scatter gradients in this dtype (default: --param-dtype)")
+    pl.add_argument("--seq", type=int, default=2048, help="sequence length")
+    pl.add_argument("--device-profile", default="h100", choices=list(PROFILES),
+                    help="the cost model's device")
+    pl.add_argument("--memory-budget", default=None,
+                    help="per rank, e.g. 80GiB (default: the device profile's memory)")
+    pl.add_argument("--policy", default="auto", choices=POLICIES, help="how units are chosen")
+    _add_dtypes(pl)
     pl.add_argument("--recompute", choices=list(RECOMPUTE), default="auto",
                     help="activation recomputation: the planner's choice per repeated block "
-                    "(auto, the default), the min cut, whole blocks, or none")
+                    "(auto), the min cut, whole blocks, or none")
     pl.add_argument("--offload", action="store_true",
                     help="keep parameter shards, gradient shards and optimizer state in host "
                     "memory (CPUOffloadPolicy): the optimizer steps on the host")
     pl.add_argument("--offload-state", type=float, default=None, metavar="FRACTION",
                     help="with --offload (implied), keep only this fraction of that state in "
-                    "host memory, the last parameters' (Config.offload_state)")
+                    "host memory, the last parameters' (Config.offload_state; default: all)")
     pl.add_argument("--strategy", choices=list(STRATEGIES), default="zero3",
-                    help="Config.strategy: ddp, zero1, zero2, zero3 or auto")
+                    help="Config.strategy")
     pl.add_argument("--replicate", type=int, default=1, metavar="R",
                     help="hybrid sharding: R replica groups of world-size / R ranks")
-    pl.add_argument("--trace", help="write a Chrome/Perfetto trace here")
-    pl.add_argument("--json", help="write the plan as JSON here")
-    pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib)")
+    pl.add_argument("--trace", help="write a Chrome/Perfetto trace here (default: none)")
+    pl.add_argument("--json", help="write the plan as JSON here (default: none)")
+    pl.add_argument("--plot", help="write the memory timeline as an image here (matplotlib; "
+                    "default: none)")
     pl.add_argument("--symbolic", action="store_true",
                     help="fit memory and time in batch and seq (two more traces)")
     pl.add_argument("--summary-only", action="store_true", help="no schedule table")
     pl.add_argument("--quiet", action="store_true", help="no progress lines")
-    ck = sub.add_parser("check", help="one training step eagerly and compiled, compared: "
+
+
+def _add_dtypes(p) -> None:
+    p.add_argument("--param-dtype", choices=DTYPES, default=None,
+                   help="gather and compute parameters in this dtype (MixedPrecisionPolicy "
+                   "param_dtype); the shards and optimizer state keep the model's dtype "
+                   "(default: the model's dtype)")
+    p.add_argument("--reduce-dtype", choices=DTYPES, default=None,
+                   help="reduce-scatter gradients in this dtype (default: --param-dtype)")
+
+
+def _add_check(sub) -> None:
+    ck = sub.add_parser("check", formatter_class=_Formatter,
+                        help="one training step eagerly and compiled, compared: "
                         "per-parameter gradients and the first graph node that differs")
-    ck.add_argument("factory", help="MODULE:FACTORY returning a (real, not meta) nn.Module; "
-                    "FACTORY.example_inputs(batch, seq) if present makes the inputs, else "
-                    "integer tokens (batch, seq)")
+    ck.add_argument("factory", help=FACTORY_HELP)
     ck.add_argument("--batch", type=int, default=2, help="per-rank batch")
-    ck.add_argument("--seq", type=int, default=16)
+    ck.add_argument("--seq", type=int, default=16, help="sequence length")
     ck.add_argument("--world-size", type=int, default=1,
                     help="gloo ranks on this machine (spawned processes)")
-    ck.add_argument("--policy", default=None,
-                    choices=["auto", "module", "size", "per-parameter", "whole-model"],
-                    help="unit policy (default: Config's)")
+    ck.add_argument("--policy", default=None, choices=POLICIES,
+                    help="unit policy (default: Config's, auto)")
     ck.add_argument("--atol", type=float, default=None, help="default: by dtype")
     ck.add_argument("--rtol", type=float, default=None, help="default: by dtype")
-    ex = sub.add_parser("export", help="build a model from a factory, shard it over N gloo "
+
+
+def _add_export(sub) -> None:
+    ex = sub.add_parser("export", formatter_class=_Formatter,
+                        help="build a model from a factory, shard it over N gloo "
                         "ranks here (or the torchrun ranks), compile it and export it")
-    ex.add_argument("factory", help="MODULE:FACTORY returning a (real, not meta) nn.Module; "
-                    "FACTORY.example_inputs(batch, seq) if present makes the inputs, else "
-                    "integer tokens (batch, seq)")
+    ex.add_argument("factory", help=FACTORY_HELP)
     ex.add_argument("--out", required=True, help="the export directory (new or empty)")
-    ex.add_argument("--world-size", type=int, default=1)
+    ex.add_argument("--world-size", type=int, default=1,
+                    help="gloo ranks on this machine (spawned processes; under torchrun, "
+                    "its ranks)")
     ex.add_argument("--batch", type=int, default=2, help="per-rank batch")
-    ex.add_argument("--seq", type=int, default=16)
-    ex.add_argument("--policy", default="auto",
-                    choices=["auto", "module", "size", "per-parameter", "whole-model"])
-    ex.add_argument("--param-dtype", choices=DTYPES, default=None)
-    ex.add_argument("--reduce-dtype", choices=DTYPES, default=None)
+    ex.add_argument("--seq", type=int, default=16, help="sequence length")
+    ex.add_argument("--policy", default="auto", choices=POLICIES, help="how units are chosen")
+    _add_dtypes(ex)
     ex.add_argument("--training-only", action="store_true",
                     help="no eval-mode, no-gradient program beside the training one")
     ex.add_argument("--quiet", action="store_true", help="do not print the export afterwards")
-    ins = sub.add_parser("inspect", help="an export's manifest, units, schedule and "
-                         "predicted memory")
+
+
+def _add_inspect(sub) -> None:
+    ins = sub.add_parser("inspect", formatter_class=_Formatter,
+                         help="an export's manifest, units, schedule and predicted memory")
     ins.add_argument("path", help="a directory sharded.export() wrote")
     ins.add_argument("--program", type=int, default=0,
-                     help="which program --trace and --plot draw (default 0)")
-    ins.add_argument("--trace", help="write that program's Chrome/Perfetto trace here")
-    ins.add_argument("--plot", help="write its memory timeline as an image here (matplotlib)")
+                     help="which program --trace and --plot draw")
+    ins.add_argument("--trace", help="write that program's Chrome/Perfetto trace here "
+                     "(default: none)")
+    ins.add_argument("--plot", help="write its memory timeline as an image here (matplotlib; "
+                     "default: none)")
     ins.add_argument("--no-verify", action="store_true",
                      help="do not check the files' SHA-256 (faster for a large export)")
-    args = parser.parse_args(argv)
-    if args.command == "export":
-        return _export(args)
-    if args.command == "inspect":
-        return _inspect(args)
-    if args.command == "demo":
-        from autoshard.demo import main as demo_main
 
-        demo_main(steps=args.steps, world=args.world_size, layers=args.layers)
-        return 0
-    if args.command == "check":
-        return _check(args)
-    return _plan(args)
+
+def _demo(args) -> int:
+    from autoshard.demo import main as demo_main
+
+    demo_main(steps=args.steps, world=args.world_size, layers=args.layers)
+    return 0
+
+
+COMMANDS = {"demo": _demo, "plan": _plan, "check": _check, "export": _export,
+            "inspect": _inspect}
+
+
+def main(argv=None) -> int:
+    """Runs one command; a user's mistake (``AutoshardError``, ``ValueError``, ``OSError``)
+    is one line on stderr and exit status 1, its traceback only under ``AUTOSHARD_DEBUG``."""
+    from autoshard.errors import AutoshardError
+
+    top = parser()
+    args = top.parse_args(argv)
+    if args.command == "plan" and args.quiet:
+        from autoshard import progress
+
+        progress.enable(False)
+    try:
+        return COMMANDS[args.command](args)
+    except (AutoshardError, ValueError, OSError) as e:
+        if os.environ.get("AUTOSHARD_DEBUG", "0").strip() not in ("", "0"):
+            raise
+        lines = [line.strip() for line in str(e).splitlines()]
+        message = " ".join(line for line in lines if line) or type(e).__name__
+        print(f"{top.prog} {args.command}: error: {message}", file=sys.stderr, flush=True)
+        return 1
 
 
 def cli() -> None:

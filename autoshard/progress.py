@@ -65,8 +65,15 @@ class Phase:
         self.tty = hasattr(stream, "isatty") and stream.isatty()
         self._last = 0.0  # when the last line or bar was written
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._tick, daemon=True,
-                                        name=f"autoshard-progress-{name}")
+        self._thread = None  # the ticker, only where the phase can show
+
+    def _start(self) -> None:
+        """Starts the ticker that writes while the caller is busy between steps, unless
+        nothing can show (progress off, or not rank 0): then a phase costs no thread."""
+        if enabled() and _rank0():
+            self._thread = threading.Thread(target=self._tick, daemon=True,
+                                            name=f"autoshard-progress-{self.name}")
+            self._thread.start()
 
     def step(self, n: int = 1, note: str = "") -> None:
         """``n`` more done; ``note``: what is being done now (shown beside the count)."""
@@ -91,13 +98,13 @@ class Phase:
         return f"[autoshard] {self.name}: " + ", ".join(parts)
 
     def _show(self, *, final: bool) -> None:
-        if not (enabled() and _rank0()) or (_stack and _stack[-1] is not self):
-            return
-        now = time.monotonic()
+        now = time.monotonic()  # the cheap tests first: a short phase's steps stop here
         if not final and (now - self.start < AFTER_S
                           or now - self._last < (REDRAW_S if self.tty else EVERY_S)):
             return
         if final and not self.shown:
+            return
+        if not (enabled() and _rank0()) or (_stack and _stack[-1] is not self):
             return
         with _lock:
             text = self.line() + (" (done)" if final else "")
@@ -114,7 +121,8 @@ class Phase:
 
     def _close(self) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         self._show(final=True)
 
 
@@ -132,7 +140,7 @@ def phase(name: str, total: Optional[int] = None, unit: str = "", stream=None):
     if _stack and _stack[-1].tty and _stack[-1].shown:  # a bar in place: end its line
         _stack[-1].stream.write("\n")
     _stack.append(p)
-    p._thread.start()
+    p._start()
     try:
         yield p
     finally:

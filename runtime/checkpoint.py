@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
+from autoshard import progress
 from autoshard.errors import AutoshardError
 from autoshard.runtime import commit
 
@@ -52,6 +53,11 @@ def save(path, model: torch.nn.Module, optimizer=None) -> None:
     committed whole: every rank calls it; it returns once the checkpoint is complete on
     every rank, or raises ``AutoshardError`` on every rank naming the ranks that failed and
     why, leaving ``path`` as it was (an earlier checkpoint there stays loadable)."""
+    with progress.phase("saving a checkpoint"):
+        _save(path, model, optimizer)
+
+
+def _save(path, model: torch.nn.Module, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
 
     agreement = _agreement(model)
@@ -74,6 +80,11 @@ def load(path, model: torch.nn.Module, optimizer=None) -> None:
     (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
     checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
     unless every rank read its part."""
+    with progress.phase("loading a checkpoint"):
+        _load(path, model, optimizer)
+
+
+def _load(path, model: torch.nn.Module, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 

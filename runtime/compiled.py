@@ -144,11 +144,14 @@ class CompiledGraph:
             (args,) = args
         else:
             args = list(args)
-        if self.fn is None:
-            g = functional(self.gm)
-            self.unused = _drop_unused_inputs(g)
-            _drop(args, self.unused)
-            self.fn = self._compile(g, list(args))
+        if self.fn is None:  # inductor's first compile of a large step can take minutes
+            from autoshard import progress
+
+            with progress.phase(f"compiling the {self.what} graph with inductor"):
+                g = functional(self.gm)
+                self.unused = _drop_unused_inputs(g)
+                _drop(args, self.unused)
+                self.fn = self._compile(g, list(args))
         else:
             _drop(args, self.unused)
         return self.fn(args)

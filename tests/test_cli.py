@@ -1,11 +1,16 @@
+import importlib.metadata
 import json
+import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import autoshard
+from autoshard import progress
+from autoshard.__main__ import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,10 +30,84 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path):
     assert (tmp_path / "m.png").stat().st_size > 1000
 
 
+def _cli(*args, env=None, timeout=120):
+    environ = {k: v for k, v in os.environ.items() if k != "AUTOSHARD_DEBUG"}
+    return subprocess.run([sys.executable, "-m", "autoshard", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**environ, **(env or {})})
+
+
+def _one_error_line(out, command, message):
+    """The command failed with ``message`` as one line on stderr, and no traceback."""
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"python -m autoshard {command}: error: "), lines[0]
+    assert message in lines[0], lines[0]
+
+
 def test_bad_factory_is_named():
-    out = subprocess.run([sys.executable, "-m", "autoshard", "plan", "examples.gpt_shapes:nope"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "cannot load examples.gpt_shapes:nope" in out.stderr
+    _one_error_line(_cli("plan", "examples.gpt_shapes:nope"), "plan",
+                    "cannot load examples.gpt_shapes:nope")
+    _one_error_line(_cli("check", "nope"), "check", "expected MODULE:FACTORY")
+
+
+SMALL = ("examples.gpt_shapes:gpt_small", "--batch", "2", "--seq", "16", "--device-profile",
+         "cpu")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--world-size", "6", "--replicate", "4"], "--replicate 4 must divide --world-size 6"),
+    (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+    (["--memory-budget", "banana"], "Config.memory_budget: cannot read 'banana' as a size"),
+    (["--memory-budget", "1KiB", "--quiet"],
+     "no plan fits the memory budget of 1.00 KiB per rank"),
+])
+def test_plan_mistakes_are_one_line(args, message):
+    _one_error_line(_cli("plan", *SMALL, *args), "plan", message)
+
+
+def test_debug_shows_the_traceback():
+    out = _cli("plan", *SMALL, "--memory-budget", "banana", env={"AUTOSHARD_DEBUG": "1"})
+    assert out.returncode != 0
+    assert "Traceback" in out.stderr and "ValueError: Config.memory_budget" in out.stderr
+
+
+def test_help_shows_defaults_and_choices():
+    top = _cli("--help")
+    assert top.returncode == 0, top.stderr
+    for command in ("demo", "plan", "check", "export", "inspect"):
+        assert command in top.stdout
+    text = _cli("plan", "--help").stdout
+    for shown in ("(default: 8)", "(default: 2048)", "{h100,a100,cpu}", "(default: h100)",
+                  "{auto,module,size,per-parameter,whole-model}", "(default: auto)",
+                  "{auto,min-cut,blocks,none}", "{ddp,zero1,zero2,zero3,auto}",
+                  "(default: zero3)", "{float32,bfloat16,float16}"):
+        assert shown in " ".join(text.split()), shown
+    for command in ("demo", "check", "export", "inspect"):
+        out = _cli(command, "--help")
+        assert out.returncode == 0 and "(default: " in out.stdout, (command, out.stderr)
+    check = " ".join(_cli("check", "--help").stdout.split())
+    assert "(default: 16)" in check and "(default: Config's, auto)" in check
+
+
+def test_version_names_autoshard_and_torch():
+    out = _cli("--version")
+    assert out.returncode == 0, out.stderr
+    version = getattr(autoshard, "__version__", None) or importlib.metadata.version("autoshard")
+    assert out.stdout.strip() == f"autoshard {version} (torch {torch.__version__})"
+
+
+def test_quiet_turns_progress_off(monkeypatch):
+    monkeypatch.setattr(progress, "_enabled", None)
+    monkeypatch.setattr(sys, "argv", ["autoshard"])
+    monkeypatch.delenv("AUTOSHARD_DEBUG", raising=False)
+    monkeypatch.delenv("AUTOSHARD_PROGRESS", raising=False)
+    assert main(["plan", *SMALL, "--world-size", "0"]) == 1  # stops before planning
+    assert progress.enabled()
+    assert main(["plan", *SMALL, "--world-size", "0", "--quiet"]) == 1
+    assert not progress.enabled()
 
 
 def test_model_state_per_rank_is_params_grads_and_adam_over_n():

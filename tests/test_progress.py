@@ -1,9 +1,11 @@
 """Progress lines: nothing for a short phase, lines past the threshold, off with one setting."""
 
 import io
+import threading
 import time
 
 import pytest
+import torch
 
 from autoshard import progress
 
@@ -52,3 +54,62 @@ def test_off_with_one_setting(quick, monkeypatch, how):
     else:
         progress.enable(False)
     assert _run(3, 0.06) == ""
+
+
+def _tickers():
+    return [t for t in threading.enumerate() if t.name.startswith("autoshard-progress-")]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_phase_that_cannot_show_costs_no_thread(quick, on):
+    progress.enable(on)
+    with progress.phase("loading a checkpoint", stream=io.StringIO()) as p:
+        running = _tickers()
+        p.step()
+    assert bool(running) == on and not _tickers()
+
+
+class _Double(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_inductor_compiles_inside_a_phase(monkeypatch):
+    from autoshard.runtime.compiled import CompiledGraph
+
+    seen = []
+
+    def compile_(self, g, example):  # stands in for inductor: what phase is it run under
+        seen.append([p.name for p in progress._stack])
+        return lambda args: g(*args)
+
+    monkeypatch.setattr(CompiledGraph, "_compile", compile_)
+    graph = CompiledGraph(torch.fx.symbolic_trace(_Double()), "forward", boxed=False)
+    for _ in range(2):  # compiled on the first call only
+        assert torch.equal(graph(torch.ones(3)), torch.full((3,), 2.0))
+    assert seen == [["compiling the forward graph with inductor"]] and not progress._stack
+
+
+def _checkpoint_phases(rank, world, root):
+    from autoshard import autoshard
+    from autoshard.models import GPT
+
+    names, phase = [], progress.phase
+
+    def recording(name, *args, **kwargs):
+        names.append(name)
+        return phase(name, *args, **kwargs)
+
+    progress.phase = recording  # in this spawned rank only
+    model = autoshard(GPT(vocab=16, dim=8, heads=2, layers=1))
+    autoshard.save(root, model)
+    autoshard.load_checkpoint(root, model)
+    return names
+
+
+def test_checkpoint_save_and_load_are_phases(tmp_path):
+    from harness import run_ranks
+
+    (names,) = run_ranks(1, _checkpoint_phases, str(tmp_path / "ckpt"))
+    ours = [n for n in names if "checkpoint" in n]
+    assert ours == ["saving a checkpoint", "loading a checkpoint"], names
