@@ -310,11 +310,13 @@ def test_markers():
         "```", "text", "<!-- run: 2 ranks -->", "```python", "c = 3", "```", "```bash",
         "ls", "```", "<!-- run: skip (needs a GPU) -->", "```python", "d = 4", "```"])
     blocks = parse(text, "t.md")
-    assert [(b.first, b.last, b.kind) for b in blocks] == [
-        (3, 3, "1 rank"), (7, 7, "continue"), (12, 12, "2 ranks"), (19, 19, "skip")]
+    assert [(b.first, b.last, b.kind, b.lang) for b in blocks] == [
+        (3, 3, "1 rank", "python"), (7, 7, "continue", "python"), (12, 12, "2 ranks", "python"),
+        (15, 15, "1 rank", "bash"), (19, 19, "skip", "python")]
     progs = programs(blocks)
-    assert [(len(p.blocks), p.ranks, p.skip) for p in progs] == [
-        (2, 1, ""), (1, 2, ""), (1, 1, "needs a GPU")]
+    assert [(len(p.blocks), p.ranks, p.skip, p.lang) for p in progs] == [
+        (2, 1, "", "python"), (1, 2, "", "python"), (1, 1, "", "bash"),
+        (1, 1, "needs a GPU", "python")]
     shell = parse("```bash\nls\n```\n<!-- run: skip (installs) -->\n```console\n$ pip\n```",
                   "t.md")
     assert [(b.lang, b.kind) for b in shell] == [("bash", "1 rank"), ("console", "skip")]
