@@ -15,6 +15,30 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _
 ):
     __path__.append(_root)  # type: ignore[name-defined]
 
+
+def _version() -> str:
+    """The installed distribution's version; in a source checkout that is not installed, the
+    version its pyproject.toml declares."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoshard")
+    except PackageNotFoundError:
+        pass
+    import re
+
+    try:
+        with open(_os.path.join(_root, "pyproject.toml")) as fh:
+            text = fh.read()
+    except OSError:
+        return "unknown"
+    project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    found = project and re.search(r'^version\s*=\s*"([^"]+)"', project.group(1), re.M)
+    return found.group(1) if found else "unknown"
+
+
+__version__ = _version()
+
 from autoshard.errors import AutoshardError  # noqa: E402
 from autoshard.config import Config  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402

@@ -9,7 +9,12 @@ import re
 import types
 import sys
 from collections.abc import Mapping
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+if TYPE_CHECKING:  # the fields' annotations only; imported where a value is checked
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    from autoshard.cost import DeviceProfile
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
@@ -52,51 +57,109 @@ class Config:
     it gives (module classes, a module pattern, units' parameters, recompute's blocks) are
     checked against the model by ``autoshard()`` and ``plan()`` (``check_names``).
 
-    policy: how units are chosen when ``units`` is None —
-        "auto": minimise predicted step time within ``memory_budget`` (the default);
-        "module": each repeated block of a ModuleList/Sequential (or each module whose class
-            name is in ``module_classes`` / whose FQN matches ``module_pattern``) is a unit;
-        "size": parameters in first-use order, grouped until a unit holds ``min_unit_numel``;
-        "per-parameter": one unit per parameter; "whole-model": one unit.
+    The fields follow, by group: a group is a title underlined with dashes, a field is
+    ``name: meaning`` with its continuation lines indented, and ``- `` starts an item of a
+    list. ``python -m autoshard._reference`` writes docs/config.md from this text.
+
+    Units
+    -----
+    policy: how units are chosen when ``units`` is None:
+        - "auto" (default): minimise predicted step time within ``memory_budget``;
+        - "module": each repeated block of a ModuleList/Sequential (or each module whose
+          class name is in ``module_classes`` / whose FQN matches ``module_pattern``) is a
+          unit, the remaining parameters a root unit;
+        - "size": parameters in first-use order, grouped until a unit holds
+          ``min_unit_numel``;
+        - "per-parameter": one unit per parameter;
+        - "whole-model": one unit.
     units: explicit (pinned) units, each a list of parameter FQNs; the rest form a root unit.
-    memory_budget: bytes per rank the plan may use ("80GiB" accepted); default: the device's.
-    device_profile: cost-model profile name ("h100", "a100", "cpu") or a DeviceProfile;
-        default: "h100" on CUDA, "cpu" otherwise.
+        They override any policy; ``plan.pinned_units()`` gives a plan's units in this form.
+    module_classes: for the "module" policy: the class names (or classes) whose modules are
+        units. Default: each repeated block of a ModuleList/Sequential.
+    module_pattern: for the "module" policy: a regular expression; every module whose path
+        it matches whole (``re.fullmatch``) is a unit.
+    min_unit_numel: for the "size" policy: the elements a unit holds at least (the last unit
+        may hold fewer).
+    memory_budget: bytes per rank the plan may use ("80GiB", "512MB" and 1e9 are accepted);
+        default: the device's memory (the device profile's ``memory``).
+    device_profile: cost-model profile name ("h100", "a100", "cpu") or a ``DeviceProfile``
+        (``autoshard.cost.calibrate()`` measures one); default: "h100" on CUDA, "cpu"
+        otherwise.
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
+
+    Strategy and resharding
+    -----------------------
+    strategy: how parameters, gradients and optimizer state are spread over the mesh's
+        shard dimension (every flavour replicates across a 2-D mesh's "replicate" dimension,
+        as HSDP does, and keeps the same state-dict keys and global shapes, so a checkpoint
+        saved under one loads under another):
+        - "zero3" (default): all three sharded; parameters gathered for each use (FSDP);
+        - "zero2": all three sharded; each unit gathered once per step and kept until its
+          backward (FSDP's SHARD_GRAD_OP); ``reshard_after_forward`` must stay "auto";
+        - "zero1": parameters kept whole on every rank from step to step (a replica in the
+          compute dtype), gradients reduce-scattered, optimizer state sharded; the shards
+          the optimizer updated are gathered into the replica before the next call;
+        - "ddp": parameters, gradients and optimizer state replicated (DTensor
+          Replicate()), gradients all-reduced once per unit (bucket);
+        - "auto": the planner predicts "zero1", "zero2" and "zero3" (whose units it may keep
+          gathered from forward to backward one by one, as
+          ``reshard_after_forward="search"``) and runs the fastest that fits
+          ``memory_budget`` (``plan.strategy``).
     reshard_after_forward: free gathered parameters after their forward use and gather them
-        again in backward (ZeRO-3): ``True`` for every unit; ``False`` keeps every unit
-        gathered from forward to backward; "auto" (default) keeps only the unit gathered last
-        in forward, whose backward gather would come right after its forward use (FSDP2
-        keeps its root the same way); "search": the planner's choice per candidate between
-        "auto" and ``False``, the latter where it is faster and surely within the budget
-        (``plan.reshard`` says which).
-    bucket: merge adjacent units smaller than ``bucket_bytes`` (default: the size below which
-        a collective is latency-bound under the cost model) into one collective. Default: on
-        for the "per-parameter" policy only ("auto" already sizes units for time within the
-        memory budget; other policies are the user's choice of units).
+        again in backward (ZeRO-3):
+        - ``True``: for every unit;
+        - ``False``: keep every unit gathered from forward to backward;
+        - "auto" (default): keep only the unit gathered last in forward, whose backward
+          gather would come right after its forward use (FSDP2 keeps its root the same way);
+        - "search": the planner's choice per candidate between "auto" and ``False``, the
+          latter where it is faster and surely within the budget (``plan.reshard`` says
+          which).
+    partial_mesh: the 1-D mesh covers only some of the ranks on purpose (for example one
+        pipeline stage); the ranks outside it train their own copy, and nothing keeps those
+        in step. False (default): such a mesh is refused, since replicas across meshes would
+        drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
+
+    Communication
+    -------------
     prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
         the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
-        in flight (default: no byte bound), and defer reduce-scatter waits (default: on).
-    recompute: which activations cross from forward to backward —
-        True (default): a minimum cut over the forward graph picks what to save, and cheap
-            ops (pointwise, views, normalisations) between it and the backward run again there;
-            where no plan fits ``memory_budget`` so, the first 1/4, 1/2, 3/4 or all of the
-            repeated blocks are also recomputed whole (the fastest of these that fits);
-        False: what eager autograd saves;
-        "blocks": every repeated block is recomputed whole in backward (as if each ran under
-            torch.utils.checkpoint): only its input is saved, at the price of its forward again;
-        "auto": a plan decision per repeated block among these three, the fastest that fits
-            ``memory_budget`` (the plan lists the candidates);
-        {block path: "keep" | "min-cut" | "block"}: per block, as ``plan.pinned_recompute()``
-            gives it (blocks not named: the min cut).
-    verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
-    mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, read as FSDP2 reads it:
-        each shard is cast to ``param_dtype`` before its all-gather and the step computes with
-        the gathered ``param_dtype`` parameters; gradients are reduce-scattered in
-        ``reduce_dtype`` (default: ``param_dtype``) and land on the shards in their own dtype,
-        so the sharded parameters and the optimizer state keep theirs (fp32 masters);
-        ``output_dtype`` casts the model's floating outputs; ``cast_forward_inputs`` casts
-        its floating tensor inputs to ``param_dtype``. Buffers are not cast. Default: none.
+        in flight, and defer each reduce-scatter's wait to the next one (default: on).
+    prefetch_depth: how many units ahead an all-gather may be issued, at most (default 2).
+    prefetch_bytes: the most gathered bytes prefetch keeps in flight (a size, as
+        ``memory_budget``); default: no byte bound.
+    bucket: merge adjacent units smaller than ``bucket_bytes`` into one collective. Default:
+        on for the "per-parameter" policy only ("auto" already sizes units for time within
+        the memory budget; other policies are the user's choice of units).
+    bucket_bytes: the unit size below which ``bucket`` merges (a size, as
+        ``memory_budget``); default: the size below which a collective is latency-bound
+        under the cost model.
+    gradient_divide_factor: FSDP2's ``set_gradient_divide_factor``: each reduced gradient is
+        the sum over the ranks divided by this (1.0: the sum, for a loss summed rather than
+        averaged over the global batch) instead of their mean. None (default): the mean.
+        ``ShardedModule.set_gradient_divide_factor`` changes it after ``autoshard()``.
+    force_sum_reduction_for_comms: FSDP2's switch of the same name: the collectives sum, and
+        the division (by the factor, or by the ranks for the mean) is a step of its own.
+    timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
+        collective before autoshard raises an error naming it: the timeout of the process
+        group autoshard creates when there is none (default 300 s, at most a week; torch's
+        own default is 30 minutes); ranks still get 10 minutes to start and meet. A group
+        you created keeps the timeout you gave it.
+
+    Memory: recomputation and offload
+    ---------------------------------
+    recompute: which activations cross from forward to backward:
+        - True (default): a minimum cut over the forward graph picks what to save, and cheap
+          ops (pointwise, views, normalisations) between it and the backward run again
+          there; where no plan fits ``memory_budget`` so, the first 1/4, 1/2, 3/4 or all of
+          the repeated blocks are also recomputed whole (the fastest of these that fits);
+        - False: what eager autograd saves;
+        - "blocks": every repeated block is recomputed whole in backward (as if each ran
+          under torch.utils.checkpoint): only its input is saved, at the price of its
+          forward again;
+        - "auto": a plan decision per repeated block among these three, the fastest that
+          fits ``memory_budget`` (the plan lists the candidates);
+        - {block path: "keep" | "min-cut" | "block"}: per block, as
+          ``plan.pinned_recompute()`` gives it (blocks not named: the min cut).
     offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy()`` keeps every sharded
         parameter, its gradient shard and its optimizer state in host memory, as FSDP2 does:
         each shard is copied to the device before its all-gather and each gradient shard back
@@ -118,47 +181,28 @@ class Config:
         units. None (default): per candidate grouping the planner takes the least of 0, 1/4,
         1/2, 3/4 and 1 whose plan fits (by bisection, as peaks fall along them). Read only
         when the state is offloaded.
-    strategy: how parameters, gradients and optimizer state are spread over the mesh's
-        shard dimension (every flavour replicates across a 2-D mesh's "replicate" dimension,
-        as HSDP does, and keeps the same state-dict keys and global shapes, so a checkpoint
-        saved under one loads under another):
-        "zero3" (default): all three sharded; parameters gathered for each use (FSDP);
-        "zero2": all three sharded; each unit gathered once per step and kept until its
-            backward (FSDP's SHARD_GRAD_OP); ``reshard_after_forward`` must stay "auto";
-        "zero1": parameters kept whole on every rank from step to step (a replica in the
-            compute dtype), gradients reduce-scattered, optimizer state sharded; the shards
-            the optimizer updated are gathered into the replica before the next call;
-        "ddp": parameters, gradients and optimizer state replicated (DTensor Replicate()),
-            gradients all-reduced once per unit (bucket);
-        "auto": the planner predicts "zero1", "zero2" and "zero3" (whose units it may keep
-            gathered from forward to backward one by one, as ``reshard_after_forward=
-            "search"``) and runs the fastest that fits ``memory_budget`` (``plan.strategy``).
-    partial_mesh: the 1-D mesh covers only some of the ranks on purpose (for example one
-        pipeline stage); the ranks outside it train their own copy, and nothing keeps those
-        in step. False (default): such a mesh is refused, since replicas across meshes would
-        drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
+
+    Precision and execution
+    -----------------------
+    mp_policy: ``torch.distributed.fsdp.MixedPrecisionPolicy``, read as FSDP2 reads it:
+        each shard is cast to ``param_dtype`` before its all-gather and the step computes with
+        the gathered ``param_dtype`` parameters; gradients are reduce-scattered in
+        ``reduce_dtype`` (default: ``param_dtype``) and land on the shards in their own dtype,
+        so the sharded parameters and the optimizer state keep theirs (fp32 masters);
+        ``output_dtype`` casts the model's floating outputs; ``cast_forward_inputs`` casts
+        its floating tensor inputs to ``param_dtype``. Buffers are not cast. Default: none.
     compile: run the forward and backward graphs through inductor (torch.compile's compiler;
         C++ kernels on CPU, Triton on CUDA), each compiled on its first call, with the
         collectives inside the compiled code in the plan's order (checked on the generated
         code; see ``autoshard.runtime.compiled``). The plan is the same; the first call of
         each input signature takes longer. Default False: the graphs run as fx code.
-    gradient_divide_factor: FSDP2's ``set_gradient_divide_factor``: each reduced gradient is
-        the sum over the ranks divided by this (1.0: the sum, for a loss summed rather than
-        averaged over the global batch) instead of their mean. None (default): the mean.
-        ``ShardedModule.set_gradient_divide_factor`` changes it after ``autoshard()``.
-    force_sum_reduction_for_comms: FSDP2's switch of the same name: the collectives sum, and
-        the division (by the factor, or by the ranks for the mean) is a step of its own.
-    timeout: seconds (or a ``datetime.timedelta``) any rank waits for the others at one
-        collective before autoshard raises an error naming it: the timeout of the process
-        group autoshard creates when there is none (default 300 s, at most a week; torch's
-        own default is 30 minutes); ranks still get 10 minutes to start and meet. A group
-        you created keeps the timeout you gave it.
+    verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
     policy: str = "auto"
     units: Optional[Sequence[Sequence[str]]] = None
     memory_budget: Union[int, str, None] = None
-    device_profile: object = None
+    device_profile: Union[str, DeviceProfile, None] = None
     optimizer: str = "adamw"
     module_classes: Optional[Sequence[str]] = None
     module_pattern: Optional[str] = None
@@ -172,8 +216,8 @@ class Config:
     prefetch_depth: int = 2
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
-    mp_policy: object = None
-    offload_policy: object = None
+    mp_policy: Optional[MixedPrecisionPolicy] = None
+    offload_policy: Optional[OffloadPolicy] = None
     offload_state: Optional[float] = None
     offload_params: Optional[float] = None
     strategy: str = "zero3"
@@ -183,6 +227,15 @@ class Config:
     force_sum_reduction_for_comms: bool = False
 
     def __post_init__(self):
+        """Check every field once, in this order, normalising what it stores."""
+        self._check_choices()
+        self._check_flags()
+        self._check_numbers()
+        self._check_offload()
+        self._check_profile_and_names()
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values, and how they combine."""
         _one_of("policy", self.policy, POLICIES,
                 " or pass explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
@@ -196,6 +249,9 @@ class Config:
                 f"Config(strategy='zero2') keeps every unit gathered from forward to backward; "
                 f"reshard_after_forward={self.reshard_after_forward!r} says otherwise. Leave "
                 "it at 'auto', or use strategy='zero3' to choose per unit")
+
+    def _check_flags(self) -> None:
+        """The switches, and ``recompute`` (a choice or a per-block dict)."""
         for name in ("prefetch", "verify", "partial_mesh", "compile",
                      "force_sum_reduction_for_comms"):
             _flag(name, getattr(self, name))
@@ -208,6 +264,9 @@ class Config:
                     " or {block path: 'keep' | 'min-cut' | 'block'}")
         if self.bucket is not None:
             _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
+
+    def _check_numbers(self) -> None:
+        """Sizes, counts, the timeout and the divide factor: in range, normalised."""
         for name in ("memory_budget", "prefetch_bytes", "bucket_bytes"):
             self._set(name, _size(name, getattr(self, name)))
         _count("prefetch_depth", self.prefetch_depth, "(how many units ahead an all-gather "
@@ -228,6 +287,9 @@ class Config:
                                  f"(each reduced gradient is the ranks' sum divided by it; 1.0: "
                                  f"the sum) or None for the mean, got {f!r}")
             self._set("gradient_divide_factor", float(f))
+
+    def _check_offload(self) -> None:
+        """The precision and offload policies and the offload fractions."""
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
         if self.offload_state is not None and (
@@ -253,6 +315,9 @@ class Config:
             raise ValueError(f"Config.offload_params must be a fraction from 0 to 1 (of the "
                              f"offloaded units whose shards are copied in again for the "
                              f"backward) or None, got {self.offload_params!r}")
+
+    def _check_profile_and_names(self) -> None:
+        """The device profile, then the names: units, module classes, pattern."""
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 

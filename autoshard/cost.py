@@ -228,12 +228,25 @@ def _time(fn, reps: int = 5) -> float:
     return best
 
 
-def calibrate(device: Optional[torch.device] = None, group=None, name: str = "calibrated"
-              ) -> DeviceProfile:
+class _NoGroup:
+    """``calibrate()``'s default group: measure no collective."""
+
+    def __repr__(self) -> str:
+        return "no group"
+
+
+def calibrate(device: Optional[torch.device] = None, group=_NoGroup(),
+              name: str = "calibrated") -> DeviceProfile:
     """Measure this machine: matmul rate, memory bandwidth and, given a process group of two
     or more ranks (call it on every rank), the collective alpha and beta; with a group every
-    rank gets the same profile, the slowest rank's numbers. Without a group alpha and beta
-    are copied from the matching named profile."""
+    rank gets the same profile, the slowest rank's numbers. ``group=None`` or
+    ``dist.group.WORLD`` is the default group, as in torch's collectives; it and any group
+    need ``init_process_group`` first (ValueError otherwise, naming what to do). Without a
+    group alpha and beta are copied from the matching named profile."""
+    if isinstance(group, _NoGroup):
+        group = None
+    else:
+        group = _calibration_group(group)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -266,6 +279,26 @@ def calibrate(device: Optional[torch.device] = None, group=None, name: str = "ca
                          collective_scratch=base.collective_scratch,
                          host_bandwidth=base.host_bandwidth,
                          source=f"measured by calibrate() on {device.type}")
+
+
+def _calibration_group(group):
+    """The process group ``calibrate(group=...)`` measures: it must exist on this rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"calibrate(group={group!r}) measures the collectives between the ranks, but "
+            "torch.distributed is not initialised, so there is no group yet "
+            "(dist.group.WORLD is None until then). Call calibrate(group=...) on every rank "
+            "after torch.distributed.init_process_group(...) (or after autoshard() made the "
+            "group), or call calibrate() without group to measure this machine alone")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_world_size(group) < 1:
+        raise ValueError(
+            "calibrate(group=...) was given a group this rank is not a member of; call it "
+            "on the group's own ranks with their group, or with dist.group.WORLD")
+    return group
 
 
 def _collective_alpha_beta(device, group, sync):

@@ -1,6 +1,7 @@
 """GPT factories at the sizes people plan FSDP runs for, for ``python -m autoshard plan``.
 
-    python -m autoshard plan examples.gpt_shapes:gpt_175b --world-size 512 --device-profile h100
+    python -m autoshard plan autoshard.examples.gpt_shapes:gpt_175b --world-size 512 \
+        --device-profile h100
 
 1.3B, 13B and 175B are GPT-3's shapes (Brown et al., 2020: layers x width x heads
 24x2048x16, 40x5120x40, 96x12288x96); 1T is the 128-layer, 25600-wide shape of

@@ -65,6 +65,15 @@ def test_calibrate_measures_this_machine():
     assert prof.matmul_flops > 1e8 and prof.mem_bandwidth > 1e8 and prof.efficiency == 1.0
 
 
+def test_calibrate_with_a_group_before_init_process_group_is_refused():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the tests' ranks run in processes of their own
+    for group in (dist.group.WORLD, None, object()):  # WORLD is None before the group exists
+        with pytest.raises(ValueError, match=r"after torch\.distributed\.init_process_group"):
+            calibrate(group=group)
+
+
 def _plan():
     return autoshard.plan(GPT(), (torch.randint(0, 96, (2, 16)),), world_size=4,
                           config=autoshard.Config(policy="module"))

@@ -1,8 +1,11 @@
-"""The fault table in docs/faults.md names, for each row, a test that keeps it true."""
+"""The docs stay true: each row of the fault table in docs/faults.md names an existing test,
+and docs/config.md is what its generator writes from the Config docstring."""
 
 import ast
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -18,3 +21,40 @@ def test_every_row_of_the_fault_table_names_an_existing_test():
             tree = ast.parse((ROOT / path).read_text())
             names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
             assert name in names, f"{path} has no test {name}"
+
+
+def test_config_reference_is_what_the_generator_writes():
+    from autoshard import _reference
+
+    page = ROOT / "docs" / "config.md"
+    assert page.read_text() == _reference.render(), (
+        "docs/config.md is not what the Config docstring gives; regenerate it with "
+        f"`{_reference.COMMAND}` (from the repository root)")
+
+
+def test_config_reference_names_every_field_once_with_type_and_default():
+    import dataclasses
+
+    from autoshard import Config, _reference
+
+    text = _reference.render()
+    for f in dataclasses.fields(Config):
+        assert text.count(f"\n### `{f.name}`\n") == 1, f.name
+        assert f"`{f.name}: {f.type} = {f.default!r}`" in text, f.name
+    doc = Config.__doc__
+    dropped = re.sub(r"\n    prefetch_depth: .*\n", "\n", doc)
+    assert dropped != doc
+    with pytest.raises(ValueError, match=r"missing: \['prefetch_depth'\]"):
+        _reference.sections(dropped)
+    with pytest.raises(ValueError, match="'no_such_field', which is not a field"):
+        _reference.sections(doc + "\n    no_such_field: nothing\n")
+
+
+def test_config_reference_check_mode_names_the_command(tmp_path):
+    from autoshard import _reference
+
+    stale = tmp_path / "config.md"
+    stale.write_text("# old\n")
+    assert _reference.main(["--check", "--out", str(stale)]) == 1
+    assert _reference.main(["--out", str(stale)]) == 0
+    assert _reference.main(["--check", "--out", str(stale)]) == 0

@@ -10,7 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
+    # this checkout's autoshard, also for a script whose folder (examples/) is sys.path[0]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
 
 
 def test_demo_trains_beside_the_reference_and_shows_the_plan():
@@ -34,6 +36,15 @@ def test_example_runs_under_torchrun():
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step   2  loss" in out.stdout and "2 ranks, cpu" in out.stdout
+
+
+def test_example_runs_as_a_module_under_torchrun():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", "-m", "autoshard.examples.train_gpt", "--steps", "2", "--layers", "1"]
+    out = subprocess.run(cmd, cwd=ROOT / "docs", env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step   1  loss" in out.stdout and "2 ranks, cpu" in out.stdout
 
 
 def test_debug_level_prints_each_pass():

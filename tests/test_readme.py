@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs, so a snippet cannot break unnoticed.
+"""Every ```python and shell block of README.md and docs/*.md runs, so a snippet cannot break
+unnoticed.
 
 A block's kind is an HTML comment (invisible where the markdown is rendered) on the line just
 before its fence:
@@ -9,6 +10,11 @@ before its fence:
 - ``<!-- run: continue -->``: the block goes on from the block before it in the same file:
   both are one program, of the first block's kind, run once;
 - ``<!-- run: skip (why) -->``: not run; the reason is required, and is the skip's reason.
+
+Shell blocks (```bash, ```sh, ```console) run too, each as a bash script of its own with
+``set -euo pipefail`` (a ```console block runs its ``$ `` lines; the rest is their output);
+``python`` is this interpreter and ``torchrun`` launches it. They take no marker, or a skip
+(a command that installs packages, needs a GPU, or runs for minutes says so there).
 
 The prose around a snippet leaves some names to the reader: the model, its data, a loss. Each
 program starts with them defined (``GIVEN`` below: a tiny GPT and its batches), in a fresh
@@ -78,6 +84,7 @@ class Block:
     last: int
     kind: str  # "1 rank", "N ranks", "continue" or "skip"
     reason: str = ""
+    lang: str = "python"  # or "bash", "console"
 
 
 @dataclasses.dataclass
@@ -87,12 +94,17 @@ class Program:
     skip: str = ""
 
     @property
+    def lang(self) -> str:
+        return self.blocks[0].lang
+
+    @property
     def name(self) -> str:
         return f"{self.blocks[0].file}:" + "+".join(str(b.first - 1) for b in self.blocks)
 
 
 _MARKER = re.compile(r"^\s*<!--\s*run:\s*(.*?)\s*-->\s*$")
 _FENCE = re.compile(r"^\s*```(\w*)")
+_SHELL = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "console"}
 
 
 def parse(text: str, file: str) -> list:
@@ -111,9 +123,17 @@ def parse(text: str, file: str) -> list:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
             raise ValueError(f"{file}:{i + 1}: a fence that is never closed")
-        if m.group(1) in ("python", "py"):
+        lang = "python" if m.group(1) in ("python", "py") else _SHELL.get(m.group(1))
+        if lang:
             marker = _MARKER.search(lines[i - 1]) if i else None
-            blocks.append(_block(marker.group(1) if marker else "", file, i + 2, end, blocks))
+            block = _block(marker.group(1) if marker else "", file, i + 2, end, blocks)
+            block.lang = lang
+            if lang != "python" and block.kind not in ("1 rank", "skip"):
+                raise ValueError(f"{file}:{i + 1}: a shell block takes no marker or "
+                                 "'run: skip (why)'")
+            if block.kind == "continue" and blocks[-1].lang != "python":
+                raise ValueError(f"{file}:{i + 1}: 'run: continue' after a shell block")
+            blocks.append(block)
         i = end + 1
     return blocks
 
@@ -171,15 +191,46 @@ def source(program: Program) -> str:
     return "\n".join(out) + "\n"
 
 
+def shell_source(program: Program) -> str:
+    """A shell block as a bash script: its lines (a console block's ``$`` lines), stopping at
+    the first command that fails."""
+    b = program.blocks[0]
+    with open(os.path.join(ROOT, b.file)) as fh:
+        lines = fh.read().splitlines()[b.first - 1:b.last]
+    if b.lang == "console":
+        lines = [line[2:] for line in lines if line.startswith("$ ")]
+    return "set -euo pipefail\n" + "\n".join(lines) + "\n"
+
+
+def _shell_bin(tmp: str) -> str:
+    """A folder for PATH where ``python`` is this interpreter and ``torchrun`` launches it."""
+    folder = os.path.join(tmp, "_bin")
+    os.makedirs(folder)
+    for name, body in [("python", f'exec "{sys.executable}" "$@"'),
+                       ("torchrun", f'exec "{sys.executable}" -m torch.distributed.run "$@"')]:
+        with open(os.path.join(folder, name), "w") as fh:
+            fh.write(f"#!/bin/sh\n{body}\n")
+        os.chmod(os.path.join(folder, name), 0o755)
+    return folder
+
+
 def run(program: Program, tmp: str) -> subprocess.CompletedProcess:
-    with open(os.path.join(tmp, "_given.py"), "w") as fh:
-        fh.write(GIVEN)
-    script = os.path.join(tmp, os.path.basename(program.blocks[0].file).replace(".", "_") + ".py")
-    with open(script, "w") as fh:
-        fh.write(source(program))
-    env = dict(os.environ, OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", AUTOSHARD_PROGRESS="0",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, script]
+    name = os.path.basename(program.blocks[0].file).replace(".", "_")
+    if program.lang != "python":
+        script = os.path.join(tmp, name + ".sh")
+        with open(script, "w") as fh:
+            fh.write(shell_source(program))
+        env["PATH"] = os.pathsep.join([_shell_bin(tmp), env.get("PATH", "")])
+        cmd = ["bash", script]
+    else:
+        with open(os.path.join(tmp, "_given.py"), "w") as fh:
+            fh.write(GIVEN)
+        script = os.path.join(tmp, name + ".py")
+        with open(script, "w") as fh:
+            fh.write(source(program))
+        cmd = [sys.executable, script]
     if program.ranks > 1:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={program.ranks}"]
@@ -241,12 +292,16 @@ def test_block_runs(program):
 
 def test_blocks_are_found_and_counted():
     blocks = [b for p in PROGRAMS for b in p.blocks]
-    skipped = [b for b in blocks if b.kind == "skip"]
-    print(f"{len(blocks)} python blocks in {len(FILES)} files: {len(blocks) - len(skipped)} run "
-          f"as {sum(not p.skip for p in PROGRAMS)} programs, {len(skipped)} skipped")
-    for b in skipped:
-        print(f"  skipped {b.file}:{b.first - 1}: {b.reason}")
+    for lang in ("python", "shell"):
+        mine = [b for b in blocks if (b.lang == "python") == (lang == "python")]
+        skipped = [b for b in mine if b.kind == "skip"]
+        progs = [p for p in PROGRAMS if (p.lang == "python") == (lang == "python")]
+        print(f"{len(mine)} {lang} blocks in {len(FILES)} files: {len(mine) - len(skipped)} run "
+              f"as {sum(not p.skip for p in progs)} programs, {len(skipped)} skipped")
+        for b in skipped:
+            print(f"  skipped {b.file}:{b.first - 1}: {b.reason}")
     assert len(blocks) >= 6 and "README.md" in {b.file for b in blocks}
+    assert {"python", "bash"} <= {b.lang for b in blocks if b.kind != "skip"}
 
 
 def test_markers():
@@ -255,11 +310,18 @@ def test_markers():
         "```", "text", "<!-- run: 2 ranks -->", "```python", "c = 3", "```", "```bash",
         "ls", "```", "<!-- run: skip (needs a GPU) -->", "```python", "d = 4", "```"])
     blocks = parse(text, "t.md")
-    assert [(b.first, b.last, b.kind) for b in blocks] == [
-        (3, 3, "1 rank"), (7, 7, "continue"), (12, 12, "2 ranks"), (19, 19, "skip")]
+    assert [(b.first, b.last, b.kind, b.lang) for b in blocks] == [
+        (3, 3, "1 rank", "python"), (7, 7, "continue", "python"), (12, 12, "2 ranks", "python"),
+        (15, 15, "1 rank", "bash"), (19, 19, "skip", "python")]
     progs = programs(blocks)
-    assert [(len(p.blocks), p.ranks, p.skip) for p in progs] == [
-        (2, 1, ""), (1, 2, ""), (1, 1, "needs a GPU")]
+    assert [(len(p.blocks), p.ranks, p.skip, p.lang) for p in progs] == [
+        (2, 1, "", "python"), (1, 2, "", "python"), (1, 1, "", "bash"),
+        (1, 1, "needs a GPU", "python")]
+    shell = parse("```bash\nls\n```\n<!-- run: skip (installs) -->\n```console\n$ pip\n```",
+                  "t.md")
+    assert [(b.lang, b.kind) for b in shell] == [("bash", "1 rank"), ("console", "skip")]
+    console = Program([Block("README.md", 1, 1, "1 rank", lang="console")])
+    assert "set -euo pipefail" in shell_source(console)
     inline = parse("the comment `<!-- run: 2 ranks -->` before a fence\n```python\nx\n```", "t.md")
     assert [b.kind for b in inline] == ["1 rank"]  # prose that names a marker is no marker
     for bad, why in [
@@ -267,6 +329,9 @@ def test_markers():
             ("<!-- run: skip () -->\n```python\nx\n```", "unknown run marker"),
             ("<!-- run: continue -->\n```python\nx\n```", "no earlier block"),
             ("<!-- run: 2 ranks -->\n\n```python\nx\n```", "just before"),
-            ("```python\nx\n", "never closed")]:
+            ("```python\nx\n", "never closed"),
+            ("<!-- run: 2 ranks -->\n```bash\nls\n```", "shell block takes no marker"),
+            ("```bash\nls\n```\n<!-- run: continue -->\n```python\nx\n```",
+             "after a shell block")]:
         with pytest.raises(ValueError, match=why):
             parse(bad, "t.md")
