@@ -39,10 +39,7 @@ def _plan(args) -> int:
         plan = autoshard.plan(model, make(args.batch, args.seq), world_size=world,
                               config=config, progress=progress)
     progress("done")
-    if args.summary_only:
-        print(plan.summary_table() + "\n\n" + plan.candidates_section() + plan.units_table())
-    else:
-        print(plan)
+    print(plan.render(schedule=not args.summary_only, frees=args.frees))
     if args.json:
         with open(args.json, "w") as f:
             f.write(plan.to_json())
@@ -247,6 +244,8 @@ def _add_plan(sub) -> None:
     pl.add_argument("--symbolic", action="store_true",
                     help="fit memory and time in batch and seq (two more traces)")
     pl.add_argument("--summary-only", action="store_true", help="no schedule table")
+    pl.add_argument("--frees", action="store_true",
+                    help="list the schedule's free rows too (folded into a count otherwise)")
     pl.add_argument("--quiet", action="store_true", help="no progress lines")
 
 

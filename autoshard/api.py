@@ -147,9 +147,10 @@ class ShardedModule(torch.nn.Module):
     def units(self) -> list:
         return self.plan.units
 
-    def schedule(self) -> str:
-        """The ordered collectives of the compiled program as a table."""
-        return self.plan.schedule_table()
+    def schedule(self, frees: bool = False) -> str:
+        """The ordered collectives of the compiled program as a table; ``frees``: with the
+        rows that free gathered parameters (folded into a count otherwise)."""
+        return self.plan.schedule_table(frees=frees)
 
     def record(self, optimizer=None, *inputs):
         """Context manager recording one step run inside it: the communication events in

@@ -11,8 +11,8 @@ def load_factory(spec: str):
     """The callable ``spec`` names (``package.module:function``), imported with the current
     directory on the path. ``ValueError`` names what is wrong."""
     if ":" not in spec:
-        raise ValueError(f"expected MODULE:FACTORY (e.g. examples.gpt_shapes:gpt_175b), "
-                         f"got {spec!r}")
+        raise ValueError("expected MODULE:FACTORY (e.g. "
+                         f"autoshard.examples.gpt_shapes:gpt_175b), got {spec!r}")
     mod, _, name = spec.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -333,11 +333,16 @@ class Plan:
         return max(int(math.floor(float(sol[0]))), 0)
 
     def __str__(self) -> str:
+        return self.render()
+
+    def render(self, *, schedule: bool = True, frees: bool = False) -> str:
+        """The plan as ``print(plan)`` shows it; ``schedule``: with the schedule table,
+        ``frees``: with its free rows."""
         return (
             f"autoshard plan: world size {self.world_size}, {len(self.units)} "
             f"unit{'s' if len(self.units) != 1 else ''}\n\n"
-            f"{self.summary_table()}\n\n{self.candidates_section()}{self.units_table()}\n\n"
-            f"{self.schedule_table()}"
+            f"{self.summary_table()}\n\n{self.candidates_section()}{self.units_table()}"
+            + (f"\n\n{self.schedule_table(frees=frees)}" if schedule else "")
         )
 
     def candidates_section(self) -> str:

@@ -18,7 +18,7 @@ from tabulate import tabulate
 
 
 def run(model: str, world: int, seq: int, profile: str) -> tuple:
-    cmd = [sys.executable, "-m", "autoshard", "plan", f"examples.gpt_shapes:{model}",
+    cmd = [sys.executable, "-m", "autoshard", "plan", f"autoshard.examples.gpt_shapes:{model}",
            "--world-size", str(world), "--seq", str(seq), "--device-profile", profile,
            "--summary-only", "--quiet"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

@@ -255,13 +255,10 @@ def files(folder: str) -> dict:
 
 
 def version() -> str:
-    """This autoshard's version, as installed (``unknown`` in a checkout not installed)."""
-    try:
-        from importlib.metadata import version as installed
+    """This autoshard's version (``autoshard.__version__``)."""
+    import autoshard
 
-        return installed("autoshard")
-    except Exception:  # noqa: BLE001 - any failure to find the distribution
-        return "unknown"
+    return autoshard.__version__
 
 
 def check_format(doc: dict, where: str, fmt: str, reads: tuple, what: str) -> None:

@@ -2,6 +2,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_plan_command_prints_and_writes_the_plan(tmp_path):
-    cmd = [sys.executable, "-m", "autoshard", "plan", "examples.gpt_shapes:gpt_small",
+    cmd = [sys.executable, "-m", "autoshard", "plan", "autoshard.examples.gpt_shapes:gpt_small",
            "--world-size", "4", "--batch", "2", "--seq", "16", "--device-profile", "cpu",
            "--policy", "module", "--trace", str(tmp_path / "t.json"),
            "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "m.png")]
@@ -28,6 +29,14 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path):
     assert plan.world_size == 4 and [u.name for u in plan.units][:2] == ["root", "blocks.0"]
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert (tmp_path / "m.png").stat().st_size > 1000
+    free_row = re.compile(r"^\s*\d+\s+\w+\s+\S+\s+free\s", re.M)  # "#  pass  unit  free"
+    assert not free_row.search(out.stdout) and "free rows not shown" in out.stdout
+    frees = subprocess.run(cmd[:15] + ["--frees", "--quiet"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert free_row.search(frees.stdout) and "free rows not shown" not in frees.stdout
+    short = subprocess.run(cmd[:15] + ["--summary-only", "--quiet"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert short.returncode == 0 and "reduce_scatter" not in short.stdout
 
 
 def _cli(*args, env=None, timeout=120):
@@ -48,13 +57,13 @@ def _one_error_line(out, command, message):
 
 
 def test_bad_factory_is_named():
-    _one_error_line(_cli("plan", "examples.gpt_shapes:nope"), "plan",
-                    "cannot load examples.gpt_shapes:nope")
+    _one_error_line(_cli("plan", "autoshard.examples.gpt_shapes:nope"), "plan",
+                    "cannot load autoshard.examples.gpt_shapes:nope")
     _one_error_line(_cli("check", "nope"), "check", "expected MODULE:FACTORY")
 
 
-SMALL = ("examples.gpt_shapes:gpt_small", "--batch", "2", "--seq", "16", "--device-profile",
-         "cpu")
+SMALL = ("autoshard.examples.gpt_shapes:gpt_small", "--batch", "2", "--seq", "16",
+         "--device-profile", "cpu")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -112,7 +121,7 @@ def test_quiet_turns_progress_off(monkeypatch):
 
 def test_model_state_per_rank_is_params_grads_and_adam_over_n():
     sys.path.insert(0, str(ROOT))
-    from examples.gpt_shapes import gpt_1_3b
+    from autoshard.examples.gpt_shapes import gpt_1_3b
 
     with torch.device("meta"):
         model = gpt_1_3b()
@@ -126,7 +135,7 @@ def test_model_state_per_rank_is_params_grads_and_adam_over_n():
 
 def test_export_and_inspect_commands(tmp_path):
     out_dir = tmp_path / "gpt"
-    cmd = [sys.executable, "-m", "autoshard", "export", "examples.gpt_shapes:gpt_small",
+    cmd = [sys.executable, "-m", "autoshard", "export", "autoshard.examples.gpt_shapes:gpt_small",
            "--world-size", "2", "--batch", "2", "--seq", "16", "--out", str(out_dir),
            "--quiet"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     ap.add_argument("--small", action="store_true", help="the tests' GPT instead of 1.3B")
     ap.add_argument("--world-size", type=int, default=2)
     args = ap.parse_args(argv)
-    factory = "autoshard.models:GPT" if args.small else "examples.gpt_shapes:gpt_1_3b"
+    factory = "autoshard.models:GPT" if args.small else "autoshard.examples.gpt_shapes:gpt_1_3b"
     for r, res in enumerate(measure(factory, args.world_size)):
         bound = res["rss_before"] + res["kept"] + res["largest_module"]
         print(f"rank {r}: peak RSS {_gib(res['peak_rss'])} (before autoshard "
