@@ -462,7 +462,7 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
             return _compat.graph_module(gm, gm.graph)
         except AutoshardError:
             raise
-        except Exception as exc:  # noqa: BLE001 - every capture failure gets the same one
+        except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
             raise _explain(exc, joint.stack, input_names(args, kwargs),
                            {p.compute_dtype for p in joint.params}) from exc
 
