@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns."""
+"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns; and
+the training step they share, its loss averaged over the ranks."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False) -> li
         mp.spawn(_entry, args=(world, fn, payload, tmp, port), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+def train_step(loss, opt, world: int) -> float:
+    """Backward ``loss``, step ``opt`` and zero its gradients; the loss averaged over the
+    ``world`` ranks (each rank's value summed as a float32 on the host)."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    t = torch.tensor([loss.item()])
+    dist.all_reduce(t)
+    return t.item() / world

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from harness import run_ranks
+from harness import run_ranks, train_step
 
 import autoshard
 from autoshard.errors import AutoshardError
@@ -84,13 +84,7 @@ def _logits(out):
 
 def _step(name, model, opt, step, rank, world, device="cpu") -> float:
     x, y = (t.to(device) for t in _data(step, world, rank))
-    loss = gpt_loss(_logits(_call(name, model, x)), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    t = loss.detach().reshape(1)
-    dist.all_reduce(t)
-    return t.item() / world
+    return train_step(gpt_loss(_logits(_call(name, model, x)), y), opt, world)
 
 
 def _eval(name, model, rank, world):
