@@ -4,7 +4,8 @@
 the FULL parameter shapes, so capture costs no parameter memory and works for any model size.
 Every placeholder and output is tagged with its role (see ``autoshard.meta``); forward nodes
 carry the module path that produced them and backward nodes the forward node they
-differentiate, wherever autograd records it.
+differentiate, wherever autograd records it. A trace that takes a while shows as the progress
+phase "capturing the training step" (``autoshard.progress``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from autoshard import _compat, guards, hooks, meta, state
+from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, written_inputs
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
@@ -286,12 +287,29 @@ def capture(
     hooks.refuse_backward_hooks(model, names)
     leaves, in_spec = tree_flatten((args, kwargs))
     objects = [x for x in leaves if state.is_state(x)]
-    count = iter(range(len(objects)))
-    in_consts = [TENSOR if isinstance(x, torch.Tensor) else
-                 StateIn(next(count), len(state.tensors(x))) if state.is_state(x) else x
-                 for x in leaves]
-    tensors_in = flat_inputs(leaves)
+    fparams, fbufs, finputs = _fake_inputs(params, buffers, flat_inputs(leaves), lifted,
+                                           device)
+    joint = _Joint(model=model, forward=forward, params=list(params), bnames=list(buffers),
+                   in_spec=in_spec, in_consts=_input_consts(leaves), objects=objects,
+                   device=device, with_grad=with_grad, input_dtype=input_dtype,
+                   output_dtype=output_dtype, traced_hooks=traced_hooks, lifted=lifted)
+    grad_mode = torch.is_grad_enabled()
+    gm = _trace(joint, [*fparams, *fbufs, *finputs], args, kwargs)
+    _refuse_outputs(model, joint.rec)
+    return _captured(joint, gm, finputs, grad_mode, names)
 
+
+def _input_consts(leaves) -> list:
+    """Per input leaf: ``TENSOR``, a ``StateIn`` for an object holding state, else the leaf."""
+    count = iter(range(sum(1 for x in leaves if state.is_state(x))))
+    return [TENSOR if isinstance(x, torch.Tensor) else
+            StateIn(next(count), len(state.tensors(x))) if state.is_state(x) else x
+            for x in leaves]
+
+
+def _fake_inputs(params: list, buffers: dict, tensors_in: list, lifted, device) -> tuple:
+    """Fake tensors to trace with: the parameters (full shape, compute dtype), the buffers,
+    the call's input tensors, and a 0-dim float64 tensor per lifted float attribute."""
     # real tensors the forward reads that are neither parameters nor buffers (a module-level
     # constant, a plain tensor attribute) are traced as graph constants, as eager reads them
     fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
@@ -309,15 +327,38 @@ def capture(
     for mod, name in lifted:  # a 0-dim float64 tensor stands for the Python float
         finputs.append(fake_mode.from_tensor(torch.tensor(mod.__dict__[name],
                                                           dtype=torch.float64)))
-    n_lifted = len(lifted)
+    return fparams, fbufs, finputs
 
-    pnames = [p.fqn for p in params]
-    bnames = list(buffers)
-    n_p, n_b = len(params), len(bnames)
-    rec: dict = {"taps": [], "tapped": [], "btaps": [], "hgrads": []}
-    stack: list = []
 
-    def joint(*flat):
+def _new_record() -> dict:
+    return {"taps": [], "tapped": [], "btaps": [], "hgrads": []}
+
+
+@dataclasses.dataclass
+class _Joint:
+    """The function ``make_fx`` traces: given the parameters, buffers, input tensors and
+    lifted floats flat, the call's forward and, ``with_grad``, its backward. ``rec`` keeps
+    what building ``Captured`` and tagging its graph need of the trace; ``stack`` is the
+    module path being traced, for a capture error."""
+
+    model: torch.nn.Module
+    forward: Callable
+    params: list  # ParamSpec per parameter
+    bnames: list  # buffer FQNs
+    in_spec: Any
+    in_consts: list
+    objects: list  # the input leaves that are objects holding state
+    device: torch.device
+    with_grad: bool
+    input_dtype: Optional[torch.dtype]
+    output_dtype: Optional[torch.dtype]
+    traced_hooks: frozenset
+    lifted: tuple
+    rec: dict = dataclasses.field(default_factory=_new_record)
+    stack: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, *flat):
+        rec, n_p, n_b, n_lifted = self.rec, len(self.params), len(self.bnames), len(self.lifted)
         p, b, xs = flat[:n_p], flat[n_p : n_p + n_b], list(flat[n_p + n_b :])
         if n_lifted:
             xs, lifts = xs[:-n_lifted], xs[-n_lifted:]
@@ -325,28 +366,52 @@ def capture(
             lifts = []
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
+        a, kw, shadows = self._call_inputs(xs)
+        values = dict(zip([s.fqn for s in self.params], p))
+        values.update(zip(self.bnames, bclones))
+        out = self._run_forward(a, kw, values, lifts)
+        touts, n_user = self._outputs(out, shadows)
+        wrt = [t for t in p if t.requires_grad] + [x for x in xs if x.requires_grad]
+        grads = self._backward(touts, n_user, wrt)
+        rec["grad_mask"] = [g is not None for g in grads]
+        return touts, [g for g in grads if g is not None], bclones, list(rec["hgrads"])
+
+    def _call_inputs(self, xs: list) -> tuple:
+        """The call's (args, kwargs) around the traced tensors ``xs``, each object holding
+        state standing as a shadow holding its tensors of ``xs``; and per object, (its
+        shadow, {id(tensor): its place among the object's tensors})."""
         it = iter(xs)
         full, shadows = [], []
-        for c in in_consts:
+        for c in self.in_consts:
             if isinstance(c, StateIn):
                 fakes = [next(it) for _ in range(c.n)]
-                shadows.append((state.shadow(objects[c.index], iter(fakes)),
+                shadows.append((state.shadow(self.objects[c.index], iter(fakes)),
                                 {id(f): i for i, f in enumerate(fakes)}))
                 full.append(shadows[-1][0])
             else:
                 full.append(next(it) if c is TENSOR else c)
-        a, kw = _cast_floating(tree_unflatten(full, in_spec), input_dtype)
-        values = dict(zip(pnames, p))
-        values.update(zip(bnames, bclones))
-        taps, tapped = rec["taps"], rec["tapped"]
-        with _lifting(lifted, lifts), _compat.reparametrize(model, values), \
-                hooks.tapping(model, traced_hooks, taps, tapped, rec["btaps"],
-                              rec["hgrads"]), \
-                _track_modules(model, stack), _track_checkpoints(), \
+        a, kw = _cast_floating(tree_unflatten(full, self.in_spec), self.input_dtype)
+        return a, kw, shadows
+
+    def _run_forward(self, a, kw, values: dict, lifts: list):
+        """The model's forward on ``values`` (FQN -> tensor), hooks tapped, module paths,
+        checkpoint regions and the reads of the Python world recorded."""
+        rec, model = self.rec, self.model
+        with _lifting(self.lifted, lifts), _compat.reparametrize(model, values), \
+                hooks.tapping(model, self.traced_hooks, rec["taps"], rec["tapped"],
+                              rec["btaps"], rec["hgrads"]), \
+                _track_modules(model, self.stack), _track_checkpoints(), \
                 guards.recording(model) as reads, _traced(), _CheckDtypes():
             rec["reads"] = reads
-            out = _cast_floating(forward(model, *a, **kw), output_dtype)
+            out = _cast_floating(self.forward(model, *a, **kw), self.output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
+        return out
+
+    def _outputs(self, out, shadows: list) -> tuple:
+        """The forward's tensor outputs: the user's, the taps', then the state the forward
+        left in objects; and how many are the user's. Objects among the outputs become
+        ``StateOut``/``NewState`` leaves."""
+        rec = self.rec
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
         n_user = len(touts)
@@ -360,39 +425,51 @@ def capture(
             elif state.is_state(o):
                 out_leaves[i] = NewState(state.describe(o, {}, souts))
         rec["n_state"] = len(souts)
-        touts = touts + tapped + [t.detach() for t in souts]
+        touts = touts + rec["tapped"] + [t.detach() for t in souts]
         rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
         rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
+        return touts, n_user
+
+    def _backward(self, touts: list, n_user: int, wrt: list):
+        """The gradients of ``wrt`` from the user's differentiable outputs, each given a
+        fresh tangent; ``()`` when there is no backward to trace."""
+        rec = self.rec
         diff = [i for i, o in enumerate(touts[:n_user]) if o.requires_grad]
-        wrt = [t for t in p if t.requires_grad] + [x for x in xs if x.requires_grad]
-        rec["diff"], rec["tangents"], grads = diff, [], ()
-        if with_grad and diff and wrt:
-            outs = [touts[i] for i in diff]
-            _compat.link_backward_to_forward([o.grad_fn for o in outs])
-            tangents = []
-            for o in outs:
-                tangents.append(torch.empty(o.shape, dtype=o.dtype, device=o.device))
-                rec["tangents"].append(list(_compat.current_trace_graph().nodes)[-1])
-            # eager runs backward() outside the autocast region: trace it so, whatever the
-            # forward's autocast state (the forward's casts are in the graph already)
-            with torch.autocast(device.type, enabled=False):
-                grads = torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
-        rec["grad_mask"] = [g is not None for g in grads]
-        return touts, [g for g in grads if g is not None], bclones, list(rec["hgrads"])
+        rec["diff"], rec["tangents"] = diff, []
+        if not (self.with_grad and diff and wrt):
+            return ()
+        outs = [touts[i] for i in diff]
+        _compat.link_backward_to_forward([o.grad_fn for o in outs])
+        tangents = []
+        for o in outs:
+            tangents.append(torch.empty(o.shape, dtype=o.dtype, device=o.device))
+            rec["tangents"].append(list(_compat.current_trace_graph().nodes)[-1])
+        # eager runs backward() outside the autocast region: trace it so, whatever the
+        # forward's autocast state (the forward's casts are in the graph already)
+        with torch.autocast(self.device.type, enabled=False):
+            return torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
 
-    grad_mode = torch.is_grad_enabled()
-    try:
-        with _compat.preserve_node_meta():
-            gm = _compat.make_fx(joint, tracing_mode="fake",
-                                 decomposition_table=_compat.capture_decompositions())(
-                *fparams, *fbufs, *finputs)
-        gm = _compat.graph_module(gm, gm.graph)
-    except AutoshardError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
-        raise _explain(exc, stack, input_names(args, kwargs),
-                       {p.compute_dtype for p in params}) from exc
 
+def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """``joint`` traced on the fake tensors ``flat``; a failure is explained (``_explain``)
+    naming the module, the op and the input of the call (``args``, ``kwargs``) at fault."""
+    with progress.phase("capturing the training step"):
+        try:
+            with _compat.preserve_node_meta():
+                gm = _compat.make_fx(joint, tracing_mode="fake",
+                                     decomposition_table=_compat.capture_decompositions())(
+                    *flat)
+            return _compat.graph_module(gm, gm.graph)
+        except AutoshardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
+            raise _explain(exc, joint.stack, input_names(args, kwargs),
+                           {p.compute_dtype for p in joint.params}) from exc
+
+
+def _refuse_outputs(model: torch.nn.Module, rec: dict) -> None:
+    """Refuse a forward that reads what the graph cannot follow, or returns what a captured
+    step cannot (a function, a class, a module)."""
     guards.refuse_unfollowable(rec["reads"], _class_name(model))
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
@@ -401,6 +478,13 @@ def capture(
                 "outputs; a captured step returns tensors, plain Python values and objects "
                 "holding them (a KV cache), not functions, classes or modules."
             )
+
+
+def _captured(joint: _Joint, gm: fx.GraphModule, finputs: list, grad_mode: bool,
+              names: dict) -> Captured:
+    """The ``Captured`` of the traced ``gm``: which gradients it returns, its guards, taps
+    and state, and its nodes tagged (``_tag``)."""
+    rec, params = joint.rec, joint.params
     wrt_specs = [p for p in params if p.requires_grad]
     input_rg = [i for i, x in enumerate(finputs) if x.requires_grad]
     grad_mask = rec["grad_mask"] or [False] * (len(wrt_specs) + len(input_rg))
@@ -411,9 +495,9 @@ def capture(
     cap = Captured(
         gm=gm,
         params=list(params),
-        buffer_fqns=bnames,
-        in_spec=in_spec,
-        in_consts=in_consts,
+        buffer_fqns=joint.bnames,
+        in_spec=joint.in_spec,
+        in_consts=joint.in_consts,
         out_spec=rec["out_spec"],
         out_consts=rec["out_consts"],
         diff_outputs=rec["diff"] if has_backward else [],
@@ -422,9 +506,9 @@ def capture(
         has_backward=has_backward,
         grad_enabled=grad_mode,
     )
-    cap.guards = guards.build(model, rec["reads"], names, hooks.signature, lifted)
+    cap.guards = guards.build(joint.model, rec["reads"], names, hooks.signature, joint.lifted)
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
-    cap.lifted, cap.traced_hooks = list(lifted), traced_hooks
+    cap.lifted, cap.traced_hooks = list(joint.lifted), joint.traced_hooks
     cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
     cap.backward_taps = rec["btaps"] if has_backward else []
     _tag(cap, rec, grads_for)

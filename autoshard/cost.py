@@ -85,21 +85,28 @@ _PROFILE_NUMBERS = {
 
 GiB = 2**30
 
+
+def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
+                nvlink: float, pcie: tuple, host: float) -> DeviceProfile:
+    """An 80 GB NVIDIA SXM GPU from its datasheet: ``tflops`` dense BF16, ``hbm`` bytes/s of
+    memory (``hbm_note`` says which), ``nvlink`` bytes/s each way, a host link of PCIe
+    (generation, GB/s each way) of which ``host`` bytes/s are reached; NCCL's ~10 us per
+    ring step as alpha, half the matmul peak reached."""
+    gen, link = pcie
+    source = (f"NVIDIA {datasheet} datasheet: {tflops} TFLOP/s dense BF16, {hbm / 1e12:g} TB/s "
+              f"{hbm_note}, NVLink {2 * nvlink / 1e9:g} GB/s total ({nvlink / 1e9:g} GB/s each "
+              f"way); alpha: NCCL's ~10 us per ring step; host link PCIe Gen{gen} x16, {link} "
+              f"GB/s each way, ~{host / 1e9:g} GB/s reached")
+    return DeviceProfile(name, matmul_flops=tflops * 1e12, mem_bandwidth=hbm, alpha=10e-6,
+                         beta=1 / nvlink, memory=80 * 10**9, efficiency=0.5,
+                         host_bandwidth=host, source=source)
+
+
 PROFILES = {
-    "h100": DeviceProfile(
-        "h100", matmul_flops=989e12, mem_bandwidth=3.35e12, alpha=10e-6, beta=1 / 450e9,
-        memory=80 * 10**9, efficiency=0.5, host_bandwidth=50e9,
-        source="NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, 80 GB, "
-               "NVLink 900 GB/s total (450 GB/s each way); alpha: NCCL's ~10 us per ring step; "
-               "host link PCIe Gen5 x16, 64 GB/s each way, ~50 GB/s reached",
-    ),
-    "a100": DeviceProfile(
-        "a100", matmul_flops=312e12, mem_bandwidth=2.039e12, alpha=10e-6, beta=1 / 300e9,
-        memory=80 * 10**9, efficiency=0.5, host_bandwidth=25e9,
-        source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e, "
-               "NVLink 600 GB/s total (300 GB/s each way); alpha: NCCL's ~10 us per ring step; "
-               "host link PCIe Gen4 x16, 32 GB/s each way, ~25 GB/s reached",
-    ),
+    "h100": _nvidia_sxm("h100", "H100 SXM5", tflops=989, hbm=3.35e12, hbm_note="HBM3, 80 GB",
+                        nvlink=450e9, pcie=(5, 64), host=50e9),
+    "a100": _nvidia_sxm("a100", "A100 SXM4 80GB", tflops=312, hbm=2.039e12, hbm_note="HBM2e",
+                        nvlink=300e9, pcie=(4, 32), host=25e9),
     "cpu": DeviceProfile(
         "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
         memory=24 * GiB, efficiency=0.9, collective_scratch=1.0, comm_overlap=0.1,

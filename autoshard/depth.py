@@ -97,76 +97,122 @@ def capture_deep(model, path: str, depth: int, specs: list, capture_cut: Callabl
 def unroll(small, path: str, depth: int, specs: list):
     """A copy of Captured ``small`` (``SHALLOW`` blocks at ``path``) with ``depth`` blocks;
     ``specs`` are the deep model's ParamSpecs in order. Raises NotRegular."""
-    a, t = SHALLOW, TEMPLATE
-    gm, graph = small.gm, small.gm.graph
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    prefix = path + "."
+    u = _Unroll(small.gm.graph, path, depth)
+    u.emit_nodes()
+    u.emit_output()
+    deep_gm = _compat.graph_module(small.gm, u.new)
+    new = u.new
+    vals = [id(n.meta["val"]) for n in new.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)]
+    if len(vals) != len(set(vals)):
+        raise NotRegular("two built nodes share one value")
+    phs = [n for n in new.nodes if meta.is_param(n)]
+    if [meta.tag(n, meta.FQN) for n in phs] != [p.fqn for p in specs]:
+        raise NotRegular("the built parameters are not the model's, in its order")
+    grad_tangents = {}
+    for (kind, key), deps in small.grad_tangents.items():
+        for k in u.deepen([key]) if isinstance(key, str) else [key]:
+            grad_tangents[kind, k] = deps
+    return dataclasses.replace(
+        small, gm=deep_gm, params=list(specs),
+        buffer_fqns=[meta.tag(n, meta.FQN) for n in new.nodes if meta.is_buffer(n)],
+        mutated_buffers=u.deepen(small.mutated_buffers), grad_tangents=grad_tangents)
 
-    def block(name: str):
-        if name and name.startswith(prefix):
-            head = name[len(prefix):].split(".", 1)[0]
+
+class _Unroll:
+    """Building the deep graph ``new`` of a shallow one with ``SHALLOW`` blocks at ``path``.
+
+    Shallow block ``TEMPLATE`` becomes the deep blocks ``copies``; every other shallow block
+    b becomes deep block ``where[b]``. ``segs[b, region]`` are the nodes of middle block b
+    in a region (forward from its first node to the next block's first, backward from its
+    first to the previous block's first: the glue between blocks included) and ``seg`` maps
+    each of them to (block, region, index in its segment). Raises NotRegular.
+    """
+
+    def __init__(self, graph: fx.Graph, path: str, depth: int):
+        self.path, self.prefix = path, path + "."
+        self.nodes = list(graph.nodes)
+        fs, bs = self._starts()
+        self.seg, self.segs = self._segments(fs, bs)
+        self._check_segments(bool(bs))
+        a, t = SHALLOW, TEMPLATE
+        self.copies = list(range(t, depth - (a - t) + 1))
+        if not self.copies:
+            raise NotRegular(f"{depth} blocks is too few to build")
+        self.where = {b: b if b < t else depth - (a - b) for b in range(a) if b != t}
+        self.new = fx.Graph()
+        self.env: dict = {}  # (shallow node, copy or None) -> deep node
+        self.names: dict = {}  # (shallow node name, copy) -> deep node name, for FWD_NODE
+
+    def block(self, name: str):
+        """The block index of an FQN or module path under ``path``; None outside it."""
+        if name and name.startswith(self.prefix):
+            head = name[len(self.prefix):].split(".", 1)[0]
             return int(head) if head.isdigit() else None
         return None
 
-    def block_of(n):
+    def block_of(self, n: fx.Node):
         if n.op == "placeholder":
-            return block(meta.tag(n, meta.FQN) or "")
-        return block(meta.tag(n, meta.MODULE) or "")
+            return self.block(meta.tag(n, meta.FQN) or "")
+        return self.block(meta.tag(n, meta.MODULE) or "")
 
-    starts = {meta.FWD: {}, meta.BWD: {}}
-    for n in nodes:
-        b = block_of(n)
-        if b is not None and n.op != "placeholder":
-            starts[meta.tag(n, meta.REGION)].setdefault(b, pos[n])
-    fs, bs = starts[meta.FWD], starts[meta.BWD]
-    if sorted(fs) != list(range(a)) or (bs and sorted(bs) != list(range(a))):
-        raise NotRegular("not every block has forward (and backward) nodes")
-    if any(fs[i] >= fs[i + 1] for i in range(a - 1)) or bs and (any(
-            bs[i] <= bs[i + 1] for i in range(a - 1)) or bs[a - 1] <= fs[a - 1]):
-        raise NotRegular("the blocks do not run one after another")
-    # the nodes of blocks 1..3: forward from a block's first node to the next block's first,
-    # backward from its first to the previous block's first (glue between blocks included)
-    seg = {}  # node -> (block, region, index in its segment)
-    segs = {}
-    for b in range(1, a - 1):
-        ranges = [(meta.FWD, fs[b], fs[b + 1])] + ([(meta.BWD, bs[b], bs[b - 1])] if bs else [])
-        for region, lo, hi in ranges:
-            segs[b, region] = nodes[lo:hi]
-            for k, n in enumerate(nodes[lo:hi]):
-                seg[n] = (b, region, k)
-    for n in nodes:
-        b = block_of(n)
-        if n.op != "placeholder" and b in range(1, a - 1) and seg.get(n, (b,))[0] != b:
-            raise NotRegular(f"{n.name} of block {b} runs outside its block's span")
-        if n in seg and b not in (None, seg[n][0]):
-            raise NotRegular(f"{n.name} of block {b} runs inside block {seg[n][0]}'s span")
-        if n in seg and seg[n][0] == t and meta.tag(n, meta.CHECKPOINT) is not None:
-            raise NotRegular("the blocks are checkpointed")
-    for region in (meta.FWD, meta.BWD) if bs else (meta.FWD,):
-        if len({len(segs[b, region]) for b in range(1, a - 1)}) != 1:
-            raise NotRegular(f"the middle blocks' {region} spans differ in length")
-    copies = list(range(t, depth - (a - t) + 1))  # deep indices of the template's copies
-    if not copies:
-        raise NotRegular(f"{depth} blocks is too few to build")
-    where = {b: b if b < t else depth - (a - b) for b in range(a) if b != t}
+    def _starts(self) -> tuple:
+        """Per region, block -> the position of its first node; checked to run in order."""
+        a = SHALLOW
+        starts: dict = {meta.FWD: {}, meta.BWD: {}}
+        for i, n in enumerate(self.nodes):
+            b = self.block_of(n)
+            if b is not None and n.op != "placeholder":
+                starts[meta.tag(n, meta.REGION)].setdefault(b, i)
+        fs, bs = starts[meta.FWD], starts[meta.BWD]
+        if sorted(fs) != list(range(a)) or (bs and sorted(bs) != list(range(a))):
+            raise NotRegular("not every block has forward (and backward) nodes")
+        if any(fs[i] >= fs[i + 1] for i in range(a - 1)) or bs and (any(
+                bs[i] <= bs[i + 1] for i in range(a - 1)) or bs[a - 1] <= fs[a - 1]):
+            raise NotRegular("the blocks do not run one after another")
+        return fs, bs
 
-    new = fx.Graph()
-    env = {}  # (shallow node, copy or None) -> deep node
-    names = {}  # (shallow node name, copy) -> deep node name, for FWD_NODE tags
+    def _segments(self, fs: dict, bs: dict) -> tuple:
+        """``seg`` and ``segs`` of the middle blocks 1 .. SHALLOW - 2."""
+        seg, segs = {}, {}
+        for b in range(1, SHALLOW - 1):
+            ranges = [(meta.FWD, fs[b], fs[b + 1])]
+            ranges += [(meta.BWD, bs[b], bs[b - 1])] if bs else []
+            for region, lo, hi in ranges:
+                segs[b, region] = self.nodes[lo:hi]
+                for k, n in enumerate(self.nodes[lo:hi]):
+                    seg[n] = (b, region, k)
+        return seg, segs
 
-    def copy_of(n, j):
+    def _check_segments(self, backward: bool) -> None:
+        """Every middle block's nodes lie in its own span, the template is not checkpointed,
+        and the middle blocks' spans are of one length."""
+        seg, t = self.seg, TEMPLATE
+        for n in self.nodes:
+            b = self.block_of(n)
+            if n.op != "placeholder" and b in range(1, SHALLOW - 1) and seg.get(n, (b,))[0] != b:
+                raise NotRegular(f"{n.name} of block {b} runs outside its block's span")
+            if n in seg and b not in (None, seg[n][0]):
+                raise NotRegular(f"{n.name} of block {b} runs inside block {seg[n][0]}'s span")
+            if n in seg and seg[n][0] == t and meta.tag(n, meta.CHECKPOINT) is not None:
+                raise NotRegular("the blocks are checkpointed")
+        for region in (meta.FWD, meta.BWD) if backward else (meta.FWD,):
+            if len({len(self.segs[b, region]) for b in range(1, SHALLOW - 1)}) != 1:
+                raise NotRegular(f"the middle blocks' {region} spans differ in length")
+
+    def copy_of(self, n: fx.Node, j):
         """The deep node of shallow node ``n`` as read by copy ``j`` of the template (j None:
         by a node that is not in the template)."""
-        info = seg.get(n)
-        if info is None and n.op == "placeholder" and block_of(n) == t:
+        t, env, copies = TEMPLATE, self.env, self.copies
+        info = self.seg.get(n)
+        if info is None and n.op == "placeholder" and self.block_of(n) == t:
             if j is None:
                 raise NotRegular(f"{n.name} of the repeated block is read outside it")
             return env[n, j]
         if info is None or (info[0] != t and j is None):
             return env[n, None]
         b, region, k = info
-        twin = segs[t, region][k] if b != t else n
+        twin = self.segs[t, region][k] if b != t else n
         if b == t:
             if j is None:  # read after the copies: the one run last
                 j = copies[-1] if region == meta.FWD else copies[0]
@@ -177,85 +223,90 @@ def unroll(small, path: str, depth: int, specs: list):
             return env[n, None] if j == copies[-1] else env[twin, j + 1]
         raise NotRegular(f"the repeated block reads {n.name} of block {b} ({region})")
 
-    def emit(n, j):
-        out = _compat.node_copy(new, n, lambda x: copy_of(x, j))
-        if j is not None and j != copies[0]:  # a value of its own: make_fx (splice) traces
-            out.meta["val"] = _fresh(n.meta.get("val"))  # one tensor given twice as one
+    def emit(self, n: fx.Node, j) -> None:
+        """Copy ``n`` into ``new``, as copy ``j`` of the template (j None: as itself)."""
+        out = _compat.node_copy(self.new, n, lambda x: self.copy_of(x, j))
+        if j is not None and j != self.copies[0]:  # a value of its own: make_fx (splice)
+            out.meta["val"] = _fresh(n.meta.get("val"))  # traces one tensor given twice as one
         tags = dict(meta.tags(n))
-        b = t if j is not None else block_of(n)
-        deep = j if j is not None else where.get(b, b)
+        b = TEMPLATE if j is not None else self.block_of(n)
+        deep = j if j is not None else self.where.get(b, b)
         for key in (meta.FQN, meta.MODULE):
-            if b is not None and block(tags.get(key) or "") == b:
-                tags[key] = _at(tags[key], path, b, deep)
+            if b is not None and self.block(tags.get(key) or "") == b:
+                tags[key] = _at(tags[key], self.path, b, deep)
         if meta.FWD_NODE in tags:
             fwd = tags[meta.FWD_NODE]
-            tags[meta.FWD_NODE] = names.get((fwd, j), names.get((fwd, None), fwd))
+            tags[meta.FWD_NODE] = self.names.get((fwd, j), self.names.get((fwd, None), fwd))
         out.meta[meta.KEY] = tags
-        env[n, j] = out
-        names[n.name, j] = out.name
+        self.env[n, j] = out
+        self.names[n.name, j] = out.name
 
-    template_phs = [n for n in nodes if n.op == "placeholder" and block_of(n) == t]
-    first_seg = {segs[t, r][0]: r for r in (meta.FWD, meta.BWD) if (t, r) in segs}
-    for n in nodes:
-        if n.op == "output":
-            break
-        if n.op == "placeholder" and block_of(n) == t:
-            if n is template_phs[0]:
-                for j in copies:
-                    for p in template_phs:
-                        emit(p, j)
-            continue
-        if n in seg and seg[n][0] == t:
-            region = first_seg.get(n)
-            if region is not None:
-                order = copies if region == meta.FWD else copies[::-1]
-                for j in order:
-                    for m in segs[t, region]:
-                        emit(m, j)
-            continue
-        emit(n, None)
+    def emit_nodes(self) -> None:
+        """Every node but the output, the template's placeholders and segments once per copy
+        (its backward segments in reverse order), where the template's first ones stood."""
+        t, seg, segs, copies = TEMPLATE, self.seg, self.segs, self.copies
+        template_phs = [n for n in self.nodes if n.op == "placeholder" and self.block_of(n) == t]
+        first_seg = {segs[t, r][0]: r for r in (meta.FWD, meta.BWD) if (t, r) in segs}
+        for n in self.nodes:
+            if n.op == "output":
+                break
+            if n.op == "placeholder" and self.block_of(n) == t:
+                if n is template_phs[0]:
+                    for j in copies:
+                        for p in template_phs:
+                            self.emit(p, j)
+                continue
+            if n in seg and seg[n][0] == t:
+                region = first_seg.get(n)
+                if region is not None:
+                    order = copies if region == meta.FWD else copies[::-1]
+                    for j in order:
+                        for m in segs[t, region]:
+                            self.emit(m, j)
+                continue
+            self.emit(n, None)
 
-    out = nodes[-1]
-    roles = meta.tags(out)[meta.OUTPUTS]
-    values, new_roles = [], []
-    template_outs = [(v, r) for v, r in zip(out.args[0], roles)
-                     if isinstance(v, fx.Node) and seg.get(v, (None,))[0] == t]
-    for v, r in zip(out.args[0], roles):
-        if (v, r) in template_outs:
-            if (v, r) == template_outs[0]:
-                for j in copies:
-                    for tv, tr in template_outs:
-                        fqn = tr.get(meta.FQN)
-                        if fqn is None or block(fqn) != t:
-                            raise NotRegular("the repeated block returns a value of its own")
-                        values.append(env[tv, j])
-                        new_roles.append({**tr, meta.FQN: _at(fqn, path, t, j)})
-            continue
-        values.append(copy_of(v, None) if isinstance(v, fx.Node) else v)
-        fqn = r.get(meta.FQN)
-        b = block(fqn or "")
-        new_roles.append({**r, meta.FQN: _at(fqn, path, b, where[b])} if b is not None else r)
-    o = new.output(values)
-    o.meta = dict(out.meta)
-    o.meta[meta.KEY] = {**meta.tags(out), meta.OUTPUTS: new_roles}
-    deep_gm = _compat.graph_module(gm, new)
+    def emit_output(self) -> None:
+        """The output node: the template's outputs (its gradients) once per copy, the others
+        read from their deep nodes, each with its role's FQN renamed."""
+        t, path = TEMPLATE, self.path
+        out = self.nodes[-1]
+        roles = meta.tags(out)[meta.OUTPUTS]
+        values, new_roles = [], []
+        template_outs = [(v, r) for v, r in zip(out.args[0], roles)
+                         if isinstance(v, fx.Node) and self.seg.get(v, (None,))[0] == t]
+        for v, r in zip(out.args[0], roles):
+            if (v, r) in template_outs:
+                if (v, r) == template_outs[0]:
+                    for j in self.copies:
+                        for tv, tr in template_outs:
+                            fqn = tr.get(meta.FQN)
+                            if fqn is None or self.block(fqn) != t:
+                                raise NotRegular("the repeated block returns a value of its own")
+                            values.append(self.env[tv, j])
+                            new_roles.append({**tr, meta.FQN: _at(fqn, path, t, j)})
+                continue
+            values.append(self.copy_of(v, None) if isinstance(v, fx.Node) else v)
+            fqn = r.get(meta.FQN)
+            b = self.block(fqn or "")
+            new_roles.append({**r, meta.FQN: _at(fqn, path, b, self.where[b])}
+                             if b is not None else r)
+        o = self.new.output(values)
+        o.meta = dict(out.meta)
+        o.meta[meta.KEY] = {**meta.tags(out), meta.OUTPUTS: new_roles}
 
-    vals = [id(n.meta["val"]) for n in new.nodes
-            if isinstance(n.meta.get("val"), torch.Tensor)]
-    if len(vals) != len(set(vals)):
-        raise NotRegular("two built nodes share one value")
-    phs = [n for n in new.nodes if meta.is_param(n)]
-    if [meta.tag(n, meta.FQN) for n in phs] != [p.fqn for p in specs]:
-        raise NotRegular("the built parameters are not the model's, in its order")
-    deepen = lambda fqns: _deepen(fqns, path, t, copies, where, block)  # noqa: E731
-    grad_tangents = {}
-    for (kind, key), deps in small.grad_tangents.items():
-        for k in deepen([key]) if isinstance(key, str) else [key]:
-            grad_tangents[kind, k] = deps
-    return dataclasses.replace(
-        small, gm=deep_gm, params=list(specs),
-        buffer_fqns=[meta.tag(n, meta.FQN) for n in new.nodes if meta.is_buffer(n)],
-        mutated_buffers=deepen(small.mutated_buffers), grad_tangents=grad_tangents)
+    def deepen(self, fqns) -> list:
+        """Shallow FQNs -> deep ones: a template block's once per copy, the rest renamed."""
+        out = []
+        for f in fqns:
+            b = self.block(f)
+            if b is None:
+                out.append(f)
+            elif b == TEMPLATE:
+                out.extend(_at(f, self.path, TEMPLATE, j) for j in self.copies)
+            else:
+                out.append(_at(f, self.path, b, self.where[b]))
+        return out
 
 
 def _fresh(v):
@@ -267,20 +318,6 @@ def _fresh(v):
 
 def _at(fqn: str, path: str, b: int, deep: int) -> str:
     return f"{path}.{deep}" + fqn[len(f"{path}.{b}"):]
-
-
-def _deepen(fqns, path, t, copies, where, block) -> list:
-    """Shallow FQNs -> deep ones: a template block's once per copy, the rest renamed."""
-    out = []
-    for f in fqns:
-        b = block(f)
-        if b is None:
-            out.append(f)
-        elif b == t:
-            out.extend(_at(f, path, t, j) for j in copies)
-        else:
-            out.append(_at(f, path, b, where[b]))
-    return out
 
 
 def difference(built, traced) -> str:

@@ -102,13 +102,29 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     """
     graph = gm.graph
     groups = group_names(ctx)
-    group = groups[-1]  # the shard dimension's
     specs = {p.fqn: p for p in ctx.captured.params}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
     _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
     # where the step computes: capture traced every parameter there, full size
     device = next((n.meta["val"].device for n in phs.values()), HOST)
+    _store_placeholders(gm, phs, specs)
+    _choose_held(ctx.units, specs, ctx.offload_params)
+    roots = {}  # storage root -> unit index
+    pos = positions(graph)  # original nodes keep their relative order through the splices
+    _insert_gathers(gm, ctx, pos, roots, specs, phs, groups[-1], device)
+    _insert_reductions(gm, ctx, pos, roots, specs, groups)
+    insert_free(
+        gm,
+        list(roots),
+        lambda root, last: _plain_tags(meta.FREE, roots[root], meta.tag(last, meta.REGION)),
+    )
+    gm.recompile()
+    return gm, {"collectives_inserted": True}
 
+
+def _store_placeholders(gm: fx.GraphModule, phs: dict, specs: dict) -> None:
+    """Each parameter placeholder as stored: a gathered one holds its local shard, an
+    unsharded one stored in another dtype is cast once to its compute dtype."""
     for f, n in phs.items():
         v, spec = n.meta["val"], specs[f]
         if spec.gathers:  # the placeholder now holds the local shard, in its storage dtype,
@@ -119,9 +135,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
             # in the compute dtype), cast once to the compute dtype
             _cast_unsharded(gm, n, spec.dtype)
 
-    _choose_held(ctx.units, specs, ctx.offload_params)
-    roots = {}  # storage root -> unit index
-    pos = positions(graph)  # original nodes keep their relative order through the splices
+
+def _insert_gathers(gm, ctx, pos, roots: dict, specs: dict, phs: dict, group: str,
+                    device) -> None:
+    """Per unit and compute dtype, the all-gathers of its gathered parameters (forward, and
+    backward unless ``Unit.keep``); what they allocate joins ``roots``, to be freed."""
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if specs[f].gathers]
         for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
@@ -133,6 +151,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                 held = sent if unit.held else None
                 roots.update((r, unit.index) for r in _freed_roots(new))
 
+
+def _insert_reductions(gm, ctx, pos, roots: dict, specs: dict, groups: list) -> None:
+    """Per unit and (reduction, dtypes, scaling), its gradient outputs reduced (or, on one
+    rank, cast) to local shards; the full gradients and what the reductions allocate join
+    ``roots``, to be freed."""
     out = meta.output_node(gm)
     outs = list(out.args[0])
     grad_at = {r[meta.FQN]: i for i, r in enumerate(meta.tags(out)[meta.OUTPUTS])
@@ -146,16 +169,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
         for (steps, *dtypes, scaling), group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
             if not steps:  # one rank, nothing to reduce over: cast to the storage dtype
-                # (divided by the factor, if one is set, as FSDP2 divides on one rank)
-                div = math.prod(d for d in scaling[1:] if d is not None)
-                if div == 1 and all(g.meta["val"].dtype == dtypes[1] for g in grads):
-                    continue
-                before = max(grads, key=pos.__getitem__).next
-                locals_, new = splice(
-                    gm, lambda *gs: [g.to(dtypes[1]) if div == 1
-                                     else (g.to(dtypes[0]) / div).to(dtypes[1]) for g in gs],
-                    grads, before, _plain_tags(meta.RS_UNPACK, unit.index, meta.BWD),
-                    key=("cast", *dtypes, div, len(grads)))
+                locals_ = _cast_local(gm, pos, unit.index, grads, dtypes, scaling)
                 for f, loc in zip(group_fqns, locals_):
                     outs[grad_at[f]] = loc
                 continue
@@ -173,13 +187,21 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
                     roots.setdefault(base, unit.index)
     out.args = (outs,)
 
-    insert_free(
-        gm,
-        list(roots),
-        lambda root, last: _plain_tags(meta.FREE, roots[root], meta.tag(last, meta.REGION)),
-    )
-    gm.recompile()
-    return gm, {"collectives_inserted": True}
+
+def _cast_local(gm, pos, unit: int, grads: list, dtypes: list, scaling) -> list:
+    """On one rank: the full gradients ``grads`` cast to the storage dtype ``dtypes[1]``,
+    divided by the scaling factor if one is set (as FSDP2 divides on one rank); ``grads``
+    themselves when nothing changes."""
+    div = math.prod(d for d in scaling[1:] if d is not None)
+    if div == 1 and all(g.meta["val"].dtype == dtypes[1] for g in grads):
+        return grads
+    before = max(grads, key=pos.__getitem__).next
+    locals_, _ = splice(
+        gm, lambda *gs: [g.to(dtypes[1]) if div == 1
+                         else (g.to(dtypes[0]) / div).to(dtypes[1]) for g in gs],
+        grads, before, _plain_tags(meta.RS_UNPACK, unit, meta.BWD),
+        key=("cast", *dtypes, div, len(grads)))
+    return locals_
 
 
 def _add_accumulated(gm, pos, unit, grads, fqns) -> list:

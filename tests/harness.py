@@ -1,10 +1,13 @@
-"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns."""
+"""Run a function on N gloo ranks (spawned processes) and collect what each rank returns; and
+what tests of one rank and of many share: an eager model and its sharded twin, a training step
+whose loss is averaged over the ranks."""
 
 from __future__ import annotations
 
 import os
 import socket
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -45,3 +48,28 @@ def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False) -> li
         mp.spawn(_entry, args=(world, fn, payload, tmp, port), nprocs=world, join=True)
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world)]
+
+
+def eager_and_sharded(build):
+    """Two models from ``build()`` after ``torch.manual_seed(0)``: the first eager, the second
+    given its values and sharded by ``autoshard`` at world size 1."""
+    from autoshard import autoshard
+
+    torch.manual_seed(0)
+    ref, model = build(), build()
+    model.load_state_dict(ref.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 says so
+        sharded = autoshard(model)
+    return ref, sharded
+
+
+def train_step(loss, opt, world: int) -> float:
+    """Backward ``loss``, step ``opt`` and zero its gradients; the loss averaged over the
+    ``world`` ranks (each rank's value summed as a float32 on the host)."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    t = torch.tensor([loss.item()])
+    dist.all_reduce(t)
+    return t.item() / world

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoshard import AutoshardError, autoshard
+from autoshard import AutoshardError
 from autoshard.api import RECAPTURE_LIMIT
+from harness import eager_and_sharded
 
 SCALE = 1.0  # a module-level global the forward reads
 
@@ -41,13 +42,7 @@ class Net(nn.Module):
 
 
 def _pair(cls=Net):
-    torch.manual_seed(0)
-    ref, model = cls(), cls()
-    model.load_state_dict(ref.state_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # world size 1 says so
-        sharded = autoshard(model)
-    return ref, sharded
+    return eager_and_sharded(cls)
 
 
 def _same(ref, sharded, x, tol=1e-6):

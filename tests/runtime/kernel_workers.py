@@ -5,12 +5,12 @@ layout), trained with AdamW."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autoshard
 from autoshard import Config
+from harness import train_step
 from models import Recurrent, TinyNorm
 
 STEPS = 4
@@ -72,12 +72,7 @@ def _train(model, name, rank, world):
         x, y = batch(name, step)
         _seed(step, rank)
         loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(train_step(loss, opt, world))
     return losses
 
 

@@ -6,9 +6,9 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed as dist
 
 from autoshard import Config, autoshard
+from harness import train_step
 from models import CASES, build, call
 
 STEPS = 10
@@ -54,17 +54,11 @@ def _train(model, name, rank, world, replica=None):
             full = model.full_state_dict()
             replica.load_state_dict(full)
             call(name, replica, xr)
-        loss = loss_fn(call(name, model, xr), yr)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        losses.append(train_step(loss_fn(call(name, model, xr), yr), opt, world))
         if replica is not None:
             mine, ref = dict(model.named_buffers()), dict(replica.named_buffers())
             buf_diff = max([buf_diff] + [(mine[k].float() - ref[k].float()).abs().max().item()
                                          for k in ref])
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
     return losses, buf_diff
 
 
@@ -201,11 +195,6 @@ def fsdp2_worker(rank, world, name, mp=False, mesh=None):
     for step in range(STEPS):
         x, y = batches(name, step)
         loss = loss_fn(call(name, model, x.chunk(world)[rank]), y.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+        losses.append(train_step(loss, opt, world))
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return {"losses": losses, "params": full if rank == 0 else None}

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map_only
 from autoshard import autoshard
 from autoshard.models import GPT, gpt_loss
 from autoshard.runtime import checkpoint
-from harness import run_ranks
+from harness import run_ranks, train_step
 
 N, M = 3, 3
 BATCH = 4
@@ -65,12 +65,7 @@ def _step(model, opt, step, rank, world) -> float:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randint(0, 95, (BATCH, 16), generator=g)
     loss = gpt_loss(model(x.chunk(world)[rank]), torch.roll(x, -1, 1).chunk(world)[rank])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    t = loss.detach().reshape(1)
-    dist.all_reduce(t)
-    return t.item() / world
+    return train_step(loss, opt, world)
 
 
 def _dcp_save(path, model, opt):

@@ -10,16 +10,11 @@ import torch
 
 from autoshard import autoshard
 from entry_workers import Trunk, entry_worker, train
-from harness import run_ranks
+from harness import eager_and_sharded, run_ranks
 
 
 def test_entries_at_world_size_1_equal_eager_bit_for_bit():
-    torch.manual_seed(0)
-    model, ref = Trunk(), Trunk()
-    ref.load_state_dict(model.state_dict())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # world size 1 says so
-        sharded = autoshard(model)
+    ref, sharded = eager_and_sharded(Trunk)
     sharded.register_forward_method("encode")
     assert train(sharded, 0, 1) == train(ref, 0, 1)
     for (name, p), q in zip(ref.named_parameters(), sharded.parameters()):

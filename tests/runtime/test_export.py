@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from harness import run_ranks
+from harness import run_ranks, train_step
 
 import autoshard
 from autoshard.errors import AutoshardError
@@ -84,13 +84,7 @@ def _logits(out):
 
 def _step(name, model, opt, step, rank, world, device="cpu") -> float:
     x, y = (t.to(device) for t in _data(step, world, rank))
-    loss = gpt_loss(_logits(_call(name, model, x)), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    t = loss.detach().reshape(1)
-    dist.all_reduce(t)
-    return t.item() / world
+    return train_step(gpt_loss(_logits(_call(name, model, x)), y), opt, world)
 
 
 def _eval(name, model, rank, world):
@@ -286,12 +280,16 @@ def test_a_corrupt_file_is_named(runs, tmp_path):
         export_mod.read_manifest(path)
 
 
+def _refused(path, match: str) -> None:
+    """Reading the export at ``path`` fails with an error matching ``match``."""
+    with pytest.raises(AutoshardError, match=match):
+        export_mod.read_manifest(path)
+
+
 def test_a_missing_rank_shard_is_named(runs, tmp_path):
     path = _copy(runs, tmp_path)
     os.remove(_folder(path) / "checkpoint" / "__1_0.distcp")
-    with pytest.raises(AutoshardError, match=r"__1_0\.distcp is missing \(the shards "
-                       r"rank 1 wrote, of the 2 ranks"):
-        export_mod.read_manifest(path)
+    _refused(path, r"__1_0\.distcp is missing \(the shards rank 1 wrote, of the 2 ranks")
 
 
 def test_a_version_mismatch_is_named(runs, tmp_path):
@@ -299,9 +297,8 @@ def test_a_version_mismatch_is_named(runs, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["version"] = export_mod.VERSION + 1
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(AutoshardError, match=r"manifest\.json is export format version 3 "
-                       r"\(written by autoshard .*\); this autoshard .* reads versions 1, 2"):
-        export_mod.read_manifest(path)
+    _refused(path, r"manifest\.json is export format version 3 \(written by autoshard .*\); "
+             r"this autoshard .* reads versions 1, 2")
 
 
 def test_the_manifest_is_checked_field_by_field(runs, tmp_path):
@@ -316,8 +313,7 @@ def test_the_manifest_is_checked_field_by_field(runs, tmp_path):
         manifest = json.loads(json.dumps(good))
         change(manifest)
         (path / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(AutoshardError, match=match):
-            export_mod.read_manifest(path)
+        _refused(path, match)
 
 
 def test_another_torch_or_autoshard_version_warns_naming_both(runs, tmp_path):

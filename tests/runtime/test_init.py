@@ -84,6 +84,18 @@ def _assert_unchanged(model, snap):
                 assert torch.equal(_value(t2), value), key
 
 
+def _refused_untouched(model, mesh, error=ValueError, match=None) -> str:
+    """``autoshard(model)`` raises ``error`` (matching ``match``), leaving the model and the
+    default generator as they were; the error's message."""
+    snap = _snapshot(model)
+    state = torch.get_rng_state()
+    with pytest.raises(error, match=match) as e:
+        autoshard(model, mesh=mesh)
+    _assert_unchanged(model, snap)
+    assert torch.equal(torch.get_rng_state(), state)
+    return str(e.value)
+
+
 # --- bitwise equal to the device build --------------------------------------------------------
 
 
@@ -242,12 +254,7 @@ def test_init_the_recording_cannot_see_is_named(mesh):
     memory; the model and the generator are left as they were."""
     with deferred_init():
         model = _build_qkv(True, _skips_meta_normal_)
-    snap = _snapshot(model)
-    state = torch.get_rng_state()
-    with pytest.raises(AutoshardError, match=r"parameter 'w' \(QKV\).*never written"):
-        autoshard(model, mesh=mesh)
-    _assert_unchanged(model, snap)
-    assert torch.equal(torch.get_rng_state(), state)
+    _refused_untouched(model, mesh, AutoshardError, r"parameter 'w' \(QKV\).*never written")
 
 
 def test_draws_from_an_explicit_generator_are_named(mesh):
@@ -275,15 +282,9 @@ def test_constructor_init_lost_on_the_meta_device_is_named(mesh, build, says):
     reset_parameters() is gone: refused, naming the tensor and both fixes."""
     with torch.device("meta"):
         model = build()
-    snap = _snapshot(model)
-    state = torch.get_rng_state()
-    with pytest.raises(ValueError) as e:
-        autoshard(model, mesh=mesh)
-    msg = str(e.value)
+    msg = _refused_untouched(model, mesh)
     assert says in msg and "deferred_init()" in msg and "param_init_fn" in msg
     assert "ln_f" not in msg  # reset_parameters() gives those what the device build does
-    _assert_unchanged(model, snap)
-    assert torch.equal(torch.get_rng_state(), state)
     assert all(p._version > 1 for n, p in model.named_parameters() if n.endswith("wte.weight"))
 
 
@@ -453,15 +454,9 @@ class WithRotary(nn.Module):
 def test_uninitialised_tensors_are_named_and_the_model_is_left_alone(mesh):
     with torch.device("meta"):
         odd = Odd()
-    snap = _snapshot(odd)
-    state = torch.get_rng_state()
-    with pytest.raises(ValueError) as e:
-        autoshard(odd, mesh=mesh)
-    msg = str(e.value)
+    msg = _refused_untouched(odd, mesh)
     assert "parameter 'tiny' (Odd)" in msg and "parameter 'scale' (Odd)" in msg
     assert "param_init_fn" in msg and "parameter 'embed" not in msg
-    _assert_unchanged(odd, snap)
-    assert torch.equal(torch.get_rng_state(), state)
 
     with torch.device("meta"):
         model = WithRotary()
@@ -500,14 +495,8 @@ class Broken(nn.Linear):
 def test_failing_init_is_named_and_the_model_is_left_alone(mesh):
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), Broken(4, 4))
-    snap = _snapshot(model)
-    state = torch.get_rng_state()
-    with pytest.raises(AutoshardError) as e:
-        autoshard(model, mesh=mesh)
-    msg = str(e.value)
+    msg = _refused_untouched(model, mesh, AutoshardError)
     assert "Broken.reset_parameters()" in msg and "'1'" in msg and "no init for you" in msg
-    _assert_unchanged(model, snap)
-    assert torch.equal(torch.get_rng_state(), state)
 
 
 class Pair(nn.Module):
