@@ -6,7 +6,6 @@ import contextlib
 import time
 
 import torch
-from torch.utils._pytree import tree_unflatten
 
 from autoshard import _compat, meta
 from autoshard.capture import TENSOR

@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
+from autoshard._compat import pytree
 
 from autoshard import meta
 from autoshard.capture import TENSOR, Captured, _class_name
