@@ -290,7 +290,6 @@ def fake_run(fake_mode, func, args, kwargs):
     the fake mode has a rule for (constructors, data-dependent outputs; its rules for views
     serve symbolic sizes), or an error."""
     import torch
-    from torch.utils._pytree import tree_leaves, tree_map
 
     try:
         from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager

@@ -57,6 +57,77 @@ class _State:
     entries: list = dataclasses.field(default_factory=list)
     entry_names: dict = dataclasses.field(default_factory=dict)
 
+    # --- what autoshard.check and runtime.export ask of a sharded module's state ------------
+
+    def run_instrumented(self, args, kwargs, tangents: dict, on_node, *, graphs="compiled",
+                         params: Optional[dict] = None, buffers: Optional[dict] = None):
+        """The last program run again on ``args`` and ``kwargs``, node by node, on this
+        state's parameters, buffers, replicas and pending gradients
+        (``Program.run_instrumented``: ``tangents``, ``on_node``, ``graphs``); ``params``
+        and ``buffers`` (FQN -> value) stand in for some of them (the full values the joint
+        graph reads, the buffers as they were before the step). Every rank calls it."""
+        prog = self.last
+        if prog is None:
+            raise AutoshardError("nothing ran yet: call the model once before instrumenting "
+                                 "its step")
+        sharded = [mod._parameters[name] for mod, name in self.param_refs]
+        own = dict(zip(prog.fqns, sharded))
+        bufs = {f: mod._buffers[name]
+                for f, (mod, name) in zip(prog.captured.buffer_fqns, self.buffer_refs)}
+        own.update(params or {})
+        bufs.update(buffers or {})
+        lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
+                  for m, n in prog.captured.lifted]
+        inputs = flat_inputs(tree_flatten((args, kwargs))[0]) + lifted
+        replicas = _refresh_replicas(self, prog, sharded) if graphs == "compiled" else {}
+        return prog.run_instrumented(own, bufs, inputs, tangents, on_node, graphs=graphs,
+                                     replicas=replicas, pending=self.pending)
+
+    def placement(self) -> tuple:
+        """(mesh, device, config): where and how this state's module is sharded and run."""
+        return self.mesh, self.device, self.config
+
+    def ranks(self):
+        """The ``runtime.dist.Agreement`` through which this module's ranks agree."""
+        return self.agreement
+
+    def compiled_programs(self) -> dict:
+        """Input signature -> Program, for each signature compiled in this process."""
+        return dict(self.programs)
+
+    def every_program(self, model) -> dict:
+        """repr(signature) -> Program: the compiled ones, and for a module loaded from an
+        export, the stored ones not called yet (read now)."""
+        out = {}
+        if self.exported is not None:
+            out = {key: self.exported.program(key, model) for key in self.exported.entries}
+        out.update((repr(key), prog) for key, prog in self.programs.items())
+        return out
+
+    def is_loaded(self) -> bool:
+        """Whether the module was loaded from an export (it runs the stored programs)."""
+        return self.exported is not None
+
+    def mark_loaded(self, loaded) -> None:
+        """From now on the module runs the export ``loaded`` (``runtime.export.Loaded``)."""
+        self.orig_forward = None
+        self.exported = loaded
+
+    def program_of(self, cap, split, plan) -> Program:
+        """A runnable program of a step captured, split and planned elsewhere (an export's
+        stored graphs), on this state's mesh and device."""
+        return Program(cap, split, plan, self.mesh.size(), self.mesh.get_local_rank(),
+                       self.device.type, agreement=self.agreement,
+                       compiled=self.config.compile)
+
+    def plan_program(self, cap, model) -> Program:
+        """A runnable program of the captured step ``cap``, planned for this state's mesh and
+        Config (the passes run again: an export's joint graph at another world size)."""
+        ctx, plan = plan_captured(cap, model, group_name=_dist.group_name(self.mesh),
+                                  device=self.device, config=self.config,
+                                  aliases=self.aliases)
+        return _program(self, cap, ctx, plan)
+
 
 class ShardedModule(torch.nn.Module):
     """A model sharded by autoshard. It is the user's model (same object, same attributes,
