@@ -112,6 +112,11 @@ def mark(param: torch.nn.Parameter) -> None:
     _sync_hooks()
 
 
+def is_marked(param) -> bool:
+    """Whether ``param`` is one of autoshard's parameters (``mark``)."""
+    return getattr(param, _MARK, False)
+
+
 def mark_replaced(old: torch.nn.Parameter, where: str) -> None:
     """Note that autoshard() replaced ``old`` (``where``: its FQN and the model's class), so
     that an optimizer still holding it is refused at its first step."""
@@ -144,7 +149,7 @@ def _check_replaced(optimizer) -> None:
 def _eligible(group: dict) -> bool:
     return (group.get("foreach", False) is None and not group.get("fused")
             and not group.get("differentiable") and not isinstance(group.get("lr"), torch.Tensor)
-            and any(getattr(p, _MARK, False) and p.device.type == "cpu"
+            and any(is_marked(p) and p.device.type == "cpu"
                     for p in group["params"]))
 
 
@@ -163,7 +168,7 @@ def _post(optimizer, args, kwargs) -> None:
     for i in _switched.pop(optimizer, ()):
         optimizer.param_groups[i]["foreach"] = None
     note_update([p for g in optimizer.param_groups for p in g["params"]
-                 if getattr(p, _MARK, False)])
+                 if is_marked(p)])
 
 
 def note_update(params) -> None:
