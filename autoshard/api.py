@@ -57,6 +57,10 @@ class _State:
     entries: list = dataclasses.field(default_factory=list)
     entry_names: dict = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        # autoshard's optimizer hooks are in place while a sharded module's state lives
+        optim.hold(self)
+
     # --- what autoshard.check and runtime.export ask of a sharded module's state ------------
 
     def run_instrumented(self, args, kwargs, tangents: dict, on_node, *, graphs="compiled",

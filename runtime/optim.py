@@ -21,8 +21,8 @@ step raises ``AutoshardError`` naming the parameter. Each optimizer is looked th
 and again only when its param groups change, so a step pays a dictionary look-up.
 
 The two hooks are torch's process-wide optimizer hooks (no other way sees an optimizer built
-before ``autoshard()``). They are registered when the first of autoshard's parameters is
-made and removed when the last one is freed, so a process with no sharded module left runs
+before ``autoshard()``). They are registered when the first sharded module is made and
+removed when the last one is freed (``hold``), so a process with no sharded module left runs
 no autoshard code in any optimizer step. The off switch: the environment variable
 ``AUTOSHARD_OPTIMIZER_HOOKS=0`` (or ``enable_hooks(False)``) registers none and removes any
 in place. Without them, steps keep the per-parameter loop on CPU, an optimizer built before
@@ -57,7 +57,7 @@ _updates = itertools.count(1)
 _checked = weakref.WeakKeyDictionary()  # optimizer -> its param groups when last looked at
 _switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
 _hooks = []  # the handles of the hooks in place
-_live = 0  # autoshard's parameters not yet freed
+_live = 0  # sharded modules' states not yet freed
 _enabled: Optional[bool] = None  # None: read AUTOSHARD_OPTIMIZER_HOOKS
 ENV = "AUTOSHARD_OPTIMIZER_HOOKS"
 
@@ -71,8 +71,8 @@ def hooks_enabled() -> bool:
 
 
 def enable_hooks(on: bool = True) -> None:
-    """Allow the optimizer hooks (``True``, registered while any of autoshard's parameters
-    is alive) or not (``False``: removed now), overriding ``AUTOSHARD_OPTIMIZER_HOOKS``."""
+    """Allow the optimizer hooks (``True``, registered while any sharded module is alive) or
+    not (``False``: removed now), overriding ``AUTOSHARD_OPTIMIZER_HOOKS``."""
     global _enabled
     _enabled = bool(on)
     _sync_hooks()
@@ -84,8 +84,8 @@ def hooks_installed() -> bool:
 
 
 def _sync_hooks() -> None:
-    """Register the hooks when they are allowed and a parameter of autoshard's is alive;
-    remove them otherwise."""
+    """Register the hooks when they are allowed and a sharded module is alive; remove them
+    otherwise."""
     want = _live > 0 and hooks_enabled()
     if want and not _hooks:
         _hooks.extend((register_optimizer_step_pre_hook(_pre),
@@ -102,14 +102,19 @@ def _freed() -> None:
         _sync_hooks()
 
 
-def mark(param: torch.nn.Parameter) -> None:
-    """Note ``param`` as one of autoshard's parameters, and have the hooks in place while it
-    is alive (if they are enabled)."""
+def hold(owner) -> None:
+    """Have the hooks in place (if enabled) while ``owner``, a sharded module's state, lives.
+    (Not the parameters: a weak reference to one would stop ``swap_tensors`` from replacing
+    it, as ``module.double()`` does.)"""
     global _live
-    setattr(param, _MARK, True)
     _live += 1
-    weakref.finalize(param, _freed).atexit = False
+    weakref.finalize(owner, _freed).atexit = False
     _sync_hooks()
+
+
+def mark(param: torch.nn.Parameter) -> None:
+    """Note ``param`` as one of autoshard's parameters."""
+    setattr(param, _MARK, True)
 
 
 def is_marked(param) -> bool:

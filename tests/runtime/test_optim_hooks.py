@@ -1,5 +1,5 @@
 """autoshard's optimizer hooks are process-wide only while they have work: registered with
-the first of autoshard's parameters, removed with the last; ``AUTOSHARD_OPTIMIZER_HOOKS=0``
+the first sharded module, removed with the last; ``AUTOSHARD_OPTIMIZER_HOOKS=0``
 (or ``optim.enable_hooks(False)``) keeps them out, and training stays correct without them.
 
 The lifetime and the environment variable are checked in a fresh interpreter, since other
@@ -27,15 +27,17 @@ _LIFETIME = """
     from autoshard.runtime import optim
 
     seen = [optim.hooks_installed()]
-    model = autoshard(GPT())
+    first = autoshard(GPT())
     seen.append(optim.hooks_installed())
-    opt = torch.optim.AdamW(model.parameters())
-    del model
+    second = autoshard(GPT())
+    opt = torch.optim.AdamW(first.parameters())
+    del first
     gc.collect()
-    seen.append(optim.hooks_installed())  # the optimizer still holds the parameters
-    del opt
+    seen.append(optim.hooks_installed())  # the second still lives
+    del second
     gc.collect()
-    seen.append(optim.hooks_installed())
+    seen.append(optim.hooks_installed())  # none: an optimizer over their parameters is
+    opt.step()  # a plain one now
     print(seen)
 """
 
@@ -77,7 +79,7 @@ def _run(script: str, **env) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def test_hooks_are_registered_only_while_autoshards_parameters_live():
+def test_hooks_are_registered_only_while_a_sharded_module_lives():
     assert _run(_LIFETIME, AUTOSHARD_OPTIMIZER_HOOKS="1") == "[False, True, True, False]"
 
 
