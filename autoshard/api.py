@@ -66,19 +66,21 @@ class _State:
     def run_instrumented(self, args, kwargs, tangents: dict, on_node, *, graphs="compiled",
                          params: Optional[dict] = None, buffers: Optional[dict] = None):
         """The last program run again on ``args`` and ``kwargs``, node by node, on this
-        state's parameters, buffers, replicas and pending gradients
-        (``Program.run_instrumented``: ``tangents``, ``on_node``, ``graphs``); ``params``
-        and ``buffers`` (FQN -> value) stand in for some of them (the full values the joint
-        graph reads, the buffers as they were before the step). Every rank calls it."""
+        state's parameters (gathered whole for the joint graph), buffers, replicas and
+        pending gradients (``Program.run_instrumented``: ``tangents``, ``on_node``,
+        ``graphs``); ``params`` and ``buffers`` (FQN -> value) stand in for some of them
+        (eager's values, the buffers as they were before the step). Every rank calls it
+        with the same FQNs: the graphs, and the gathers, are collectives."""
         prog = self.last
         if prog is None:
             raise AutoshardError("nothing ran yet: call the model once before instrumenting "
                                  "its step")
         sharded = [mod._parameters[name] for mod, name in self.param_refs]
-        own = dict(zip(prog.fqns, sharded))
+        given = params or {}
+        own = {f: given[f] if f in given else p.full_tensor() if graphs == "joint" else p
+               for f, p in zip(prog.fqns, sharded)}
         bufs = {f: mod._buffers[name]
                 for f, (mod, name) in zip(prog.captured.buffer_fqns, self.buffer_refs)}
-        own.update(params or {})
         bufs.update(buffers or {})
         lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
                   for m, n in prog.captured.lifted]

@@ -40,16 +40,19 @@ def test_the_compiled_graphs_rerun_node_by_node_give_the_steps_values():
 
 
 def test_the_joint_graph_as_captured_gives_the_same_gradients():
+    """On the parameters gathered whole (by default), or on the values given."""
     sharded, x, out, tangents = _stepped()
-    full = {f: p.full_tensor() for f, p in sharded.named_parameters()}
     nodes = []
     traced = sharded._autoshard.run_instrumented(
-        (x,), {}, tangents, lambda graph, node, value: nodes.append(graph), graphs="joint",
-        params=full)
+        (x,), {}, tangents, lambda graph, node, value: nodes.append(graph), graphs="joint")
     assert set(nodes) == {"joint"}
     torch.testing.assert_close(traced.outputs[0][1], out)
     for f, p in sharded.named_parameters():
         torch.testing.assert_close(traced.grads[f][1], p.grad.full_tensor(), msg=f)
+    zero = {"wte.weight": torch.zeros(sharded.wte.weight.shape)}
+    other = sharded._autoshard.run_instrumented((x,), {}, tangents, lambda *a: None,
+                                                graphs="joint", params=zero)
+    assert not torch.allclose(other.outputs[0][1], out)  # it read the value given
 
 
 def test_an_unknown_graph_name_is_refused():
