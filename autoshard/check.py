@@ -518,10 +518,10 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
     loss_fn = loss_fn if loss_fn is not None else projection_loss
     with progress.phase("checking against eager", total=3, unit="steps") as p:
         eager = _eager_step(model, example_inputs, loss_fn, config, rk)
-        p.step(note="eager step")
+        p.step(note="the compiled step")
         sharded, c_out, compiled_grads = _compiled_step(model, example_inputs, mesh, config,
                                                         eager, rk)
-        p.step(note="compiled step")
+        p.step(note="comparing")
         tolerances: dict = {}
         outputs = _compare_outputs(eager, sharded, c_out, rk, tolerances)
         rows = _compare_grads(eager, compiled_grads, rk, tolerances)
@@ -532,7 +532,7 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
             flag = torch.tensor([0.0 if ok else 1.0], device=rk.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rk.group)
             ok = flag.item() == 0.0
-        p.step(note="compared")
+        p.step()
     first, compared, notes = None, 0, []
     if localise or (localise is None and not ok):
         first, compared, notes = _localise(sharded, eager, example_inputs, ok, rk)

@@ -377,12 +377,12 @@ def export(model, path, *, inference: bool = True) -> None:
                             unit="parts") as p:
             dcp.save({"tensors": _tensors(model)}, process_group=ranks.group,
                      checkpoint_id=os.path.join(folder, CHECKPOINT))
-            p.step(note="checkpoint")
+            p.step(note="the programs")
             if rank0:
                 for k, files in enumerate(programs):
                     entries.append(_write_program(os.path.join(folder, "programs", str(k)),
                                                   files))
-                    p.step(note=f"program {k}")
+                    p.step()
                 _write_json(os.path.join(folder, "model.json"), model_doc)
 
     def document(folder):
