@@ -11,6 +11,52 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch._ops import OpOverload  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (meta-device init)
 
+# pytree: flattening the calls' inputs and outputs (torch's own, private, module)
+import torch.utils._pytree as pytree  # noqa: F401
+from torch.utils._pytree import (  # noqa: F401
+    keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_map, tree_map_only,
+    tree_unflatten,
+)
+
+# a check inside a custom op's meta function, traced as a guard (``torch._check``)
+torch_check = torch._check
+
+
+# --- DTensor internals ----------------------------------------------------------------------
+
+
+def local_tensor(dt) -> torch.Tensor:
+    """A DTensor's local shard itself (``to_local()`` without autograd's view: the tensor the
+    parameter holds, so that writes to it reach the parameter)."""
+    return dt._local_tensor
+
+
+def dtensor_like(dt, local: torch.Tensor):
+    """A DTensor of ``local`` with ``dt``'s mesh, placements and global shape, recording no
+    autograd history (a gradient shard for the parameter ``dt``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dt._spec, requires_grad=False)
+
+
+# --- inductor, imported on first use (Config.compile) ----------------------------------------
+
+_INDUCTOR = {"inductor_config": ("torch._inductor.config", None),
+             "compile_fx": ("torch._inductor.compile_fx", "compile_fx"),
+             "GraphLowering": ("torch._inductor.graph", "GraphLowering")}
+
+
+def __getattr__(name: str):
+    """``from autoshard._compat import compile_fx`` (and ``inductor_config``,
+    ``GraphLowering``) imports inductor only then: it takes seconds to import."""
+    if name not in _INDUCTOR:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    module, attr = _INDUCTOR[name]
+    found = importlib.import_module(module)
+    return found if attr is None else getattr(found, attr)
+
 
 def current_trace_graph():
     """The fx graph make_fx is recording into right now."""
@@ -244,7 +290,6 @@ def fake_run(fake_mode, func, args, kwargs):
     the fake mode has a rule for (constructors, data-dependent outputs; its rules for views
     serve symbolic sizes), or an error."""
     import torch
-    from torch.utils._pytree import tree_leaves, tree_map
 
     try:
         from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager

@@ -7,13 +7,13 @@ import hashlib
 from typing import Any, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from autoshard.capture import flat_inputs
 from autoshard import compiler
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat, hooks, state
+from autoshard._compat import tree_flatten
 from autoshard.config import check_names, offloads
 from autoshard.plans import Plan
 from autoshard.runtime import dist as _dist
@@ -55,7 +55,85 @@ class _State:
     entry_names: dict = dataclasses.field(default_factory=dict)
     # where the shards are stored, shared by every entry: {"offload": the fraction of the
     # state in host memory once the first plan placed it (None before); later plans keep it}
-    placement: dict = dataclasses.field(default_factory=lambda: {"offload": None})
+    placed: dict = dataclasses.field(default_factory=lambda: {"offload": None})
+
+    def __post_init__(self):
+        # autoshard's optimizer hooks are in place while a sharded module's state lives
+        optim.hold(self)
+
+    # --- what autoshard.check and runtime.export ask of a sharded module's state ------------
+
+    def run_instrumented(self, args, kwargs, tangents: dict, on_node, *, graphs="compiled",
+                         params: Optional[dict] = None, buffers: Optional[dict] = None):
+        """The last program run again on ``args`` and ``kwargs``, node by node, on this
+        state's parameters (gathered whole for the joint graph), buffers, replicas and
+        pending gradients (``Program.run_instrumented``: ``tangents``, ``on_node``,
+        ``graphs``); ``params`` and ``buffers`` (FQN -> value) stand in for some of them
+        (eager's values, the buffers as they were before the step). Every rank calls it
+        with the same FQNs: the graphs, and the gathers, are collectives."""
+        prog = self.last
+        if prog is None:
+            raise AutoshardError("nothing ran yet: call the model once before instrumenting "
+                                 "its step")
+        sharded = [mod._parameters[name] for mod, name in self.param_refs]
+        given = params or {}
+        own = {f: given[f] if f in given else p.full_tensor() if graphs == "joint" else p
+               for f, p in zip(prog.fqns, sharded)}
+        bufs = {f: mod._buffers[name]
+                for f, (mod, name) in zip(prog.captured.buffer_fqns, self.buffer_refs)}
+        bufs.update(buffers or {})
+        lifted = [torch.tensor(m.__dict__[n], dtype=torch.float64)
+                  for m, n in prog.captured.lifted]
+        inputs = flat_inputs(tree_flatten((args, kwargs))[0]) + lifted
+        replicas = (refresh_replicas(self.replicas, self.mesh, self.agreement, prog, sharded)
+                    if graphs == "compiled" else {})
+        return prog.run_instrumented(own, bufs, inputs, tangents, on_node, graphs=graphs,
+                                     replicas=replicas, pending=self.pending)
+
+    def placement(self) -> tuple:
+        """(mesh, device, config): where and how this state's module is sharded and run."""
+        return self.mesh, self.device, self.config
+
+    def ranks(self):
+        """The ``runtime.dist.Agreement`` through which this module's ranks agree."""
+        return self.agreement
+
+    def compiled_programs(self) -> dict:
+        """Input signature -> Program, for each signature compiled in this process."""
+        return dict(self.programs)
+
+    def every_program(self, model) -> dict:
+        """repr(signature) -> Program: the compiled ones, and for a module loaded from an
+        export, the stored ones not called yet (read now)."""
+        out = {}
+        if self.exported is not None:
+            out = {key: self.exported.program(key, model) for key in self.exported.entries}
+        out.update((repr(key), prog) for key, prog in self.programs.items())
+        return out
+
+    def is_loaded(self) -> bool:
+        """Whether the module was loaded from an export (it runs the stored programs)."""
+        return self.exported is not None
+
+    def mark_loaded(self, loaded) -> None:
+        """From now on the module runs the export ``loaded`` (``runtime.export.Loaded``)."""
+        self.orig_forward = None
+        self.exported = loaded
+
+    def program_of(self, cap, split, plan) -> Program:
+        """A runnable program of a step captured, split and planned elsewhere (an export's
+        stored graphs), on this state's mesh and device."""
+        return Program(cap, split, plan, self.mesh.size(), _dist.shard_rank(self.mesh),
+                       self.device.type, agreement=self.agreement,
+                       compiled=self.config.compile)
+
+    def plan_program(self, cap, model) -> Program:
+        """A runnable program of the captured step ``cap``, planned for this state's mesh and
+        Config (the passes run again: an export's joint graph at another world size)."""
+        ctx, plan = compiler.plan_captured(cap, model, group_name=_dist.group_name(self.mesh),
+                                           device=self.device, config=self.config,
+                                           aliases=self.aliases)
+        return _program(self, cap, ctx, plan)
 
 
 class ShardedModule(torch.nn.Module):
@@ -334,7 +412,7 @@ def _entry_state(root_st: _State, module, name: str, fn) -> _State:
     """The state of an entry other than the root's forward: the root's mesh, config and
     agreement, its own programs over ``module``'s parameters."""
     st = _State(root_st.mesh, root_st.device, root_st.config, fn, fqn_aliases(module),
-                agreement=root_st.agreement, entry=name, placement=root_st.placement)
+                agreement=root_st.agreement, entry=name, placed=root_st.placed)
     st.param_refs = _refs(module, "_parameters", module.named_parameters())
     st.buffer_refs = _refs(module, "_buffers", module.named_buffers())
     return st
@@ -386,7 +464,7 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         aliases=st.aliases, grad_sync=st.grad_sync,
         accumulated=bool(st.pending) and st.grad_sync, traced_hooks=st.traced_hooks,
-        placed=st.placement["offload"],
+        placed=st.placed["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
     return _program(st, cap, ctx, plan, model)
@@ -413,7 +491,7 @@ def _follow(model, st: _State, guards) -> None:
     change = guards.change(g)
     if g.kind == "tree":
         for fqn, p in model.named_parameters():
-            if not getattr(p, _optim._MARK, False):
+            if not _optim.is_marked(p):
                 raise AutoshardError(
                     f"the model changed after autoshard() ({change}): parameter '{fqn}' is "
                     "not sharded, so no step can train it. Change the model's modules and "
@@ -452,7 +530,7 @@ def _program(st: _State, cap, ctx, plan, model=None) -> Program:
     if model is not None:
         pin = getattr(st.config.offload_policy, "pin_memory", True)
         place(model, cap.params, st.device, pin=pin)
-        st.placement["offload"] = plan.offload
+        st.placed["offload"] = plan.offload
     prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
                    st.device.type, agreement=st.agreement,
                    compiled=st.config.compile)
@@ -470,7 +548,7 @@ def _divides(config: Config) -> str:
 
 def _describe(args, kwargs, key) -> str:
     """A rank's call as a person reads it: each input's dtype and shape, and the mode."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from autoshard._compat import keystr, tree_flatten_with_path
 
     parts = []
     for path, x in tree_flatten_with_path((args, kwargs))[0]:

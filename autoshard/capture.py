@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from autoshard._compat import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
@@ -246,7 +246,7 @@ def _dtype(dtype) -> str:
 def input_names(args, kwargs) -> list:
     """(name, leaf) of each leaf of a call's inputs, named as a person writes them:
     ``args[0]``, ``args[1]['mask']``, ``labels``."""
-    from torch.utils._pytree import keystr, tree_flatten_with_path
+    from autoshard._compat import keystr, tree_flatten_with_path
 
     out = []
     for path, x in tree_flatten_with_path((args, kwargs))[0]:

@@ -22,17 +22,19 @@ inputs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import math
 import operator
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autoshard import meta
+from autoshard import _compat, meta, progress
+from autoshard._compat import tree_flatten, tree_unflatten
 
 # (atol, rtol) per dtype: a value passes when max|Δ| <= atol + rtol * max|reference|
 DEFAULT_TOLERANCES = {
@@ -235,10 +237,8 @@ def _coarser(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 def _cast_floating(tree, dtype: torch.dtype):
     """``tree`` with its floating tensors cast to ``dtype`` (differentiably)."""
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
-                         tree)
+    return _compat.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -271,9 +271,8 @@ def projection_loss(outputs, seed: int = PROJECTION_SEED) -> torch.Tensor:
 def _leaf_paths(outputs) -> list:
     """A readable path per pytree leaf of ``outputs``."""
     try:
-        from torch.utils._pytree import keystr, tree_flatten_with_path
-
-        return [keystr(p) or "out" for p, _ in tree_flatten_with_path(outputs)[0]]
+        return [_compat.keystr(p) or "out"
+                for p, _ in _compat.tree_flatten_with_path(outputs)[0]]
     except Exception:  # noqa: BLE001 - a container without key paths: number the leaves
         return [f"[{i}]" for i in range(len(tree_flatten(outputs)[0]))]
 
@@ -337,40 +336,12 @@ def _split(example_inputs):
     return _split_inputs(example_inputs)
 
 
-# --- recording interpreters -------------------------------------------------------------------
-
-
-class _Recorder(fx.Interpreter):
-    """Runs a graph on real tensors and hands each node's value to ``on_value`` as soon as
-    it is computed (later in-place writes and frees must not change what is compared).
-    Each node runs in the grad mode ``grad_mode(node)``: the one the executor runs it in."""
-
-    def __init__(self, gm: fx.GraphModule, on_value: Callable, grad_mode: Callable):
-        super().__init__(gm, garbage_collect_values=True)
-        self.on_value = on_value
-        self.grad_mode = grad_mode
-
-    def run_node(self, n: fx.Node):
-        with torch.set_grad_enabled(self.grad_mode(n)):
-            out = super().run_node(n)
-        if n.op not in ("placeholder", "output"):
-            self.on_value(n, out)
-        return out
-
-
-def _run(gm: fx.GraphModule, args: list, on_value: Callable, grad_mode: Callable):
-    """``grad_mode(node)``: the grad mode to run ``node`` in, that of its trace (kernels may
-    read it: see ``Captured.grad_enabled``); the arguments require no grad, so none is
-    recorded."""
-    # the graphs hold autocast's casts already (capture traced them): run them as written
-    device_type = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    with torch.autocast(device_type, enabled=False):
-        return _Recorder(gm, on_value, grad_mode).run(*args, enable_io_processing=False)
+# --- values recorded from the graphs ---------------------------------------------------------
 
 
 def _op_name(n: fx.Node) -> str:
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, _compat.OpOverload):
         return str(t)
     if t is operator.getitem:
         return "getitem"
@@ -399,18 +370,45 @@ class _Recorded:
     module: str
 
 
-def _record_pristine(gm, args, grad_enabled: bool) -> tuple:
-    values = {}
+class _Keep:
+    """``on_node`` for the captured graph's run: each comparable node's value, by name."""
 
-    def keep(n, v):
+    def __init__(self):
+        self.values = {}
+
+    def __call__(self, graph: str, n: fx.Node, v) -> None:
         if _comparable(n, v):
-            values[n.name] = _Recorded(v.detach().clone(), _op_name(n),
-                                       meta.tag(n, meta.MODULE) or "")
+            self.values[n.name] = _Recorded(v.detach().clone(), _op_name(n),
+                                            meta.tag(n, meta.MODULE) or "")
 
-    # the joint graph's forward was traced in the step's grad mode, its backward (inside
-    # autograd.grad) with grad off
-    out = _run(gm, args, keep, lambda n: grad_enabled and meta.is_forward(n))
-    return values, list(out)
+
+class _Search:
+    """``on_node`` for the compiled graphs' run: each node against the captured graph's node
+    of the same name (a node the recompute pass copied, against the forward node it copies;
+    communication nodes are skipped); keeps the first that differs beyond tolerance."""
+
+    def __init__(self, recorded: dict, rk: "_Ranks"):
+        self.recorded, self.rk = recorded, rk
+        self.first: Optional[Difference] = None
+        self.compared = 0
+        self.unmatched: list = []
+
+    def __call__(self, graph: str, n: fx.Node, v) -> None:
+        if not _comparable(n, v):
+            return
+        origin = meta.tag(n, meta.RECOMPUTED)
+        rec = self.recorded.get(origin if isinstance(origin, str) else n.name)
+        if rec is None:
+            self.unmatched.append(n.name)
+            return
+        self.compared += 1
+        if self.first is not None:
+            return
+        delta, mag = _max_delta(rec.value, v), _max_abs(rec.value)
+        ok, _ = self.rk.within(delta, mag, rec.value.dtype)
+        if not ok:
+            self.first = _node_difference(n, graph, rec, v, delta, mag, origin, self.rk.rank,
+                                          self.rk.world)
 
 
 # --- the check --------------------------------------------------------------------------------
@@ -468,27 +466,90 @@ def check(model: torch.nn.Module, example_inputs, *, loss_fn: Optional[Callable]
         return _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, seed)
 
 
+@dataclasses.dataclass
+class _Ranks:
+    """Where the check runs (its process group, this rank, the device), the random state
+    each step starts from, and the tolerances values are judged by."""
+
+    group: Any
+    world: int
+    rank: int
+    device: torch.device
+    seed: int
+    atol: Optional[float]
+    rtol: Optional[float]
+
+    def within(self, delta: float, ref: float, dtype: torch.dtype) -> tuple:
+        return _within(delta, ref, dtype, self.atol, self.rtol)
+
+    @contextlib.contextmanager
+    def seeded(self):
+        """The generators as ``seed`` leaves them, and as they were afterwards."""
+        with torch.random.fork_rng(devices=_rng_devices(self.device)):
+            torch.manual_seed(self.seed)
+            yield
+
+
+@dataclasses.dataclass
+class _Eager:
+    """Eager's step: its copy of the model, the values it started from, what it computed."""
+
+    model: torch.nn.Module
+    init_params: dict  # FQN -> value before the step (in param_dtype under mixed precision)
+    init_buffers: dict  # FQN -> value before the step
+    out: Any  # the forward's output
+    tangents: dict  # index among tensor output leaves -> d loss / d output
+    trainable: list  # (FQN, parameter) of each parameter that requires grad
+    local_grads: dict  # FQN -> this rank's gradient (in the reduce dtype), or None
+    grads: dict  # FQN -> the gradient averaged over the ranks, or None
+
+
 def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, seed):
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    from autoshard.api import autoshard
     from autoshard.runtime import dist as _dist
 
     loss_desc = ("loss_fn(outputs)" if loss_fn is not None
                  else f"random projection of the outputs (seed {PROJECTION_SEED})")
+    rk = _Ranks(mesh.get_group(), mesh.size(), mesh.get_local_rank(), _dist.mesh_device(mesh),
+                seed, atol, rtol)
+    if rk.world > 1:
+        _same_model_on_all_ranks(model, rk.group)
     loss_fn = loss_fn if loss_fn is not None else projection_loss
+    with progress.phase("checking against eager", total=3, unit="steps") as p:
+        eager = _eager_step(model, example_inputs, loss_fn, config, rk)
+        p.step(note="the compiled step")
+        sharded, c_out, compiled_grads = _compiled_step(model, example_inputs, mesh, config,
+                                                        eager, rk)
+        p.step(note="comparing")
+        tolerances: dict = {}
+        outputs = _compare_outputs(eager, sharded, c_out, rk, tolerances)
+        rows = _compare_grads(eager, compiled_grads, rk, tolerances)
+        if rk.world > 1:
+            _agree_outputs(outputs, rk.group)
+        ok = all(r.ok for r in rows) and all(o.ok for o in outputs)
+        if rk.world > 1:
+            flag = torch.tensor([0.0 if ok else 1.0], device=rk.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=rk.group)
+            ok = flag.item() == 0.0
+        p.step()
+    first, compared, notes = None, 0, []
+    if localise or (localise is None and not ok):
+        first, compared, notes = _localise(sharded, eager, example_inputs, ok, rk)
+    return CheckReport(
+        ok=ok, params=rows, outputs=outputs,
+        outputs_delta=max((o.max_delta for o in outputs), default=0.0), worst=_worst(rows),
+        first_difference=first, tolerances=tolerances, world_size=rk.world, rank=rk.rank,
+        loss=loss_desc, nodes_compared=compared, notes=notes,
+    )
 
-    device = _dist.mesh_device(mesh)
-    world, rank = mesh.size(), mesh.get_local_rank()
-    group = mesh.get_group()
-    notes = []
-    if world > 1:
-        _same_model_on_all_ranks(model, group)
 
-    # --- eager -----------------------------------------------------------------------------
+def _eager_step(model, example_inputs, loss_fn, config, rk: _Ranks) -> _Eager:
+    """One step of a deep copy of ``model``, eagerly, as FSDP2 would compute it under
+    ``config``'s mixed precision: parameters in param_dtype, outputs cast to output_dtype,
+    gradients taken in the reduce dtype and averaged over the ranks."""
     mp = config.mp_policy if config is not None else None
-    eager = copy.deepcopy(model).to(device)
+    eager = copy.deepcopy(model).to(rk.device)
     for p in eager.parameters():
         p.grad = None  # gradients the user's model holds are not this step's
         if mp is not None and mp.param_dtype is not None and p.is_floating_point():
@@ -499,8 +560,7 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
     if mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
         e_in = _cast_floating(e_in, mp.param_dtype)
     args, kwargs = _split(e_in)
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(seed)
+    with rk.seeded():
         e_out = eager(*args, **kwargs)
     if mp is not None and mp.output_dtype is not None:
         e_out = _cast_floating(e_out, mp.output_dtype)
@@ -512,97 +572,88 @@ def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, s
     local_grads = {f: (p.grad.detach().to(reduce or p.grad.dtype, copy=True)
                        if p.grad is not None else None)
                    for f, p in trainable}
-    eager_grads = _average(local_grads, dict(trainable), group, world)
+    grads = _average(local_grads, dict(trainable), rk.group, rk.world)
+    return _Eager(eager, init_params, init_buffers, e_out, tangents, trainable, local_grads,
+                  grads)
 
-    # --- compiled ---------------------------------------------------------------------------
+
+def _compiled_step(model, example_inputs, mesh, config, eager: _Eager, rk: _Ranks) -> tuple:
+    """One step of ``autoshard()`` of another deep copy, with eager's tangents. Returns
+    (the sharded module, its output, FQN -> full gradient or None)."""
+    from torch.distributed.tensor import DTensor
+
+    from autoshard.api import autoshard
+
     twin = copy.deepcopy(model)
     for p in twin.parameters():
         p.grad = None
     sharded = autoshard(twin, mesh=mesh, config=config, example_inputs=_fresh(example_inputs))
-    c_in = _fresh(example_inputs)
-    cargs, ckwargs = _split(c_in)
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(seed)
+    cargs, ckwargs = _split(_fresh(example_inputs))
+    with rk.seeded():
         c_out = sharded(*cargs, **ckwargs)
-    e_touts = [x for x in tree_flatten(e_out)[0] if isinstance(x, torch.Tensor)]
-    c_touts = [x for x in tree_flatten(c_out)[0] if isinstance(x, torch.Tensor)]
-    if len(e_touts) != len(c_touts):
-        raise AssertionError(f"the compiled step returned {len(c_touts)} tensors, eager "
-                             f"{len(e_touts)}")
-    _backward(c_out, tangents)
-    compiled_grads = {}
+    n_eager, n_compiled = len(_tensor_leaves(eager.out)), len(_tensor_leaves(c_out))
+    if n_eager != n_compiled:
+        raise AssertionError(f"the compiled step returned {n_compiled} tensors, eager "
+                             f"{n_eager}")
+    _backward(c_out, eager.tangents)
+    grads = {}
     cparams = dict(sharded.named_parameters())
-    for f, _ in trainable:
+    for f, _ in eager.trainable:
         g = cparams[f].grad
         if g is not None and isinstance(g, DTensor):
             g = g.full_tensor()
-        compiled_grads[f] = None if g is None else g.detach()
+        grads[f] = None if g is None else g.detach()
+    return sharded, c_out, grads
 
-    # --- compare ------------------------------------------------------------------------------
-    tolerances = {}
+
+def _tensor_leaves(tree) -> list:
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def _compare_outputs(eager: _Eager, sharded, c_out, rk: _Ranks, tolerances: dict) -> list:
+    """An OutputRow per tensor output leaf, and per buffer the step updates (BatchNorm's
+    statistics); ``tolerances`` gets each floating dtype's."""
     outputs = []
-    paths = [p for p, leaf in zip(_leaf_paths(e_out), tree_flatten(e_out)[0])
+    paths = [p for p, leaf in zip(_leaf_paths(eager.out), tree_flatten(eager.out)[0])
              if isinstance(leaf, torch.Tensor)]
-    for path, e, c in zip(paths, e_touts, c_touts):
-        ref = _max_abs(e)
-        delta = _max_delta(e, c)
-        ok, tol = _within(delta, ref, e.dtype, atol, rtol)
+    for path, e, c in zip(paths, _tensor_leaves(eager.out), _tensor_leaves(c_out)):
+        ref, delta = _max_abs(e), _max_delta(e, c)
+        ok, tol = rk.within(delta, ref, e.dtype)
         if e.dtype.is_floating_point:
-            tolerances[_dtype_name(e.dtype)] = _tolerance(e.dtype, atol, rtol)
+            tolerances[_dtype_name(e.dtype)] = _tolerance(e.dtype, rk.atol, rk.rtol)
         outputs.append(OutputRow(path, _dtype_name(e.dtype), tuple(e.shape), ref, delta, tol,
                                  ok))
-    # buffers the step updates (BatchNorm statistics)
     cbufs = dict(sharded.named_buffers())
-    for f, b in eager.named_buffers():
-        c, b0 = cbufs.get(f), init_buffers[f]
+    for f, b in eager.model.named_buffers():
+        c, b0 = cbufs.get(f), eager.init_buffers[f]
         if c is None or not b.is_floating_point():
             continue
         if torch.equal(b, b0) and torch.equal(c, b0):
             continue
         ref, delta = _max_abs(b), _max_delta(b, c)
-        ok, tol = _within(delta, ref, b.dtype, atol, rtol)
+        ok, tol = rk.within(delta, ref, b.dtype)
         outputs.append(OutputRow(f"buffer {f}", _dtype_name(b.dtype), tuple(b.shape), ref,
                                  delta, tol, ok))
-    rows = []
-    for f, p in trainable:
-        e, c = eager_grads[f], compiled_grads[f]
-        tolerances[_dtype_name(p.dtype)] = _tolerance(p.dtype, atol, rtol)
-        if e is None and c is None:
-            rows.append(ParamRow(f, _dtype_name(p.dtype), tuple(p.shape), 0.0, 0.0, 0.0,
-                                 "no grad"))
-            continue
-        if e is None or c is None:
-            ref = _max_abs(c if e is None else e)
-            rows.append(ParamRow(f, _dtype_name(p.dtype), tuple(p.shape), ref, math.inf, 0.0,
-                                 "no grad in eager" if e is None else "no grad in compiled"))
-            continue
-        ref = _max_abs(e)
-        delta = _max_delta(e, c)
-        ok, tol = _within(delta, ref, p.dtype, atol, rtol)
-        rows.append(ParamRow(f, _dtype_name(p.dtype), tuple(p.shape), ref, delta, tol,
-                             "ok" if ok else "differs"))
-    if world > 1:
-        _agree_outputs(outputs, group)
-    ok = all(r.ok for r in rows) and all(o.ok for o in outputs)
-    if world > 1:
-        flag = torch.tensor([0.0 if ok else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        ok = flag.item() == 0.0
-    worst = _worst(rows)
+    return outputs
 
-    # --- localise -------------------------------------------------------------------------
-    first, compared = None, 0
-    if localise or (localise is None and not ok):
-        first, compared, more = _localise(
-            eager, sharded, init_params, init_buffers, example_inputs, tangents, e_out,
-            local_grads, ok, group, world, rank, device, seed, atol, rtol)
-        notes.extend(more)
-    return CheckReport(
-        ok=ok, params=rows, outputs=outputs,
-        outputs_delta=max((o.max_delta for o in outputs), default=0.0), worst=worst,
-        first_difference=first, tolerances=tolerances, world_size=world, rank=rank,
-        loss=loss_desc, nodes_compared=compared, notes=notes,
-    )
+
+def _compare_grads(eager: _Eager, compiled_grads: dict, rk: _Ranks, tolerances: dict) -> list:
+    """A ParamRow per trainable parameter, in the model's order."""
+    rows = []
+    for f, p in eager.trainable:
+        e, c = eager.grads[f], compiled_grads[f]
+        tolerances[_dtype_name(p.dtype)] = _tolerance(p.dtype, rk.atol, rk.rtol)
+        row = functools.partial(ParamRow, f, _dtype_name(p.dtype), tuple(p.shape))
+        if e is None and c is None:
+            rows.append(row(0.0, 0.0, 0.0, "no grad"))
+        elif e is None or c is None:
+            rows.append(row(_max_abs(c if e is None else e), math.inf, 0.0,
+                            "no grad in eager" if e is None else "no grad in compiled"))
+        else:
+            ref, delta = _max_abs(e), _max_delta(e, c)
+            ok, tol = rk.within(delta, ref, p.dtype)
+            rows.append(row(ref, delta, tol, "ok" if ok else "differs"))
+    return rows
 
 
 def _rng_devices(device: torch.device) -> list:
@@ -686,133 +737,78 @@ def _same_model_on_all_ranks(model, group) -> None:
 # --- localisation -----------------------------------------------------------------------------
 
 
-def _pristine_graph(eager_model, sharded, args, kwargs, device):
-    """The joint graph as captured, before any pass: the Program's own copy where it keeps
-    one, else captured again from the eager model (capture is deterministic, so node names
-    agree with the compiled graphs')."""
-    prog = sharded._autoshard.last
-    kept = getattr(prog.captured, "pristine", None)
-    if kept is not None:
-        return kept, prog.captured
-    from autoshard.capture import capture, param_specs
-
-    specs = param_specs(eager_model, sharded._autoshard.config.mp_policy)
-    with torch.enable_grad():
-        cap = capture(eager_model, type(eager_model).forward, specs,
-                      dict(eager_model.named_buffers()), args, kwargs, device=device,
-                      with_grad=True)
-    return cap.gm, cap
-
-
-def _localise(eager_model, sharded, init_params, init_buffers, example_inputs, tangents,
-              e_out, local_grads, step_ok, group, world, rank, device, seed, atol, rtol):
-    """(first Difference or None, nodes compared, notes). Runs collectives in the compiled
-    graphs: every rank calls it together."""
-    notes = []
+def _localise(sharded, eager: _Eager, example_inputs, step_ok: bool, rk: _Ranks) -> tuple:
+    """(first Difference or None, nodes compared, notes). Runs the sharded module's last
+    program through its instrumented entry (collectives included: every rank calls it
+    together): first its joint graph as captured, against eager; then its compiled graphs,
+    node by node, against the joint graph; then its gradient shards, against the joint
+    graph's gradients."""
     args, kwargs = _split(_fresh(example_inputs))
-    gm, cap = _pristine_graph(eager_model, sharded, args, kwargs, device)
-    prog = sharded._autoshard.last
-    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    graph_tangents = [tangents[i].contiguous() for i in cap.diff_outputs]
+    state = sharded._autoshard
+    with progress.phase("localising the first difference", unit="nodes") as p:
+        def counted(on_node):
+            def on(graph, n, v):
+                on_node(graph, n, v)
+                p.step()
+            return on
 
-    # 1. the captured graph on the real values, against eager
-    pargs = ([init_params[p.fqn].clone() for p in cap.params]
-             + [init_buffers[f].clone() for f in cap.buffer_fqns]
-             + [x.detach().clone() for x in inputs] + graph_tangents)
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(seed)
-        recorded, pouts = _record_pristine(gm, pargs, cap.grad_enabled)
-    roles = meta.output_roles(gm)
-    out_nodes = list(meta.output_node(gm).args[0])
-    e_touts = [x for x in tree_flatten(e_out)[0] if isinstance(x, torch.Tensor)]
-    pristine_grads = {}
-    capture_diff = None
-    for node, role, val in zip(out_nodes, roles, pouts):
-        kind = role[meta.ROLE]
-        if kind == meta.OUT_FWD:
-            ref, what = e_touts[role[meta.INDEX]], f"forward output {role[meta.INDEX]}"
-        elif kind == meta.OUT_GRAD:
-            pristine_grads[role[meta.FQN]] = val
-            ref, what = local_grads.get(role[meta.FQN]), f"gradient of {role[meta.FQN]}"
-        else:
-            continue
-        if ref is None or not isinstance(val, torch.Tensor):
-            continue
-        delta, mag = _max_delta(ref, val), _max_abs(ref)
-        ok, _ = _within(delta, mag, _coarser(ref.dtype, val.dtype), atol, rtol)
-        if not ok and capture_diff is None:
-            capture_diff = Difference(
-                stage="capture", node=node.name, graph="joint", op=_op_name(node),
-                module=meta.tag(node, meta.MODULE) or "", max_delta=delta, max_abs=mag,
-                rank=rank,
-                description=(
-                    f"the captured joint graph (as traced, before any pass) already differs "
-                    f"from eager at its {what} (node {node.name}, {_op_name(node)}; "
-                    f"max|Δ| {_f(delta)}, max|eager| {_f(mag)}"
-                    f"{_on_rank(rank, world)}): capture, not a pass, computes different "
-                    "values than eager"))
-
-    # 2. the compiled graphs on the same values, node by node against the captured graph
-    first = None
-    compared = 0
-    unmatched = []
-
-    def compare(where):
-        def on_value(n, v):
-            nonlocal first, compared
-            if not _comparable(n, v):
-                return
-            origin = meta.tag(n, meta.RECOMPUTED)
-            name = origin if isinstance(origin, str) else n.name
-            rec = recorded.get(name)
-            if rec is None:
-                unmatched.append(n.name)
-                return
-            compared += 1
-            if first is not None:
-                return
-            delta, mag = _max_delta(rec.value, v), _max_abs(rec.value)
-            ok, _ = _within(delta, mag, rec.value.dtype, atol, rtol)
-            if ok:
-                return
-            first = _node_difference(n, where, rec, v, delta, mag, origin, rank, world)
-        return on_value
-
-    n_p = len(prog.fqns)
-    locals_ = [mod._parameters[name]._local_tensor for mod, name in sharded._autoshard.param_refs]
-    fargs = ([prog.pad(i, t.detach().clone()) for i, t in enumerate(locals_[:n_p])]
-             + [init_buffers[f].clone() for f in prog.captured.buffer_fqns]
-             + [x.detach().clone() for x in inputs])
-    with torch.random.fork_rng(devices=_rng_devices(device)):
-        torch.manual_seed(seed)
-        # in the grad modes the executor runs them in
-        fwd_mode, bwd_mode = prog.captured.grad_enabled, prog.bwd_grad_enabled
-        fouts = list(_run(prog.split.fwd, fargs, compare("fwd"), lambda n: fwd_mode))
-        bouts = []
-        if prog.split.bwd is not None:
-            saved = fouts[prog.n_user + len(prog.mutated):]
-            bouts = list(_run(prog.split.bwd, saved + graph_tangents, compare("bwd"),
-                              lambda n: bwd_mode))
-
-    # 3. the graphs' gradient shards against the captured graph's gradients
+        keep = _Keep()
+        with rk.seeded():
+            joint = state.run_instrumented(args, kwargs, eager.tangents, counted(keep),
+                                           graphs="joint", params=eager.init_params,
+                                           buffers=eager.init_buffers)
+        capture_diff = _capture_difference(joint, eager, rk)
+        search = _Search(keep.values, rk)
+        with rk.seeded():
+            traced = state.run_instrumented(args, kwargs, eager.tangents, counted(search),
+                                            buffers=eager.init_buffers)
+    pristine_grads = {f: v for f, (_, v) in joint.grads.items()}
+    first, notes = search.first, []
     output_diff = None
-    if world > 1 or (first is None and capture_diff is None):  # collective: every rank runs it
-        output_diff = _compare_grad_outputs(prog, bouts, pristine_grads, group, world, rank,
-                                            atol, rtol)
+    if rk.world > 1 or (first is None and capture_diff is None):  # collective: every rank
+        output_diff = _compare_grad_outputs(traced, pristine_grads, rk)
     if first is not None and capture_diff is not None:
         notes.append(f"also, the compiled graphs differ from the captured one: {first}")
     result = capture_diff or first or output_diff
     if result is None and not step_ok:
         result = Difference(
-            stage="runtime", rank=rank,
+            stage="runtime", rank=rk.rank,
             description=("every node of the compiled graphs computes the captured graph's "
                          "value, and the captured graph agrees with eager: the difference "
                          "arises outside the graphs, in the runtime (padding, gradient "
                          "accumulation into the DTensor .grad, or the collectives)"))
-    if unmatched:
-        notes.append(f"{len(unmatched)} compiled node(s) have no counterpart in the captured "
-                     f"graph and were not compared (first: {', '.join(unmatched[:3])})")
-    return result, compared, notes
+    if search.unmatched:
+        notes.append(f"{len(search.unmatched)} compiled node(s) have no counterpart in the "
+                     f"captured graph and were not compared (first: "
+                     f"{', '.join(search.unmatched[:3])})")
+    return result, search.compared, notes
+
+
+def _capture_difference(joint, eager: _Eager, rk: _Ranks) -> Optional[Difference]:
+    """The first output of the joint graph as captured (a forward output, then a gradient)
+    that differs from eager's, if any: then capture, not a pass, is to blame."""
+    pairs = [(node, val, ref, f"forward output {i}") for i, ((node, val), ref)
+             in enumerate(zip(joint.outputs, _tensor_leaves(eager.out)))]
+    pairs += [(node, val, eager.local_grads.get(f), f"gradient of {f}")
+              for f, (node, val) in joint.grads.items()]
+    for node, val, ref, what in pairs:
+        if ref is None or not isinstance(val, torch.Tensor):
+            continue
+        delta, mag = _max_delta(ref, val), _max_abs(ref)
+        ok, _ = rk.within(delta, mag, _coarser(ref.dtype, val.dtype))
+        if ok:
+            continue
+        return Difference(
+            stage="capture", node=node.name, graph="joint", op=_op_name(node),
+            module=meta.tag(node, meta.MODULE) or "", max_delta=delta, max_abs=mag,
+            rank=rk.rank,
+            description=(
+                f"the captured joint graph (as traced, before any pass) already differs "
+                f"from eager at its {what} (node {node.name}, {_op_name(node)}; "
+                f"max|Δ| {_f(delta)}, max|eager| {_f(mag)}"
+                f"{_on_rank(rk.rank, rk.world)}): capture, not a pass, computes different "
+                "values than eager"))
+    return None
 
 
 def _on_rank(rank: int, world: int) -> str:
@@ -840,49 +836,46 @@ def _node_difference(n, where, rec, v, delta, mag, origin, rank, world) -> Diffe
                       description="; ".join(parts))
 
 
-def _compare_grad_outputs(prog, bouts, pristine_grads, group, world, rank, atol, rtol):
-    """The compiled backward's gradient shards against the captured graph's full gradients
-    (averaged over the ranks), cut to this rank's rows."""
+def _compare_grad_outputs(traced, pristine_grads: dict, rk: _Ranks) -> Optional[Difference]:
+    """The compiled backward's gradient shards (``traced``: what the instrumented run
+    computed) against the captured graph's full gradients (averaged over the ranks), cut to
+    this rank's rows."""
     import torch.distributed as dist
 
     full = {}
-    for f, spec in zip(prog.fqns, prog.captured.params):
+    for spec in traced.params:
         if not spec.requires_grad:
             continue
-        g = pristine_grads.get(f)
+        g = pristine_grads.get(spec.fqn)
         if g is None:
-            if world == 1:
+            if rk.world == 1:
                 continue
             g = torch.zeros(spec.shape, dtype=spec.dtype)  # every rank reduces every gradient
         g = g.clone()
-        if world > 1:
+        if rk.world > 1:
             home = g.device
-            g = g.to(_group_device(group))
-            dist.all_reduce(g, group=group)
-            g = (g / world).to(home)
-        full[f] = g
-    for (kind, i), got in zip(prog.grad_slots, bouts):
-        if kind != "param":
-            continue
-        f, lay = prog.fqns[i], prog.layouts[i]
+            g = g.to(_group_device(rk.group))
+            dist.all_reduce(g, group=rk.group)
+            g = (g / rk.world).to(home)
+        full[spec.fqn] = g
+    for f, (_, got) in traced.grads.items():
         ref = full.get(f)
         if ref is None:
             continue
-        if lay.sharded:
-            a, b = lay.local_range(rank)
+        if f in traced.rows:
+            a, b = traced.rows[f]
             ref = ref[a:b]
-            got = got[: b - a]
         delta, mag = _max_delta(ref, got), _max_abs(ref)
-        ok, _ = _within(delta, mag, ref.dtype, atol, rtol)
+        ok, _ = rk.within(delta, mag, ref.dtype)
         if not ok:
             return Difference(
                 stage="runtime", node=f, graph="bwd", max_delta=delta, max_abs=mag,
-                rank=rank,
+                rank=rk.rank,
                 description=(f"every compared node agrees with the captured graph, but the "
                              f"backward's gradient shard of {f} differs from the captured "
-                             f"gradient (max|Δ| {_f(delta)}{_on_rank(rank, world)}): look at "
-                             "the nodes the passes added (reduce-scatter packing, new nodes "
-                             "with no counterpart in the captured graph)"))
+                             f"gradient (max|Δ| {_f(delta)}{_on_rank(rk.rank, rk.world)}): "
+                             "look at the nodes the passes added (reduce-scatter packing, "
+                             "new nodes with no counterpart in the captured graph)"))
     return None
 
 

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard.config import INT64_MAX
 from autoshard.graph import _aliased_arg
 
@@ -157,7 +157,7 @@ def _flops(node: fx.Node) -> int:
     from torch.utils.flop_counter import flop_registry
 
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, _compat.OpOverload):
         return 0
     packet = target.overloadpacket
     fn = flop_registry.get(_FLOP_ALIASES.get(packet, packet))
@@ -204,7 +204,7 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if meta.is_free(node) or _aliased_arg(node) is not None or node.target in _NO_WORK:
         return 0.0
-    if not isinstance(node.target, torch._ops.OpOverload):  # getitem: picks an output
+    if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as the graph runs it: copy engines do not overlap it yet

@@ -12,9 +12,9 @@ from typing import Callable, Iterable, Optional, Sequence
 import networkx as nx
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _compat, meta
+from autoshard._compat import tree_flatten, tree_map, tree_unflatten
 
 
 def to_nx(graph: fx.Graph) -> nx.DiGraph:
@@ -58,7 +58,7 @@ _ALIAS_SLOTS: dict = {}  # op -> its arguments the output may alias, from the sc
 def _alias_slots(target) -> tuple:
     """``((position, name), ...)`` of the arguments whose storage ``target``'s output
     shares, in schema order (the first one given as a node is the one)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, _compat.OpOverload):
         return ()
     schema = target._schema
     if target is torch.ops._c10d_functional.wait_tensor.default:
@@ -86,7 +86,7 @@ _UNDECLARED_WRITES = {
 def written_inputs(n: fx.Node) -> list:
     """The input nodes ``n`` writes into (in-place ops, out= ops, BatchNorm statistics)."""
     t = n.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, _compat.OpOverload):
         return []
     out = []
     for i, a in enumerate(t._schema.arguments):

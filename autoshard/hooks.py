@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.modules.module as _mm
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.errors import AutoshardError
 
 _PRE, _FWD = "pre", "fwd"

@@ -25,7 +25,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard.cost import tensor_bytes
 from autoshard.graph import (
     _aliased_arg,
@@ -52,7 +52,7 @@ def _recomputable(n: fx.Node, mutated: set, region) -> bool:
         return False
     if t is operator.getitem:
         return True
-    if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
+    if not isinstance(t, _compat.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
         return False
     # inside a torch.utils.checkpoint region (or a block the plan recomputes whole)
     # recomputation was asked for: any op

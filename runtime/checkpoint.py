@@ -28,7 +28,7 @@ import time
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils import _pytree as pytree
+from autoshard._compat import pytree
 
 from autoshard import progress
 from autoshard.errors import AutoshardError

@@ -159,9 +159,9 @@ class CompiledGraph:
     def _compile(self, g: fx.GraphModule, example: list):
         from unittest import mock
 
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-        from torch._inductor.graph import GraphLowering
+        from autoshard._compat import inductor_config
+        from autoshard._compat import compile_fx
+        from autoshard._compat import GraphLowering
 
         sources = []
         with inductor_config.patch(INDUCTOR_CONFIG), torch.no_grad(), \

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
+from typing import Callable, Optional
 
 import torch
-from torch.utils._pytree import tree_unflatten
+import torch.fx as fx
 
 from autoshard import _compat, meta
+from autoshard._compat import tree_unflatten
 from autoshard.capture import TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
@@ -48,10 +51,10 @@ class Program:
         self.layouts = [p.layout for p in captured.params]
         # a layout over one rank (a replicated parameter) is all of it, on every rank
         at = [rank if lay.world_size > 1 else 0 for lay in self.layouts]
-        self.local_rows = [
-            (lay.local_range(r)[1] - lay.local_range(r)[0]) if lay.sharded else None
-            for lay, r in zip(self.layouts, at)
-        ]
+        # the rows of the full parameter this rank's shard holds; None: all (no dim 0)
+        self.local_ranges = [lay.local_range(r) if lay.sharded else None
+                             for lay, r in zip(self.layouts, at)]
+        self.local_rows = [None if r is None else r[1] - r[0] for r in self.local_ranges]
         slot = {f: i for i, f in enumerate(self.fqns)}
         kinds = {meta.OUT_GRAD: "param", meta.OUT_HOOK_GRAD: "hook"}
         self.grad_slots = [
@@ -80,7 +83,7 @@ class Program:
     def feed(self, params: list, replicas: dict) -> list:
         """What each parameter placeholder reads: the padded local shard, or the parameter's
         replica (``ParamSpec.replica``, from ``replicas``)."""
-        return [replicas[s.fqn] if s.replica else self.pad(i, p._local_tensor)
+        return [replicas[s.fqn] if s.replica else self.pad(i, _compat.local_tensor(p))
                 for i, (s, p) in enumerate(zip(self.captured.params, params))]
 
     def run(self, params: list, buffers: list, inputs: list, replicas=None, pending=None):
@@ -202,6 +205,124 @@ class Program:
                   for c in self.captured.out_consts]
         return tree_unflatten(leaves, self.captured.out_spec)
 
+    # --- instrumented runs (autoshard.check) --------------------------------------------------
+
+    def run_instrumented(self, params: dict, buffers: dict, inputs: list, tangents: dict,
+                         on_node: Callable, *, graphs: str = "compiled",
+                         replicas: Optional[dict] = None,
+                         pending: Optional[dict] = None) -> "Traced":
+        """Run the step once more, node by node, handing ``on_node(graph, node, value)`` each
+        node's value as soon as it is computed (later in-place writes and frees do not change
+        what it got; placeholders and outputs are not handed): ``graph`` is "joint", "fwd" or
+        "bwd". Each node runs in the grad mode the executor runs it in, with autocast off as
+        the graphs hold its casts. The arguments are copied first and never written, and no
+        gradient is accumulated. Every rank runs it together: the graphs hold collectives.
+
+        graphs: "compiled" runs the forward graph, then the backward graph on the values
+            the forward saved, as fx runs them (also for a program inductor compiled);
+            "joint" runs the joint graph as captured, before any pass.
+        params: FQN -> the DTensor parameter ("compiled"), or its full value ("joint").
+        buffers: FQN -> the buffer's value; inputs: the call's flat input tensors, as
+            ``run`` takes them.
+        tangents: index among the forward's tensor outputs -> the gradient of the loss with
+            respect to that output, for every output that gets one (``diff_outputs``).
+        replicas, pending: as ``run`` takes them (only "compiled" reads them).
+        Returns a ``Traced``: the outputs and gradients by meaning, not by position."""
+        bufs = [buffers[f].detach().clone() for f in self.captured.buffer_fqns]
+        ins = [x.detach().clone() for x in inputs]
+        tans = [tangents[i].detach().contiguous() for i in self.diff]
+        with self.no_autocast():
+            if graphs == "joint":
+                return self._run_joint(params, bufs, ins, tans, on_node)
+            if graphs != "compiled":
+                raise ValueError(f"graphs is 'compiled' or 'joint', not {graphs!r}")
+            return self._run_compiled(params, bufs, ins, tans, on_node, replicas or {},
+                                      pending or {})
+
+    def _run_joint(self, params: dict, bufs: list, ins: list, tans: list, on_node) -> "Traced":
+        cap = self.captured
+        if cap.pristine is None:
+            raise ValueError("this program keeps no joint graph as captured")
+        full = [params[p.fqn].detach().clone() for p in cap.params]
+        # the joint graph's forward was traced in the step's grad mode, its backward (inside
+        # autograd.grad) with grad off
+        grad = cap.grad_enabled
+        outs = _interpret(cap.pristine, full + bufs + ins + tans,
+                          lambda n: grad and meta.is_forward(n),
+                          lambda n, v: on_node("joint", n, v))
+        traced = Traced(params=list(cap.params))
+        nodes = meta.output_node(cap.pristine).args[0]
+        for node, role, val in zip(nodes, meta.output_roles(cap.pristine), outs):
+            if role[meta.ROLE] == meta.OUT_FWD:
+                traced.outputs.append((node, val))
+            elif role[meta.ROLE] == meta.OUT_GRAD:
+                traced.grads[role[meta.FQN]] = (node, val)
+        return traced
+
+    def _run_compiled(self, params: dict, bufs: list, ins: list, tans: list, on_node,
+                      replicas: dict, pending: dict) -> "Traced":
+        fed = [t.detach().clone() for t in self.feed([params[f] for f in self.fqns], replicas)]
+        fwd_mode, bwd_mode = self.captured.grad_enabled, self.bwd_grad_enabled
+        fouts = _interpret(self.split.fwd, fed + bufs + ins, lambda n: fwd_mode,
+                           lambda n, v: on_node("fwd", n, v))
+        traced = Traced(params=list(self.captured.params))
+        nodes = meta.output_node(self.split.fwd).args[0]
+        traced.outputs = list(zip(nodes[: self.n_user], fouts[: self.n_user]))
+        if self.split.bwd is None:
+            return traced
+        saved = fouts[self.n_user + len(self.mutated):]
+        del fouts
+        accs = [pending[f].clone() for f in self.split.acc_fqns]
+        bouts = _interpret(self.split.bwd, saved + tans + accs, lambda n: bwd_mode,
+                           lambda n, v: on_node("bwd", n, v))
+        nodes = meta.output_node(self.split.bwd).args[0]
+        for (kind, i), node, g in zip(self.grad_slots, nodes, bouts):
+            if kind != "param":
+                continue
+            f, rows = self.fqns[i], self.local_rows[i]
+            traced.grads[f] = (node, g if rows is None else g[:rows])
+            if self.local_ranges[i] is not None:
+                traced.rows[f] = self.local_ranges[i]
+        return traced
+
+
+@dataclasses.dataclass
+class Traced:
+    """What ``Program.run_instrumented`` computed, by meaning rather than by position.
+
+    outputs: (output node, value) per forward output the caller gets, in order.
+    grads: FQN -> (output node, value) per parameter gradient the backward computed: the
+        full gradient from the joint graph; this rank's rows of it from the compiled graphs.
+    rows: FQN -> (start, stop), the rows of the full gradient that ``grads`` holds, for the
+        compiled graphs' gradients sharded by rows (any other holds every row).
+    params: each parameter's ``ParamSpec``, in capture order.
+    """
+
+    params: list
+    outputs: list = dataclasses.field(default_factory=list)
+    grads: dict = dataclasses.field(default_factory=dict)
+    rows: dict = dataclasses.field(default_factory=dict)
+
+
+class _Instrumented(fx.Interpreter):
+    """Runs a graph on real tensors, each node in the grad mode ``grad_mode(node)``, and hands
+    each computed value to ``on_value(node, value)`` before anything else can touch it."""
+
+    def __init__(self, gm: fx.GraphModule, grad_mode: Callable, on_value: Callable):
+        super().__init__(gm, garbage_collect_values=True)
+        self.grad_mode, self.on_value = grad_mode, on_value
+
+    def run_node(self, n: fx.Node):
+        with torch.set_grad_enabled(self.grad_mode(n)):
+            out = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            self.on_value(n, out)
+        return out
+
+
+def _interpret(gm: fx.GraphModule, args: list, grad_mode: Callable, on_value: Callable) -> list:
+    return list(_Instrumented(gm, grad_mode, on_value).run(*args, enable_io_processing=False))
+
 
 def _failing_node(gm, exc):
     """The collective node of ``gm`` (a GraphModule or a ``CompiledGraph``) whose line of
@@ -232,12 +353,10 @@ def _detached(tensors) -> list:
 
 
 def _accumulate(param, grad_local: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
-
     if param.grad is None:
-        param.grad = DTensor(grad_local, param._spec, requires_grad=False)
+        param.grad = _compat.dtensor_like(param, grad_local)
     else:
-        param.grad._local_tensor.add_(grad_local)
+        _compat.local_tensor(param.grad).add_(grad_local)
 
 
 class _Step(torch.autograd.Function):

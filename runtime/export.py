@@ -44,9 +44,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils import _pytree as pytree
+from autoshard._compat import pytree
 
-from autoshard import meta
+from autoshard import meta, progress
 from autoshard.capture import TENSOR, Captured, _class_name
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
@@ -319,14 +319,15 @@ def _add_inference_programs(model) -> None:
     """For each training signature, compile the same call in eval mode without gradients
     (the graph an inference-only load runs), unless it is compiled already."""
     st = model._autoshard
-    if st.orig_forward is None:
+    if st.is_loaded():
         return  # loaded from an export: it holds what it holds
+    _, device, _ = st.placement()
     training = model.training
     try:
-        for key, prog in list(st.programs.items()):
+        for key, prog in st.compiled_programs().items():
             if not (key[2] and key[3]):
                 continue
-            args, kwargs = _example(prog, st.device)
+            args, kwargs = _example(prog, device)
             model.eval()
             with torch.no_grad():
                 model.compile(*args, **kwargs)
@@ -347,43 +348,49 @@ def export(model, path, *, inference: bool = True) -> None:
     import torch.distributed.checkpoint as dcp
 
     st = model._autoshard
+    mesh, device, config = st.placement()
+    ranks = st.ranks()
     path = os.path.abspath(os.fspath(path))
-    if st.mesh.ndim != 1 or st.config.strategy not in ("zero3", "zero2"):
+    if mesh.ndim != 1 or config.strategy not in ("zero3", "zero2"):
         raise ValueError(
             f"export holds programs of the 'zero3' and 'zero2' strategies on a 1-D mesh; this "
-            f"model runs strategy {st.config.strategy!r} on a {st.mesh.ndim}-D mesh. Shard a "
+            f"model runs strategy {config.strategy!r} on a {mesh.ndim}-D mesh. Shard a "
             "copy with autoshard(model, mesh=<1-D mesh>, config=Config(strategy='zero3')) "
             "(load_state_dict moves the values) and export that")
-    if not st.programs and st.exported is None:
+    if not st.compiled_programs() and not st.is_loaded():
         raise AutoshardError(
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
     found = commit.state(path, MANIFEST, ("checkpoint.json",))
-    st.agreement("export", f"to {path}: {found}",
-                 explain=lambda seen: commit.differ("export", seen))
+    ranks("export", f"to {path}: {found}", explain=lambda seen: commit.differ("export", seen))
     if found not in ("free", "complete", "interrupted"):
         raise AutoshardError(f"cannot export to {path}: it is {found}, not an export; choose "
                              "a new path or remove it first")
     if inference:
         _add_inference_programs(model)
     programs = [_program_files(key, prog) for key, prog in _programs(model).items()]
-    model_doc = _model_doc(model, st.config)
-    rank0 = st.agreement.rank == 0
+    model_doc = _model_doc(model, config)
+    rank0 = ranks.rank == 0
 
     def write_data(folder):
-        dcp.save({"tensors": _tensors(model)}, process_group=st.agreement.group,
-                 checkpoint_id=os.path.join(folder, CHECKPOINT))
-        if rank0:
-            entries.extend(_write_program(os.path.join(folder, "programs", str(k)), files)
-                           for k, files in enumerate(programs))
-            _write_json(os.path.join(folder, "model.json"), model_doc)
+        with progress.phase("writing the export", total=1 + len(programs) * rank0,
+                            unit="parts") as p:
+            dcp.save({"tensors": _tensors(model)}, process_group=ranks.group,
+                     checkpoint_id=os.path.join(folder, CHECKPOINT))
+            p.step(note="the programs")
+            if rank0:
+                for k, files in enumerate(programs):
+                    entries.append(_write_program(os.path.join(folder, "programs", str(k)),
+                                                  files))
+                    p.step()
+                _write_json(os.path.join(folder, "model.json"), model_doc)
 
     def document(folder):
         data = os.path.basename(folder)
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
-            "autoshard": commit.version(), "world_size": st.mesh.size(),
-            "device": st.device.type, "model": _class_name(model),
+            "autoshard": commit.version(), "world_size": mesh.size(),
+            "device": device.type, "model": _class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
             "files": {f"{data}/{rel}": _file_entry(os.path.join(folder, rel))
                       for rel in _files(folder)}}
@@ -391,7 +398,7 @@ def export(model, path, *, inference: bool = True) -> None:
         return manifest
 
     entries: list = []
-    commit.write(path, "export", MANIFEST, st.agreement, write_data, document,
+    commit.write(path, "export", MANIFEST, ranks, write_data, document,
                  other_markers=("checkpoint.json",))
 
 
@@ -406,10 +413,7 @@ def _tensors(model) -> dict:
 def _programs(model) -> dict:
     """Every program of the module by repr(signature): those compiled, and for a module
     loaded from an export, the stored ones not called yet."""
-    st, out = model._autoshard, {}
-    if st.exported is not None:
-        out = {key: st.exported.program(key, model) for key in st.exported.entries}
-    out.update((repr(key), prog) for key, prog in st.programs.items())
+    out = model._autoshard.every_program(model)
     for prog in out.values():
         lifted = getattr(prog.captured, "lifted", None)
         if lifted:  # fed from the module's attribute on each call: an export has no module
@@ -595,13 +599,13 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     _check_backend(mesh, path)
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
-    st.agreement("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
+    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
     _read_state(model, os.path.join(data, CHECKPOINT), manifest["version"], path)
 
-    same = (mesh.size() == manifest["world_size"] and st.device.type == manifest["device"]
+    same = (mesh.size() == manifest["world_size"]
+            and st.placement()[1].type == manifest["device"]
             and cfg.to_dict() == stored.to_dict())
-    st.orig_forward = None
-    st.exported = Loaded(path, entries, same, inference)
+    st.mark_loaded(Loaded(path, entries, same, inference))
     if inference:
         model.eval()
     return model
@@ -614,17 +618,17 @@ def _read_state(model, folder: str, version: int, path: str) -> None:
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          set_model_state_dict)
 
-    st = model._autoshard
+    ranks = model._autoshard.ranks()
     if version == 1:
         loose = set(model.state_dict())
         state = {"model": get_model_state_dict(model),
                  "buffers": {f: b for f, b in model.named_buffers() if f not in loose}}
     else:
         state = {"tensors": _tensors(model)}
-    outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
-                                              process_group=st.agreement.group),
-                             st.agreement.rank)
-    commit.settle(st.agreement, outcome, f"load of the export {path}", "nothing was built")
+    with progress.phase("loading the export's checkpoint"):
+        outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
+                                                  process_group=ranks.group), ranks.rank)
+    commit.settle(ranks, outcome, f"load of the export {path}", "nothing was built")
     if version == 1:
         set_model_state_dict(model, state["model"])
 
@@ -649,23 +653,21 @@ def _check_backend(mesh, path: str) -> None:
 
 
 def _load_program(folder: str, model, st, same: bool):
-    from autoshard.api import _program
-    from autoshard.compiler import plan_captured
     from autoshard.passes.split import SplitProgram
     from autoshard.plans import Plan
     from autoshard.runtime import dist as _dist
-    from autoshard.runtime.executor import Program
 
     doc = _read_json(os.path.join(folder, "program.json"))
     constants = torch.load(os.path.join(folder, "constants.pt"), weights_only=True)
-    group = _dist.group_name(st.mesh)
+    mesh, device, config = st.placement()
+    group = _dist.group_name(mesh)
 
     def graph(name, **kw):
         return graphio.load_graph(_read_json(os.path.join(folder, f"{name}.json")),
                                   constants[name], **kw)
 
     cdoc = doc["captured"]
-    joint = graph("joint", device=st.device)
+    joint = graph("joint", device=device)
     if same:
         params = [_spec(p) for p in cdoc["params"]]
         cap = _captured(cdoc, params, joint)
@@ -675,22 +677,15 @@ def _load_program(folder: str, model, st, same: bool):
             bwd=graph("backward", group_name=group) if "backward" in constants else None,
             fwd_roles=s["fwd_roles"], bwd_roles=s["bwd_roles"], saved=s["saved"],
             n_tangents=s["n_tangents"])
-        plan = Plan.from_json(json.dumps(doc["plan"]))
-        prog = Program(cap, split, plan, st.mesh.size(), st.mesh.get_local_rank(),
-                       st.device.type, agreement=st.agreement,
-                       compiled=st.config.compile)
+        prog = st.program_of(cap, split, Plan.from_json(json.dumps(doc["plan"])))
     else:
         from autoshard.config import offloads
 
-        fraction = offloads(st.config)
-        host = hosted([(p["fqn"], p["shape"]) for p in cdoc["params"]], fraction)
-        params = [_spec(p, mesh_shape=(st.mesh.size(),),
+        host = hosted([(p["fqn"], p["shape"]) for p in cdoc["params"]], offloads(config))
+        params = [_spec(p, mesh_shape=(mesh.size(),),
                         device="host" if p["fqn"] in host else "device")
                   for p in cdoc["params"]]
-        cap = _captured(cdoc, params, joint)
-        ctx, plan = plan_captured(cap, model, group_name=group, device=st.device,
-                                  config=st.config, aliases=st.aliases)
-        prog = _program(st, cap, ctx, plan)
+        prog = st.plan_program(_captured(cdoc, params, joint), model)
     prog.described = (doc["call"], doc["training"], doc["grad"])
     return prog
 

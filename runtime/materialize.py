@@ -13,10 +13,10 @@ import weakref
 from typing import Callable, Optional
 
 import torch
-import torch.utils._pytree as _pytree
+from autoshard._compat import pytree as _pytree
 import torch.utils.weak as weakref_utils
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_map_only
+from autoshard._compat import tree_map_only
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from autoshard._compat import torch_check
+
 _lib = torch.library.Library("autoshard", "DEF")
 _lib.define("free(Tensor(a!)[] tensors) -> ()")
 
@@ -87,39 +89,39 @@ def _check_grouped_strides(name: str, t: torch.Tensor) -> None:
         ok = s0 % align == 0
     else:
         ok = False
-    torch._check(ok, lambda: f"grouped_mm: {name} needs one of its last two dimensions "
-                 f"contiguous and the other's stride a multiple of 16 bytes; got strides "
-                 f"{tuple(t.stride())} for sizes {tuple(t.shape)}")
+    torch_check(ok, lambda: f"grouped_mm: {name} needs one of its last two dimensions "
+                f"contiguous and the other's stride a multiple of 16 bytes; got strides "
+                f"{tuple(t.stride())} for sizes {tuple(t.shape)}")
 
 
 def _grouped_mm_fake(self, mat2, offs=None, bias=None, out_dtype=None):
     a, b = self, mat2
-    torch._check(a.dtype == b.dtype and a.is_floating_point(),
-                 lambda: f"grouped_mm: operands must share a floating dtype, got {a.dtype} "
-                 f"and {b.dtype}")
-    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3),
-                 lambda: f"grouped_mm: operands must be 2-D or 3-D, got {a.dim()}-D and "
-                 f"{b.dim()}-D")
-    torch._check(bias is None, lambda: "grouped_mm: bias is not supported")
-    torch._check(a.shape[-1] == b.shape[-2] if (a.dim(), b.dim()) != (2, 2)
-                 else a.shape[1] == b.shape[0],
-                 lambda: "grouped_mm: contraction dimensions of the operands differ")
+    torch_check(a.dtype == b.dtype and a.is_floating_point(),
+                lambda: f"grouped_mm: operands must share a floating dtype, got {a.dtype} "
+                f"and {b.dtype}")
+    torch_check(a.dim() in (2, 3) and b.dim() in (2, 3),
+                lambda: f"grouped_mm: operands must be 2-D or 3-D, got {a.dim()}-D and "
+                f"{b.dim()}-D")
+    torch_check(bias is None, lambda: "grouped_mm: bias is not supported")
+    torch_check(a.shape[-1] == b.shape[-2] if (a.dim(), b.dim()) != (2, 2)
+                else a.shape[1] == b.shape[0],
+                lambda: "grouped_mm: contraction dimensions of the operands differ")
     _check_grouped_strides("self", a)
     _check_grouped_strides("mat2", b)
     if a.dim() == 3 and b.dim() == 3:
-        torch._check(offs is None, lambda: "grouped_mm: 3-D x 3-D takes no offsets")
-        torch._check(a.shape[0] == b.shape[0], lambda: "grouped_mm: batch sizes differ")
+        torch_check(offs is None, lambda: "grouped_mm: 3-D x 3-D takes no offsets")
+        torch_check(a.shape[0] == b.shape[0], lambda: "grouped_mm: batch sizes differ")
         shape = (a.shape[0], a.shape[1], b.shape[2])
     else:
-        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
-                     lambda: "grouped_mm: 2-D operands need 1-D int32 offsets")
+        torch_check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+                    lambda: "grouped_mm: 2-D operands need 1-D int32 offsets")
         if a.dim() == 2 and b.dim() == 2:
             shape = (offs.shape[0], a.shape[0], b.shape[1])
         elif a.dim() == 2:
-            torch._check(offs.shape[0] == b.shape[0], lambda: "grouped_mm: group counts differ")
+            torch_check(offs.shape[0] == b.shape[0], lambda: "grouped_mm: group counts differ")
             shape = (a.shape[0], b.shape[2])
         else:
-            torch._check(offs.shape[0] == a.shape[0], lambda: "grouped_mm: group counts differ")
+            torch_check(offs.shape[0] == a.shape[0], lambda: "grouped_mm: group counts differ")
             shape = (a.shape[1], b.shape[1])
     dtype = out_dtype or a.dtype
     if torch.version.hip:

@@ -19,12 +19,23 @@ The pre-hook refuses an optimizer holding a parameter ``autoshard()`` replaced (
 before the call, from the model's old parameters, which nothing reads any more): its first
 step raises ``AutoshardError`` naming the parameter. Each optimizer is looked through once,
 and again only when its param groups change, so a step pays a dictionary look-up.
+
+The two hooks are torch's process-wide optimizer hooks (no other way sees an optimizer built
+before ``autoshard()``). They are registered when the first sharded module is made and
+removed when the last one is freed (``hold``), so a process with no sharded module left runs
+no autoshard code in any optimizer step. The off switch: the environment variable
+``AUTOSHARD_OPTIMIZER_HOOKS=0`` (or ``enable_hooks(False)``) registers none and removes any
+in place. Without them, steps keep the per-parameter loop on CPU, an optimizer built before
+``autoshard()`` is not refused, and since optimizer steps are no longer noted, a ZeRO-1
+replica is gathered again before every call (correct, one all-gather per unit a call).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
+from typing import Optional
 
 import torch
 from torch.optim.optimizer import (
@@ -45,15 +56,70 @@ _REPLACED = "_autoshard_replaced"  # on a parameter autoshard() replaced: where 
 _updates = itertools.count(1)
 _checked = weakref.WeakKeyDictionary()  # optimizer -> its param groups when last looked at
 _switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
-_hooks = []
+_hooks = []  # the handles of the hooks in place
+_live = 0  # sharded modules' states not yet freed
+_enabled: Optional[bool] = None  # None: read AUTOSHARD_OPTIMIZER_HOOKS
+ENV = "AUTOSHARD_OPTIMIZER_HOOKS"
+
+
+def hooks_enabled() -> bool:
+    """Whether the optimizer hooks may be in place: ``enable_hooks``'s setting, else the
+    environment variable ``AUTOSHARD_OPTIMIZER_HOOKS`` (on unless 0, off, false or no)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def enable_hooks(on: bool = True) -> None:
+    """Allow the optimizer hooks (``True``, registered while any sharded module is alive) or
+    not (``False``: removed now), overriding ``AUTOSHARD_OPTIMIZER_HOOKS``."""
+    global _enabled
+    _enabled = bool(on)
+    _sync_hooks()
+
+
+def hooks_installed() -> bool:
+    """Whether the optimizer hooks are registered now."""
+    return bool(_hooks)
+
+
+def _sync_hooks() -> None:
+    """Register the hooks when they are allowed and a sharded module is alive; remove them
+    otherwise."""
+    want = _live > 0 and hooks_enabled()
+    if want and not _hooks:
+        _hooks.extend((register_optimizer_step_pre_hook(_pre),
+                       register_optimizer_step_post_hook(_post)))
+    elif not want:
+        while _hooks:
+            _hooks.pop().remove()
+
+
+def _freed() -> None:
+    global _live
+    _live -= 1
+    if _live == 0:
+        _sync_hooks()
+
+
+def hold(owner) -> None:
+    """Have the hooks in place (if enabled) while ``owner``, a sharded module's state, lives.
+    (Not the parameters: a weak reference to one would stop ``swap_tensors`` from replacing
+    it, as ``module.double()`` does.)"""
+    global _live
+    _live += 1
+    weakref.finalize(owner, _freed).atexit = False
+    _sync_hooks()
 
 
 def mark(param: torch.nn.Parameter) -> None:
-    """Note ``param`` as one of autoshard's parameters and make sure the hooks are in place."""
+    """Note ``param`` as one of autoshard's parameters."""
     setattr(param, _MARK, True)
-    if not _hooks:
-        _hooks.extend((register_optimizer_step_pre_hook(_pre),
-                       register_optimizer_step_post_hook(_post)))
+
+
+def is_marked(param) -> bool:
+    """Whether ``param`` is one of autoshard's parameters (``mark``)."""
+    return getattr(param, _MARK, False)
 
 
 def mark_replaced(old: torch.nn.Parameter, where: str) -> None:
@@ -88,7 +154,7 @@ def _check_replaced(optimizer) -> None:
 def _eligible(group: dict) -> bool:
     return (group.get("foreach", False) is None and not group.get("fused")
             and not group.get("differentiable") and not isinstance(group.get("lr"), torch.Tensor)
-            and any(getattr(p, _MARK, False) and p.device.type == "cpu"
+            and any(is_marked(p) and p.device.type == "cpu"
                     for p in group["params"]))
 
 
@@ -107,7 +173,7 @@ def _post(optimizer, args, kwargs) -> None:
     for i in _switched.pop(optimizer, ()):
         optimizer.param_groups[i]["foreach"] = None
     note_update([p for g in optimizer.param_groups for p in g["params"]
-                 if getattr(p, _MARK, False)])
+                 if is_marked(p)])
 
 
 def note_update(params) -> None:
@@ -122,5 +188,9 @@ def note_update(params) -> None:
 
 
 def updated(param) -> int:
-    """The number of ``param``'s last noted update (0: none since it was made)."""
+    """The number of ``param``'s last noted update (0: none since it was made). With the
+    hooks off no optimizer step is noted: a new number on every call, so that whatever is
+    derived from the parameter is taken as stale and gathered again."""
+    if not _hooks:
+        return next(_updates)
     return getattr(param, _UPDATED, 0)

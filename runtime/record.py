@@ -13,7 +13,6 @@ import dataclasses
 import time
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _compat
 from autoshard.cost import tensor_bytes
@@ -78,7 +77,7 @@ class Recording:
             json.dump({"traceEvents": ev}, f)
 
 
-class _CommLog(TorchDispatchMode):
+class _CommLog(_compat.TorchDispatchMode):
     def __init__(self, rec: Recording):
         super().__init__()
         self.events, self.collectives, self.pending = rec.events, rec.collectives, {}

@@ -7,6 +7,7 @@ import weakref
 
 import torch
 
+from autoshard import _compat
 from autoshard.runtime import optim
 
 
@@ -46,7 +47,7 @@ def _stamp(param) -> tuple:
     ``to_local()``), the DTensor's own version (in-place ops on the parameter, which do not
     advance the local tensor's), and its last noted update (an optimizer step, whose
     foreach ops advance neither version; ``runtime.optim.note_update``)."""
-    local = param._local_tensor
+    local = _compat.local_tensor(param)
     return weakref.ref(local), local._version, param._version, optim.updated(param)
 
 
@@ -56,7 +57,7 @@ def _written(entry, param) -> bool:
         return True
     ref, *versions = entry[1]
     now = _stamp(param)
-    return ref() is not param._local_tensor or versions != list(now[1:])
+    return ref() is not _compat.local_tensor(param) or versions != list(now[1:])
 
 
 def _gather_replicas(replicas: dict, prog, params, idx, dtype, group) -> None:
@@ -65,7 +66,7 @@ def _gather_replicas(replicas: dict, prog, params, idx, dtype, group) -> None:
     funcol = torch.ops._c10d_functional
     specs = prog.captured.params
     with torch.no_grad():
-        flat = torch.cat([prog.pad(i, params[i]._local_tensor).reshape(-1).to(dtype)
+        flat = torch.cat([prog.pad(i, _compat.local_tensor(params[i])).reshape(-1).to(dtype)
                           for i in idx])
         n = specs[idx[0]].shards
         buf = torch.empty(n * flat.numel(), dtype=dtype, device=flat.device)
