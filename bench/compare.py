@@ -340,16 +340,21 @@ def run(args) -> list:
     return spawn(_rank, args)
 
 
+def parser(prog: str, model: str, **shape) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options every one takes: ``--model`` (of
+    ``MODELS``) and, for each of ``shape``'s names (world_size, batch, seq, steps, reps), that
+    option with the value as its default."""
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{prog}")
+    ap.add_argument("--model", default=model, choices=list(MODELS))
+    for name, default in shape.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    return ap
+
+
 def main(argv=None):
     from tabulate import tabulate
 
-    ap = argparse.ArgumentParser(prog="python -m bench.compare")
-    ap.add_argument("--model", default="gpt-small", choices=list(MODELS))
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=8, help="per rank")
-    ap.add_argument("--seq", type=int, default=64)
+    ap = parser("compare", "gpt-small", world_size=2, steps=20, reps=5, batch=8, seq=64)
     ap.add_argument("--systems", default="autoshard,fsdp2,ddp",
                     help="comma list; autoshard:VARIANT for " + ", ".join(VARIANTS))
     ap.add_argument("--trace", default=None,

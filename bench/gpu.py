@@ -23,7 +23,6 @@ against eager; their communication and its overlap need two or more devices.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -32,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench.compare import MODELS, _blocks, _peak, _step, _to, batch_for
+from bench.compare import MODELS, _blocks, _peak, _step, _to, batch_for, parser
 
 MiB = 2**20
 
@@ -126,13 +125,7 @@ def _fake_rank(_, args, device_type, out):
 def main(argv=None):
     from tabulate import tabulate
 
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu")
-    ap.add_argument("--model", default="hf-llama-wide", choices=list(MODELS))
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--fake-world", type=int, default=8)
+    ap = parser("gpu", "hf-llama-wide", batch=8, seq=64, steps=20, reps=5, fake_world=8)
     ap.add_argument("--trace", default=None)
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -33,7 +33,6 @@ rank; seq 64, fp32, AdamW lr 1e-3):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.config import parse_bytes
-from bench.compare import (MODELS, _blocks, _build, _peak, _step, _to, batch_for,
+from bench.compare import (MODELS, _blocks, _build, _peak, _step, _to, batch_for, parser,
                            init_rank, spawn)
 
 SYSTEMS = ("autoshard", "fsdp2", "fsdp2-ac", "ddp")
@@ -210,10 +209,7 @@ def _rank(rank, world, args, store, out_path):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.membound")
-    ap.add_argument("--model", default="hf-llama-wide", choices=list(MODELS))
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
+    ap = parser("membound", "hf-llama-wide", world_size=2, seq=64)
     ap.add_argument("--budget", default=None,
                     help="per-rank memory budget, e.g. 40MiB (default: --fraction of DDP's "
                          "peak at --ref-batch)")

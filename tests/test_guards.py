@@ -205,10 +205,14 @@ def test_print_in_forward_warns_that_it_ran_at_capture_only():
         sharded(torch.randn(2, 4))
 
 
+def _watched():
+    """A pair of models (eager, sharded), an input, and a record per model of what its hooks
+    saw."""
+    return (*_pair(), torch.randn(3, 8), {"ref": [], "sharded": []})
+
+
 def test_forward_hooks_run_on_every_call_with_real_tensors():
-    ref, sharded = _pair()
-    x = torch.randn(3, 8)
-    seen = {"ref": [], "sharded": []}
+    ref, sharded, x, seen = _watched()
 
     def watcher(tag):
         def hook(mod, args, out):
@@ -253,9 +257,7 @@ def test_a_hook_that_changes_the_output_is_traced_and_trains_as_in_eager():
 
 
 def test_module_backward_hooks_run_on_every_backward_with_real_gradients():
-    ref, sharded = _pair()
-    x = torch.randn(3, 8)
-    seen = {"ref": [], "sharded": []}
+    ref, sharded, x, seen = _watched()
 
     def watcher(tag):
         def full(mod, grad_input, grad_output):
