@@ -166,7 +166,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
     whole (DDP); a spec on the "host" keeps the shard in host memory, pinned when the device
     is a GPU and ``pin_memory``, and marks it ``ON_HOST``.
     """
-    rank = mesh.get_local_rank(mesh.ndim - 1)
+    last = mesh.get_local_rank(mesh.ndim - 1)
     slots = _slots(model)
     if specs is None:
         specs = param_specs(model, mesh_shape=tuple(mesh.shape))
@@ -178,7 +178,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
         lay = specs[slot.fqn].layout
         if not lay.sharded:
             return full.detach()
-        a, b = lay.local_range(rank)
+        a, b = lay.local_range(_index(specs[slot.fqn], last))
         if a == 0 and b == full.shape[0] and full.is_contiguous():
             return full.detach()
         return full.detach()[a:b].clone(memory_format=torch.contiguous_format)
@@ -196,7 +196,8 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
     for sid, slot in slots.items():
         t = slot.tensor
         if slot.is_param:
-            params[sid] = _shard(slot, values.get(sid), specs[slot.fqn], mesh, rank, device,
+            spec = specs[slot.fqn]
+            params[sid] = _shard(slot, values.get(sid), spec, mesh, _index(spec, last), device,
                                  pin_memory)
         elif sid in values:
             buffers[sid] = values[sid]
@@ -204,6 +205,12 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
             buffers[sid] = t.to(device)
     names = {sid: slot.fqn for sid, slot in slots.items() if slot.is_param}
     return StagedShards(model, params, buffers, flags, names)
+
+
+def _index(spec, last: int) -> int:
+    """Which of ``spec``'s row blocks this rank holds: its rank along the mesh's last
+    dimension, which a sharded parameter is split over; 0 for one stored whole (DDP)."""
+    return last if spec.shards > 1 else 0
 
 
 def _shard(slot: _Slot, value, spec, mesh, rank: int, device: torch.device,
