@@ -185,12 +185,15 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options):
     earlier plan stored in host memory, kept as the specs say; None: searched), ``verify``.
     Guarantees: the context returned is the chosen candidate's (units, split program,
     parameter descriptions with the strategy's placement), its ``prediction`` the
-    Prediction, its ``plan`` the finished Plan: every candidate tried, the entries after the optimizer
-    step, and ``plan.unfit`` saying why when nothing fits (the plan with the least peak is
-    chosen then). Does nothing else to ``gm``.
+    Prediction, its ``plan`` the finished Plan: every candidate tried, the entries after
+    the optimizer step, and ``plan.unfit`` saying why when nothing fits (the plan with the
+    least peak is chosen then). Shows progress (``autoshard.progress``) per candidate.
+    Does nothing else to ``gm``.
     """
-    with _Garbage() as garbage:
-        return Planner(gm, ctx, options, garbage).run()
+    from autoshard import progress
+
+    with _Garbage() as garbage, progress.phase("planning", unit="candidates") as bar:
+        return Planner(gm, ctx, options, garbage, bar).run()
 
 
 class Planner:
@@ -198,8 +201,9 @@ class Planner:
     "auto") a ``_Search`` over placements, recomputation, units and resharding; the fastest
     plan that fits wins, else the one with the least peak."""
 
-    def __init__(self, gm, ctx, options: dict, garbage):
+    def __init__(self, gm, ctx, options: dict, garbage, bar):
         self.gm, self.ctx, self.options, self.garbage = gm, ctx, options, garbage
+        self.bar = bar  # autoshard.progress: one step per candidate lowered
         self.config = options["config"]
 
     def run(self):
@@ -238,7 +242,7 @@ class Planner:
         ctx = dataclasses.replace(ctx, reshard_after_forward=(
             False if strategy == "zero2" else "auto" if setting == "search" else setting))
         best, candidates = _Search(self.gm, ctx, self.options, self.garbage, strategy,
-                                   setting).run()
+                                   setting, self.bar).run()
         out, split = run_passes(best.gm, best.ctx, [(split_pass, {})],
                                 verify_each=self.options.get("verify", False))
         best = dataclasses.replace(best, ctx=split)
@@ -278,8 +282,8 @@ class _Search:
     ``setting``: the strategy's ``reshard_after_forward`` ("search" tries keeping every unit
     gathered too)."""
 
-    def __init__(self, gm, ctx, options, garbage, strategy: str, setting):
-        self.gm, self.ctx, self.options, self.garbage = gm, ctx, options, garbage
+    def __init__(self, gm, ctx, options, garbage, strategy: str, setting, bar):
+        self.gm, self.ctx, self.options, self.garbage, self.bar = gm, ctx, options, garbage, bar
         self.config, self.strategy, self.setting = options["config"], strategy, setting
         self.candidates: list = []  # every candidate tried or ruled out, as the plan shows it
         self.best: Optional[Lowered] = None
@@ -350,6 +354,8 @@ class _Search:
         if self.best is None or self._better(low, self.best):
             self.best, self.best_row = low, row
         self.garbage.candidate_done()
+        self.bar.step(note=f"{low.candidate.strategy}, {row['recompute']} recomputation, "
+                           f"{row['units']} units, best {self.best.prediction.total * 1e3:.1f} ms")
 
     def best_fits(self) -> bool:
         return self.best is not None and self.best.prediction.peak_bytes <= self.ctx.memory_budget
