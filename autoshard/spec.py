@@ -109,6 +109,33 @@ class ParamSpec:
                              f"{self.device!r}")
         self.layout = ShardLayout(self.shape, self.shards)
 
+    def to_dict(self) -> dict:
+        """Every field as plain JSON data: dtypes by name (``"bfloat16"``), shapes as lists,
+        placements as ``"Shard(0)"`` or ``"Replicate()"``; ``from_dict`` reads it back into
+        an equal ParamSpec."""
+        return {f.name: _CODECS.get(f.name, (_plain, None))[0](getattr(self, f.name))
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParamSpec":
+        """The ParamSpec ``to_dict`` wrote. ValueError naming what is wrong for a field
+        missing, one it does not know, or a dtype or placement it cannot read."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a ParamSpec is read from a dict, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        who = f"ParamSpec {d.get('fqn', '?')!r}"
+        missing = [n for n in names if n not in d]
+        unknown = sorted(set(d) - set(names))
+        if missing or unknown:
+            raise ValueError(f"{who}: " + "; ".join(
+                [f"no field {', '.join(missing)}"] * bool(missing)
+                + [f"unknown field {', '.join(unknown)}"] * bool(unknown))
+                + " (write it with ParamSpec.to_dict)")
+        try:
+            return cls(**{n: _CODECS[n][1](d[n]) if n in _CODECS else d[n] for n in names})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{who}: {e.args[0] if e.args else e}") from None
+
     @property
     def shards(self) -> int:
         """How many ranks hold a distinct piece of it: the mesh dimensions it is sharded
@@ -198,6 +225,49 @@ class ParamSpec:
     def replica_bytes(self) -> int:
         """Bytes of the full copy kept between steps (``replica``), else 0."""
         return self.gathered_bytes() if self.replica else 0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise KeyError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+_PLACEMENTS = {"Shard(0)": Shard(0), "Replicate()": Replicate()}
+
+
+def _placement_name(p) -> str:
+    return "Shard(0)" if isinstance(p, Shard) else "Replicate()"
+
+
+def _placement(name: str):
+    if name not in _PLACEMENTS:
+        raise KeyError(f"placement {name!r} is not one of {sorted(_PLACEMENTS)}")
+    return _PLACEMENTS[name]
+
+
+def _plain(value):
+    """A field stored as it is: it must already be JSON data (a new field of another type
+    needs a codec of its own)."""
+    assert value is None or isinstance(value, (bool, int, float, str)), value
+    return value
+
+
+# field -> (to JSON data, from JSON data), for the fields that are not stored as they are
+_CODECS = {
+    "shape": (list, tuple),
+    "dtype": (_dtype_name, _dtype),
+    "compute_dtype": (_dtype_name, _dtype),
+    "reduce_dtype": (_dtype_name, _dtype),
+    "mesh_shape": (list, tuple),
+    "placements": (lambda ps: [_placement_name(p) for p in ps],
+                   lambda names: tuple(_placement(n) for n in names)),
+}
 
 
 def group_size(specs) -> int:

@@ -3,18 +3,20 @@
 ``sharded.export(path)`` (every rank) writes a directory::
 
     manifest.json      the format and its version, the torch and autoshard versions, the world
-                       size and device it was compiled for, each program's input signature,
-                       the data folder, the size and SHA-256 of every other file, and one hash
-                       over them all. Written last, by an atomic rename, once every rank wrote
-                       its files (``autoshard.runtime.commit``): a directory without it is an
-                       export that did not finish, and an export over an earlier one replaces
-                       it whole or not at all.
+                       size, mesh shape and device it was compiled for, each program's input
+                       signature, the data folder, the size and SHA-256 of every other file,
+                       and one hash over them all. Written last, by an atomic rename, once
+                       every rank wrote its files (``autoshard.runtime.commit``): a directory
+                       without it is an export that did not finish, and an export over an
+                       earlier one replaces it whole or not at all.
     data-<token>/      the files of this export:
       model.json       the module tree (class names, parameter and buffer names, shapes,
                        dtypes, tied names) and the Config it was planned with
       programs/K/      one per compiled input signature (K = 0, 1, ...):
         program.json   the signature, how the call's inputs and outputs map to the graphs'
-                       flat ones, each parameter's description (ParamSpec), the plan
+                       flat ones, the process group of each mesh dimension the graphs'
+                       collectives name, each parameter's description (ParamSpec.to_dict:
+                       placements, dtypes, device, replica), the plan
         joint.json     the joint forward+backward graph as captured, before any pass: it
                        holds full parameter shapes and no collective, so it is the same for
                        every world size
@@ -27,9 +29,12 @@
 
 Graph files are ``autoshard.runtime.graphio`` JSON: ops are named, never pickled, so loading
 imports nothing of the model's code. ``load(path)`` builds a module with the same names,
-parameters as DTensor shards over the new mesh, and the stored programs: at the export's
-world size and device type the stored graphs run as they are; otherwise the passes run again
-on the stored joint graphs and DCP reshards the checkpoint.
+parameters as DTensor shards over the new mesh, and the stored programs: on a mesh of the
+export's shape and device type the stored graphs run as they are, each collective moved onto
+this process's group of its mesh dimension; otherwise the passes run again on the stored joint
+graphs, each parameter placed over the new mesh by the Config's strategy, and DCP reshards the
+checkpoint. Every strategy (``ddp``, ``zero1`` with its replicas, ``zero2``, ``zero3``,
+``auto`` as it resolved) exports, on a 1-D or a 2-D ("replicate", "shard") mesh.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 from typing import Any, Optional
 
@@ -50,12 +56,15 @@ from autoshard import meta, progress
 from autoshard.capture import TENSOR, Captured, _class_name
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.spec import ParamSpec, hosted
+from autoshard.spec import ParamSpec, hosted, placements_for
 from autoshard.runtime import commit, graphio
 
 FORMAT = "autoshard-export"
-VERSION = 2  # 2: the files under a data folder the manifest names; state by module path
-READS = (1, 2)
+# 2: the files under a data folder the manifest names; state by module path. 3: every
+# strategy and 2-D meshes: each ParamSpec whole (ParamSpec.to_dict, its replica included), the
+# mesh's shape, and the process group each mesh dimension's collectives name
+VERSION = 3
+READS = (1, 2, 3)
 MANIFEST = "manifest.json"
 CHECKPOINT = "checkpoint"
 # output classes an export may name: rebuilt by importing them (a library, not the model's
@@ -143,26 +152,34 @@ def _output_class(name: str):
     return obj
 
 
-def _spec_doc(p: ParamSpec) -> dict:
-    return {"fqn": p.fqn, "shape": list(p.shape), "dtype": _dtype(p.dtype),
-            "requires_grad": p.requires_grad, "compute_dtype": _dtype(p.compute_dtype),
-            "reduce_dtype": _dtype(p.reduce_dtype), "mesh_shape": list(p.mesh_shape),
-            "placements": ["S0" if pl.is_shard() else "R" for pl in p.placements],
-            "device": p.device, "grad_divide": p.grad_divide, "force_sum": p.force_sum}
+def _spec(d: dict, version: int) -> ParamSpec:
+    """A stored parameter description: ``ParamSpec.to_dict``'s from version 3; before, the
+    fields as they were written (placements ``"S0"`` / ``"R"``, no ``replica``: those exports
+    hold only strategies without replicas; version 1 also no ``grad_divide``, ``force_sum``)."""
+    if version < 3:
+        d = dict(d, placements=["Shard(0)" if p == "S0" else "Replicate()"
+                                for p in d["placements"]])
+        d.setdefault("replica", False)
+        d.setdefault("grad_divide", None)
+        d.setdefault("force_sum", False)
+    try:
+        return ParamSpec.from_dict(d)
+    except ValueError as e:
+        raise AutoshardError(f"an exported parameter description cannot be read ({e}): the "
+                             "file was changed. Copy the export again, or export again.") from None
 
 
-def _spec(d: dict, mesh_shape=None, device=None) -> ParamSpec:
-    from torch.distributed.tensor import Replicate, Shard
-
-    same = mesh_shape is None
-    return ParamSpec(
-        d["fqn"], tuple(d["shape"]), getattr(torch, d["dtype"]), d["requires_grad"],
-        getattr(torch, d["compute_dtype"]), getattr(torch, d["reduce_dtype"]),
-        mesh_shape=tuple(d["mesh_shape"]) if same else mesh_shape,
-        placements=[Shard(0) if pl == "S0" else Replicate() for pl in d["placements"]]
-        if same else None,
-        device=d["device"] if device is None else device,
-        grad_divide=d.get("grad_divide"), force_sum=d.get("force_sum", False))
+def _respec(p: ParamSpec, mesh, config: Config, device: str) -> ParamSpec:
+    """``p`` placed over another ``mesh`` as ``config``'s strategy places it (what
+    ``param_specs`` gives the model's parameter), with its gradient's division and ``device``:
+    the description the passes plan an exported joint graph with at another mesh shape."""
+    strategy = "zero3" if config.strategy == "auto" else config.strategy
+    return dataclasses.replace(
+        p, mesh_shape=tuple(mesh.shape), device=device,
+        placements=placements_for(p.shape, mesh.ndim, strategy),
+        replica=strategy == "zero1" and p.sharded,
+        grad_divide=config.gradient_divide_factor,
+        force_sum=config.force_sum_reduction_for_comms)
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -171,7 +188,7 @@ def _dtype(d: torch.dtype) -> str:
 
 def _captured_doc(cap: Captured) -> dict:
     return {
-        "params": [_spec_doc(p) for p in cap.params],
+        "params": [p.to_dict() for p in cap.params],
         "buffers": list(cap.buffer_fqns),
         "inputs": str(cap.in_spec),
         "in_consts": [_const(c) for c in cap.in_consts],
@@ -351,12 +368,6 @@ def export(model, path, *, inference: bool = True) -> None:
     mesh, device, config = st.placement()
     ranks = st.ranks()
     path = os.path.abspath(os.fspath(path))
-    if mesh.ndim != 1 or config.strategy not in ("zero3", "zero2"):
-        raise ValueError(
-            f"export holds programs of the 'zero3' and 'zero2' strategies on a 1-D mesh; this "
-            f"model runs strategy {config.strategy!r} on a {mesh.ndim}-D mesh. Shard a "
-            "copy with autoshard(model, mesh=<1-D mesh>, config=Config(strategy='zero3')) "
-            "(load_state_dict moves the values) and export that")
     if not st.compiled_programs() and not st.is_loaded():
         raise AutoshardError(
             "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
@@ -368,7 +379,8 @@ def export(model, path, *, inference: bool = True) -> None:
                              "a new path or remove it first")
     if inference:
         _add_inference_programs(model)
-    programs = [_program_files(key, prog) for key, prog in _programs(model).items()]
+    groups = _groups(mesh)
+    programs = [_program_files(key, prog, groups) for key, prog in _programs(model).items()]
     model_doc = _model_doc(model, config)
     rank0 = ranks.rank == 0
 
@@ -390,6 +402,7 @@ def export(model, path, *, inference: bool = True) -> None:
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
             "autoshard": commit.version(), "world_size": mesh.size(),
+            "mesh_shape": list(mesh.shape),
             "device": device.type, "model": _class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
             "files": {f"{data}/{rel}": _file_entry(os.path.join(folder, rel))
@@ -427,8 +440,18 @@ def _programs(model) -> dict:
     return out
 
 
-def _program_files(key: str, prog) -> dict:
-    """A program's files as data: the graphs' documents and constants, program.json."""
+def _groups(mesh) -> list:
+    """The process group names the graphs' collectives name, one per mesh dimension."""
+    from autoshard.runtime import dist as _dist
+
+    names = _dist.group_name(mesh)
+    return [names] if isinstance(names, str) else list(names)
+
+
+def _program_files(key: str, prog, groups: list) -> dict:
+    """A program's files as data: the graphs' documents and constants, program.json
+    (``groups``: the group names of the mesh dimensions, which the graphs' collectives
+    name)."""
     cap, split = prog.captured, prog.split
     graphs = {"joint": cap.pristine, "forward": split.fwd, "backward": split.bwd}
     docs, constants = {}, {}
@@ -437,7 +460,7 @@ def _program_files(key: str, prog) -> dict:
             docs[name], constants[name] = graphio.dump_graph(gm)
     call, training, grad = prog.described
     docs["program"] = {
-        "key": key, "call": call, "training": training, "grad": grad,
+        "key": key, "call": call, "training": training, "grad": grad, "groups": groups,
         "captured": _captured_doc(cap),
         "split": {"fwd_roles": split.fwd_roles, "bwd_roles": split.bwd_roles,
                   "saved": split.saved, "n_tangents": split.n_tangents},
@@ -504,6 +527,12 @@ def read_manifest(path, *, verify: bool = True) -> dict:
         raise AutoshardError(f"{where} has no field 'data' (the folder holding the export's "
                              "files): it was changed. Copy the export again, or export again.")
     manifest.setdefault("data", "")  # version 1: the files beside the manifest
+    shape = manifest.setdefault("mesh_shape", [manifest["world_size"]])  # before 3: 1-D
+    if not (isinstance(shape, list) and shape and all(type(n) is int and n > 0 for n in shape)
+            and math.prod(shape) == manifest["world_size"]):
+        raise AutoshardError(f"{where}: field 'mesh_shape' ({shape!r}) is not a mesh of "
+                             f"{manifest['world_size']} ranks: the file was changed. Copy the "
+                             "export again, or export again.")
     for k, entry in enumerate(manifest["programs"]):
         for name, kind in _PROGRAM_FIELDS.items():
             if not isinstance(entry, dict) or not isinstance(entry.get(name), kind):
@@ -554,6 +583,7 @@ class Loaded:
     entries: dict  # repr(signature) -> the manifest's entry for its program
     same: bool  # the export's world size, device type and Config: run its graphs as stored
     inference: bool = False  # only the eval-mode programs, called without gradients
+    version: int = VERSION  # the export's format version: how its files are written
     programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
 
     @property
@@ -563,7 +593,8 @@ class Loaded:
     def program(self, key: str, model):
         if key not in self.programs and key in self.entries:
             folder = os.path.join(self.path, self.entries[key]["dir"])
-            self.programs[key] = _load_program(folder, model, model._autoshard, self.same)
+            self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
+                                               self.version)
         return self.programs.get(key)
 
 
@@ -602,10 +633,10 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
     _read_state(model, os.path.join(data, CHECKPOINT), manifest["version"], path)
 
-    same = (mesh.size() == manifest["world_size"]
+    same = (list(mesh.shape) == manifest["mesh_shape"]
             and st.placement()[1].type == manifest["device"]
             and cfg.to_dict() == stored.to_dict())
-    st.mark_loaded(Loaded(path, entries, same, inference))
+    st.mark_loaded(Loaded(path, entries, same, inference, manifest["version"]))
     if inference:
         model.eval()
     return model
@@ -652,15 +683,18 @@ def _check_backend(mesh, path: str) -> None:
             "autoshard make it.")
 
 
-def _load_program(folder: str, model, st, same: bool):
+def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
+    """The stored program in ``folder`` on ``st``'s mesh: at the export's mesh shape, device
+    type and Config (``same``) its compiled graphs, each collective on the group of its mesh
+    dimension here; otherwise its joint graph planned again for this mesh and Config."""
     from autoshard.passes.split import SplitProgram
     from autoshard.plans import Plan
-    from autoshard.runtime import dist as _dist
 
     doc = _read_json(os.path.join(folder, "program.json"))
     constants = torch.load(os.path.join(folder, "constants.pt"), weights_only=True)
     mesh, device, config = st.placement()
-    group = _dist.group_name(mesh)
+    # before version 3 the export's mesh was 1-D: every collective on its one group
+    regroup = dict(zip(doc.get("groups", [None]), _groups(mesh)))
 
     def graph(name, **kw):
         return graphio.load_graph(_read_json(os.path.join(folder, f"{name}.json")),
@@ -668,26 +702,55 @@ def _load_program(folder: str, model, st, same: bool):
 
     cdoc = doc["captured"]
     joint = graph("joint", device=device)
+    stored = [_spec(p, version) for p in cdoc["params"]]
     if same:
-        params = [_spec(p) for p in cdoc["params"]]
-        cap = _captured(cdoc, params, joint)
+        cap = _captured(cdoc, stored, joint)
         s = doc["split"]
         split = SplitProgram(
-            fwd=graph("forward", group_name=group),
-            bwd=graph("backward", group_name=group) if "backward" in constants else None,
+            fwd=_regrouped(graph("forward"), regroup, folder),
+            bwd=_regrouped(graph("backward"), regroup, folder)
+            if "backward" in constants else None,
             fwd_roles=s["fwd_roles"], bwd_roles=s["bwd_roles"], saved=s["saved"],
             n_tangents=s["n_tangents"])
         prog = st.program_of(cap, split, Plan.from_json(json.dumps(doc["plan"])))
     else:
         from autoshard.config import offloads
 
-        host = hosted([(p["fqn"], p["shape"]) for p in cdoc["params"]], offloads(config))
-        params = [_spec(p, mesh_shape=(mesh.size(),),
-                        device="host" if p["fqn"] in host else "device")
-                  for p in cdoc["params"]]
+        host = hosted([(p.fqn, p.shape) for p in stored], offloads(config))
+        params = [_respec(p, mesh, config, "host" if p.fqn in host else "device")
+                  for p in stored]
         prog = st.plan_program(_captured(cdoc, params, joint), model)
     prog.described = (doc["call"], doc["training"], doc["grad"])
     return prog
+
+
+def _regrouped(gm, regroup: dict, folder: str):
+    """``gm`` with each collective's process group replaced by this process's group of the
+    same mesh dimension (``regroup``: stored name -> name here; the key None: every one)."""
+    from autoshard._compat import OpOverload
+
+    for n in gm.graph.nodes:
+        t = n.target
+        if not (n.op == "call_function" and isinstance(t, OpOverload)
+                and t.namespace == "_c10d_functional"):
+            continue
+        names = [a.name for a in t._schema.arguments]
+        at = names.index("group_name") if "group_name" in names else None
+        if at is None:
+            continue
+        old = n.args[at] if at < len(n.args) else n.kwargs.get("group_name")
+        new = regroup.get(old, regroup.get(None))
+        if new is None:
+            raise AutoshardError(
+                f"{folder}: node {n.name} runs on process group {old!r}, which the program "
+                f"does not list ({sorted(k for k in regroup if k)}): the file was changed. "
+                "Copy the export again, or export again.")
+        if at < len(n.args):
+            n.args = n.args[:at] + (new,) + n.args[at + 1:]
+        else:
+            n.kwargs = dict(n.kwargs, group_name=new)
+    gm.recompile()
+    return gm
 
 
 # --- inspection -------------------------------------------------------------------------------
@@ -720,7 +783,8 @@ def describe(path, *, verify: bool = True) -> str:
         ("format", f"{manifest['format']} version {manifest['version']}"),
         ("written by", f"autoshard {manifest['autoshard']}, torch {manifest['torch']}"),
         ("model", manifest["model"]),
-        ("compiled for", f"{manifest['world_size']} ranks, {manifest['device']}"),
+        ("compiled for", f"{manifest['world_size']} ranks{_mesh_text(manifest)}, "
+                         f"{manifest['device']}"),
         ("programs", len(manifest["programs"])),
         ("files", f"{len(files)}, {_fmt_bytes(sum(e['bytes'] for e in files.values()))} "
                   f"({shards} checkpoint shard files)"),
@@ -732,6 +796,11 @@ def describe(path, *, verify: bool = True) -> str:
         out.append(f"\n=== program {k} ({entry['dir']}): {mode}\ncall: {entry['call']}\n")
         out.append(str(stored_plan(path, k, manifest)))
     return "\n".join(out)
+
+
+def _mesh_text(manifest: dict) -> str:
+    shape = manifest["mesh_shape"]
+    return f" ({' x '.join(map(str, shape))} mesh)" if len(shape) > 1 else ""
 
 
 def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:

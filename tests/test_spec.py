@@ -102,3 +102,60 @@ def test_offloading_a_fraction_hosts_the_last_parameters_whole():
     state = model_state_bytes(specs, optimizer_states=2)
     # the last layer's weight and bias: shards, gradient shards and two AdamW moments
     assert state["host"] == 4 * (2 * 4 + 2) * 4 and state["host_grads"] == (2 * 4 + 2) * 4
+
+
+def _every_kind_of_spec() -> list:
+    """Specs of every strategy, a 2-D mesh, mixed precision, the host, a gradient divide."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+    model.register_parameter("scale", torch.nn.Parameter(torch.tensor(1.0),
+                                                         requires_grad=False))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    specs = []
+    for strategy in ("ddp", "zero1", "zero2", "zero3", "auto"):
+        for mesh_shape in ((4,), (2, 2)):
+            specs += param_specs(model, policy if strategy != "zero2" else None,
+                                 mesh_shape=mesh_shape, offload=0.5 * (strategy == "zero3"),
+                                 strategy="zero3" if strategy == "auto" else strategy,
+                                 grad_divide=2.0 if strategy == "ddp" else None,
+                                 force_sum=strategy == "zero1")
+    specs.append(ParamSpec("half", (6, 2), torch.float16, True, reduce_dtype=torch.float32,
+                           mesh_shape=(1,), device="host", grad_divide=1))
+    return specs
+
+
+def test_a_spec_round_trips_through_json_with_every_field():
+    import dataclasses
+    import json
+
+    specs = _every_kind_of_spec()
+    # the cases the round trip covers: each kind of value in each field
+    assert {s.replica for s in specs} == {s.force_sum for s in specs} == {True, False}
+    assert {s.device for s in specs} == {"device", "host"}
+    assert {len(s.mesh_shape) for s in specs} == {1, 2} and any(not s.sharded for s in specs)
+    assert {s.compute_dtype for s in specs} == {torch.float32, torch.bfloat16, torch.float16}
+    assert {s.grad_divide for s in specs} == {None, 1, 2.0}
+    assert {s.placements for s in specs} >= {(Shard(0),), (Replicate(),),
+                                             (Replicate(), Shard(0)),
+                                             (Replicate(), Replicate())}
+    for spec in specs:
+        d = json.loads(json.dumps(spec.to_dict()))
+        assert set(d) == {f.name for f in dataclasses.fields(ParamSpec)}
+        back = ParamSpec.from_dict(d)
+        assert back == spec, (spec, back)
+        assert back.layout.local_shape == spec.layout.local_shape
+        assert back.reduction == spec.reduction and back.scaling == spec.scaling
+
+
+def test_a_spec_document_that_is_not_one_names_what_is_wrong():
+    good = ParamSpec("w", (4, 4), torch.float32, True, mesh_shape=(2,)).to_dict()
+    for change, match in [
+        (lambda d: d.pop("replica"), r"'w': no field replica"),
+        (lambda d: d.update(colour="red"), r"'w': unknown field colour"),
+        (lambda d: d.update(dtype="float99"), r"'float99' is not a torch dtype"),
+        (lambda d: d.update(placements=["Shard(1)"]), r"placement 'Shard\(1\)' is not one"),
+        (lambda d: d.update(device="gpu"), r"device must be one of"),
+    ]:
+        d = dict(good)
+        change(d)
+        with pytest.raises(ValueError, match=match):
+            ParamSpec.from_dict(d)

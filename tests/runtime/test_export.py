@@ -19,14 +19,16 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+import export_workers
 from harness import run_ranks, train_step
 
 import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.models import gpt_loss
 from autoshard.runtime import export as export_mod
+from autoshard.spec import ParamSpec
 
 MODULE = "autoshard_export_test_models"
 SOURCE = '''
@@ -223,6 +225,7 @@ def test_the_directory_holds_what_it_says(runs):
     path = os.path.join(root, "hf_llama")
     manifest = export_mod.read_manifest(path)
     assert manifest["world_size"] == 2 and manifest["device"] == "cpu"
+    assert manifest["mesh_shape"] == [2] and manifest["version"] == 3
     assert {p["training"] for p in manifest["programs"]} == {True, False}
     assert len(manifest["programs"]) == 6  # three batches, each trained and in inference
     for entry in manifest["programs"]:
@@ -245,6 +248,90 @@ def test_a_call_the_export_does_not_hold_lists_those_it_holds(runs):
     assert "holds no program for this call:\n  args[0] int64[3, 16] (train, grad)" in msg
     assert "args[0] int64[2, 16] (train, grad)" in msg
     assert "args[0] int64[2, 16] (eval, no grad)" in msg
+
+
+# --- every strategy, a 2-D mesh, and the format before version 3 ---------------------------
+
+
+def _as_version_2(src, dst) -> None:
+    """The export at ``src`` copied to ``dst`` as format version 2 wrote it: placements
+    "S0"/"R", no ``replica``, no group names, no mesh shape in the manifest."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    for entry in manifest["programs"]:
+        rel = f"{entry['dir']}/program.json"
+        doc = json.loads((dst / rel).read_text())
+        del doc["groups"]
+        for p in doc["captured"]["params"]:
+            del p["replica"]
+            p["placements"] = ["S0" if pl == "Shard(0)" else "R" for pl in p["placements"]]
+        (dst / rel).write_text(json.dumps(doc, indent=1))
+        manifest["files"][rel] = export_mod._file_entry(str(dst / rel))
+    del manifest["mesh_shape"]
+    manifest.update(version=2, hash=export_mod._content_hash(manifest["files"]))
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def strategies(tmp_path_factory):
+    """Each case of ``export_workers.CASES`` exported by 4 ranks, then loaded by 4 fresh
+    ranks (on the export's mesh shape) and by 2 (a 1-D mesh: planned again)."""
+    root = tmp_path_factory.mktemp("strategies")
+    exported = run_ranks(4, export_workers.export_cases, str(root))
+    _as_version_2(root / "ddp", root / "ddp_v2")
+    return {"export": exported[0], 4: run_ranks(4, export_workers.load_cases, str(root))[0],
+            2: run_ranks(2, export_workers.load_cases, str(root))[0]}
+
+
+def _same_step(ref, got, tol) -> None:
+    """The probe's logits, loss and every gradient agree within ``tol`` (0: bit for bit)."""
+    pairs = [("logits", ref["logits"], got["logits"]), ("loss", ref["loss"], got["loss"])]
+    pairs += [(f, ref["grads"][f], got["grads"][f]) for f in ref["grads"]]
+    assert set(got["grads"]) == set(ref["grads"])
+    for what, a, b in pairs:
+        diff = (a - b).abs().max().item()
+        assert diff <= tol and (tol or torch.equal(a, b)), (what, diff)
+
+
+@pytest.mark.parametrize("name", export_workers.LOADED)
+def test_every_strategy_and_a_2d_mesh_load_on_their_mesh_bit_for_bit(strategies, name):
+    strategy, shape = export_workers.LOADED[name]
+    ref, got = strategies["export"][name.removesuffix("_v2")], strategies[4][name]
+    assert "refused" not in got, got.get("refused")
+    assert got["same"]  # the stored graphs ran
+    _same_step(ref, got, 0)
+    assert got["strategy"] == ref["strategy"] and got["placements"] == ref["placements"]
+    assert got["replicas"] == ref["replicas"]  # ZeRO-1's replicas came back
+    if strategy == "auto":
+        assert ref["strategy"] in ("zero1", "zero2", "zero3")
+    else:
+        assert ref["strategy"] == strategy
+    assert bool(ref["replicas"]) == (ref["strategy"] == "zero1")
+    assert got["mesh_shape"] == ref["mesh_shape"] == list(shape)
+    if len(shape) == 2:  # the graphs' collectives were moved onto this process's groups
+        assert got["groups"] != ref["groups"] and len(got["groups"]) == 2
+
+
+@pytest.mark.parametrize("name", export_workers.LOADED)
+def test_every_strategy_and_a_2d_mesh_load_at_another_world_size(strategies, name):
+    ref, got = strategies["export"][name.removesuffix("_v2")], strategies[2][name]
+    assert "refused" not in got, got.get("refused")
+    assert not got["same"]  # planned again for 2 ranks on a 1-D mesh
+    _same_step(ref, got, 1e-6)
+    assert got["strategy"] == ref["strategy"]
+    assert bool(got["replicas"]) == (ref["strategy"] == "zero1")
+
+
+def test_a_version_2_parameter_description_reads_as_before():
+    old = {"fqn": "w", "shape": [4, 2], "dtype": "float32", "requires_grad": True,
+           "compute_dtype": "bfloat16", "reduce_dtype": "float32", "mesh_shape": [2],
+           "placements": ["S0"], "device": "host", "grad_divide": None, "force_sum": False}
+    spec = export_mod._spec(old, 2)
+    assert spec == ParamSpec("w", (4, 2), torch.float32, True, torch.bfloat16, torch.float32,
+                             mesh_shape=(2,), device="host")
+    assert spec.placements == (Shard(0),) and not spec.replica
+    with pytest.raises(AutoshardError, match=r"cannot be read \(ParamSpec 'w': no field"):
+        export_mod._spec(old, 3)
 
 
 # --- what a bad export says -------------------------------------------------------------
@@ -297,8 +384,8 @@ def test_a_version_mismatch_is_named(runs, tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["version"] = export_mod.VERSION + 1
     (path / "manifest.json").write_text(json.dumps(manifest))
-    _refused(path, r"manifest\.json is export format version 3 \(written by autoshard .*\); "
-             r"this autoshard .* reads versions 1, 2")
+    _refused(path, rf"manifest\.json is export format version {export_mod.VERSION + 1} \("
+             r"written by autoshard .*\); this autoshard .* reads versions 1, 2, 3")
 
 
 def test_the_manifest_is_checked_field_by_field(runs, tmp_path):
