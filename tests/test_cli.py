@@ -12,6 +12,7 @@ import torch
 import autoshard
 from autoshard import progress
 from autoshard.__main__ import main
+from autoshard.runtime import export
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -152,7 +153,7 @@ def test_export_and_inspect_commands(tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "autoshard-export version 2" in text and "2 ranks, cpu" in text
+    assert f"autoshard-export version {export.VERSION}" in text and "2 ranks, cpu" in text
     assert "(verified)" in text and "peak memory per rank" in text
     assert "args[0] int64[2, 16] (train, grad)" in text
     assert "args[0] int64[2, 16] (eval, no grad)" in text

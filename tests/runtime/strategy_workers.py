@@ -144,10 +144,6 @@ def submesh_worker(rank, world, _=None):
     sharded = autoshard(build("mlp"), mesh=mesh["shard"],
                         config=Config(partial_mesh=True, strategy="ddp"))
     msgs.append(type(sharded).__name__)
-    try:  # export holds zero3 and zero2 programs only; refused before writing
-        sharded.export(os.path.join(tempfile.gettempdir(), f"never-written-{os.getpid()}"))
-    except ValueError as e:
-        msgs.append(str(e))
     bad = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
     try:
         autoshard(build("mlp"), mesh=bad)
