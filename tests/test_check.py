@@ -56,13 +56,13 @@ def _break_backward(patch):
     split = passes.split_pass
 
     def broken_split(gm, ctx, *, options):
-        gm = split(gm, ctx, options=options)
-        bwd = ctx.split.bwd
+        gm, decided = split(gm, ctx, options=options)
+        bwd = decided["split"].bwd
         last = [n for n in bwd.graph.nodes if n.target is torch.ops.aten.tanh_backward.default][-1]
         last.target = torch.ops.aten.mul.Tensor  # the gradient of layers.0's tanh, now wrong
         bwd.recompile()
         corrupted.append(last.name)
-        return gm
+        return gm, decided
 
     patch(passes, "split_pass", broken_split)
     return corrupted
@@ -185,7 +185,7 @@ def test_an_unsafe_recomputation_is_named(monkeypatch):
 
 
 def test_a_capture_that_differs_from_eager_is_blamed_on_capture(monkeypatch):
-    from autoshard import api
+    from autoshard import compiler
     from autoshard import capture as capture_mod
 
     real = capture_mod.capture
@@ -200,7 +200,7 @@ def test_a_capture_that_differs_from_eager_is_blamed_on_capture(monkeypatch):
         return cap
 
     monkeypatch.setattr(capture_mod, "capture", wrong_capture)
-    monkeypatch.setattr(api, "capture", wrong_capture)
+    monkeypatch.setattr(compiler, "capture", wrong_capture)
     model, inputs = _mlp()
     report = autoshard.check(model, inputs, config=FAST)
     assert not report.ok and not report.outputs[0].ok
