@@ -42,9 +42,9 @@ def test_config_reference_names_every_field_once_with_type_and_default():
         assert text.count(f"\n### `{f.name}`\n") == 1, f.name
         assert f"`{f.name}: {f.type} = {f.default!r}`" in text, f.name
     doc = Config.__doc__
-    dropped = re.sub(r"\n    prefetch_depth: .*\n", "\n", doc)
+    dropped = re.sub(r"\n    optimizer: .*\n", "\n", doc)
     assert dropped != doc
-    with pytest.raises(ValueError, match=r"missing: \['prefetch_depth'\]"):
+    with pytest.raises(ValueError, match=r"missing: \['optimizer'\]"):
         _reference.sections(dropped)
     with pytest.raises(ValueError, match="'no_such_field', which is not a field"):
         _reference.sections(doc + "\n    no_such_field: nothing\n")
