@@ -329,7 +329,8 @@ class Config:
         - ``OffloadPolicy()``: none;
         - None (default): none, unless nothing fits on the device: then the planner keeps
           as little of the state in host memory as fits (the least of 1/4, 1/2, 3/4 and 1
-          of it, as ``Offload(state=...)`` would), and says what to pass.
+          of it), and the plan records that fraction (``plan.offload``;
+          ``Offload(state=plan.offload)`` pins it).
 
     Precision and execution
     -----------------------
