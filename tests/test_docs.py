@@ -50,6 +50,19 @@ def test_config_reference_names_every_field_once_with_type_and_default():
         _reference.sections(doc + "\n    no_such_field: nothing\n")
 
 
+def test_config_reference_documents_each_option_a_field_carries():
+    import autoshard
+    from autoshard import _reference
+
+    text = _reference.render()
+    for cls in (autoshard.Module, autoshard.Size, autoshard.Bucket, autoshard.Prefetch,
+                autoshard.Offload):
+        assert text.count(f"\n### `{cls.__name__}`\n") == 1, cls.__name__
+    assert "`Prefetch(depth: int = 2, bytes: Union[int, str, None] = None)`" in text
+    assert ("`Offload(state: Optional[float] = None, params: Optional[float] = None, "
+            "pin_memory: bool = True)`") in text
+
+
 def test_config_reference_check_mode_names_the_command(tmp_path):
     from autoshard import _reference
 
