@@ -551,7 +551,11 @@ class Config:
         policy = d.get("policy")
         if isinstance(policy, dict):
             options = {k: v for k, v in policy.items() if k != "name"}
-            d["policy"] = {"module": Module, "size": Size}[policy["name"]](**options)
+            kind = {"module": Module, "size": Size}.get(policy.get("name"))
+            if kind is None:
+                raise ValueError(f"Config.policy: a record of {policy!r} names no policy with "
+                                 "options ('module' or 'size'): written by a newer autoshard?")
+            d["policy"] = kind(**options)
         for name, option in (("bucket", Bucket), ("prefetch", Prefetch)):
             if isinstance(d.get(name), dict):
                 d[name] = option(**d[name])

@@ -381,3 +381,8 @@ def test_from_dict_reads_the_flat_records_earlier_versions_wrote(changed, config
 def test_from_dict_still_refuses_fields_it_does_not_know():
     with pytest.raises(ValueError, match=r"unknown Config fields \['prefetch_width'\]"):
         Config.from_dict(dict(OLD, prefetch_width=3))
+    with pytest.raises(ValueError, match=r"Config.policy: a record of \{'name': 'layers'\} names "
+                                         r"no policy with options"):
+        Config.from_dict({"policy": {"name": "layers"}})
+    with pytest.raises(ValueError, match=r"Config.prefetch.depth must be a positive int"):
+        Config.from_dict({"prefetch": {"depth": 0, "bytes": None}})
