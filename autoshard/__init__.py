@@ -40,7 +40,7 @@ def _version() -> str:
 __version__ = _version()
 
 from autoshard.errors import AutoshardError  # noqa: E402
-from autoshard.config import Config  # noqa: E402
+from autoshard.config import Bucket, Config, Module, Offload, Prefetch, Size  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 from autoshard.check import CheckReport, check  # noqa: E402
@@ -49,7 +49,8 @@ from autoshard.runtime.checkpoint import load as load_checkpoint, save  # noqa: 
 from autoshard.runtime.materialize import deferred_init  # noqa: E402
 
 __all__ = ["autoshard", "plan", "check", "load", "save", "load_checkpoint", "deferred_init",
-           "CheckReport", "ShardedModule", "Config", "Plan", "AutoshardError"]
+           "CheckReport", "ShardedModule", "Config", "Bucket", "Prefetch", "Offload", "Module",
+           "Size", "Plan", "AutoshardError"]
 
 # ``from autoshard import autoshard`` binds the function under the package's name; it carries
 # the package's other public names too, so ``autoshard.load(path)``, ``autoshard.plan(...)``

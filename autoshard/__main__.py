@@ -54,17 +54,18 @@ def _plan_config(args) -> tuple:
     """The plan's Config and world size (a pair under --replicate) from the arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from autoshard.config import Config
+    from autoshard.config import Config, Offload
 
     _world_size(args)
     if args.replicate < 1 or args.world_size % args.replicate:
         raise ValueError(f"--replicate {args.replicate} must divide --world-size "
                          f"{args.world_size}")
+    offload = (Offload(state=args.offload_state) if args.offload_state is not None
+               else CPUOffloadPolicy() if args.offload else None)
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
                     device_profile=args.device_profile, mp_policy=_mp_policy(args),
-                    recompute=RECOMPUTE[args.recompute],
-                    offload_policy=CPUOffloadPolicy() if args.offload or args.offload_state
-                    else None, offload_state=args.offload_state, strategy=args.strategy)
+                    recompute=RECOMPUTE[args.recompute], offload_policy=offload,
+                    strategy=args.strategy)
     world = (args.world_size if args.replicate == 1
              else (args.replicate, args.world_size // args.replicate))
     return config, world
@@ -232,7 +233,8 @@ def _add_plan(sub) -> None:
                     "memory (CPUOffloadPolicy): the optimizer steps on the host")
     pl.add_argument("--offload-state", type=float, default=None, metavar="FRACTION",
                     help="with --offload (implied), keep only this fraction of that state in "
-                    "host memory, the last parameters' (Config.offload_state; default: all)")
+                    "host memory, the last parameters' (Config(offload_policy=Offload(state="
+                    "FRACTION)); default: all)")
     pl.add_argument("--strategy", choices=list(STRATEGIES), default="zero3",
                     help="Config.strategy")
     pl.add_argument("--replicate", type=int, default=1, metavar="R",

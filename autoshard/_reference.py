@@ -7,7 +7,9 @@
 Each field's name, type and default come from the dataclass; its meaning comes from the
 ``name: meaning`` section of the ``Config`` docstring (groups are titles underlined with
 dashes; ``- `` starts a list item). A field with no section, or a section naming no field, is
-an error, so the page cannot leave a field out.
+an error, so the page cannot leave a field out. The options a field's value carries
+(``Module``, ``Size``, ``Bucket``, ``Prefetch``, ``Offload``) follow, each with its signature
+and its own docstring.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import re
 import sys
 import textwrap
 
-from autoshard.config import Config
+from autoshard.config import Bucket, Config, Module, Offload, Prefetch, Size
 
 WIDTH = 100
 COMMAND = "python -m autoshard._reference"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "config.md")
+# the values of a field that carry the options only that value turns on
+OPTIONS = (Module, Size, Bucket, Prefetch, Offload)
 
 _FIELD = re.compile(r"^(\w+): (.*)$")
 
@@ -125,7 +129,23 @@ def render() -> str:
                 out.append(_wrap(kind, text[:1].upper() + text[1:] if i == 0 else text))
                 if kind == "" or i + 1 == len(blocks) or blocks[i + 1][0] == "":
                     out.append("")
-    return "\n".join(out).rstrip("\n") + "\n"
+    return "\n".join(out + _options()).rstrip("\n") + "\n"
+
+
+def _options() -> list:
+    """The section on ``OPTIONS``: each one's signature, then its docstring's paragraphs."""
+    out = ["## Options inside a field", "",
+           _wrap("", "`policy`, `bucket`, `prefetch` and `offload_policy` take these values "
+                 "too (`from autoshard import Module, Size, Bucket, Prefetch, Offload`): each "
+                 "carries the options that matter only when its field turns them on, checks "
+                 "them when built, and cannot change after."), ""]
+    for cls in OPTIONS:
+        params = ", ".join(f"{p.name}: {p.annotation} = {p.default!r}"
+                           for p in inspect.signature(cls).parameters.values())
+        out += [f"### `{cls.__name__}`", "", f"`{cls.__name__}({params})`", ""]
+        for para in inspect.cleandoc(cls.__doc__).split("\n\n"):
+            out += [_wrap("", _md(" ".join(para.split()))), ""]
+    return out
 
 
 def main(argv=None) -> int:

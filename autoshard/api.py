@@ -660,7 +660,8 @@ def _agree_on_model(agreement, model, config: Config) -> None:
     parameters (names, shapes, dtypes), compared as one digest. On a difference every rank
     raises naming the first Config field that differs, else the first parameter, with each
     rank's value; a few more notes are exchanged to find them (``Agreement.notes``)."""
-    fields = [(k, repr(v)) for k, v in config.to_dict().items()]
+    # each field as the user spells it (Prefetch(depth=3), not its record's dict)
+    fields = [(f.name, repr(getattr(config, f.name))) for f in dataclasses.fields(config)]
     named = {f: _param_line(f, p) for f, p in model.named_parameters()}
     params = list(named.values())
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import numbers
 import re
 import types
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional, Sequence, Union
+
+from torch.distributed.fsdp import CPUOffloadPolicy  # Offload is one
 
 if TYPE_CHECKING:  # the fields' annotations only; imported where a value is checked
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -50,12 +53,154 @@ def parse_bytes(value: Union[int, float, str, None], name: str = "size") -> Opti
     return int(number)
 
 
+# The options that matter only when another option turns them on live inside the value that
+# does: Config(prefetch=Prefetch(depth=3)), Config(policy=Size(min_numel=...)). Each checks its
+# values when built and cannot change after.
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """``Config(bucket=Bucket(bytes=...))``: merge adjacent units smaller than ``bytes`` into
+    one collective. ``bytes``: a size, as ``Config.memory_budget``; None (default): the size
+    below which a collective is latency-bound under the cost model."""
+
+    bytes: Union[int, str, None] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "bytes", _size("bucket.bytes", self.bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """``Config(prefetch=Prefetch(depth=2, bytes=None))``: issue each unit's all-gather up to
+    ``depth`` units ahead, with at most ``bytes`` gathered bytes in flight (a size, as
+    ``Config.memory_budget``; None: no byte bound). ``prefetch=True`` is ``Prefetch()``."""
+
+    depth: int = 2
+    bytes: Union[int, str, None] = None
+
+    def __post_init__(self):
+        _count("prefetch.depth", self.depth, "(how many units ahead an all-gather may be "
+               "issued; use prefetch=False for none)")
+        object.__setattr__(self, "bytes", _size("prefetch.bytes", self.bytes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """``Config(policy=Module(classes=None, pattern=None))``: the "module" policy. ``classes``:
+    the class names (or classes) whose modules are units; ``pattern``: a regular expression,
+    and every module whose path it matches whole (``re.fullmatch``) is a unit. Neither (the
+    default, and ``policy="module"``): each repeated block of a ModuleList/Sequential."""
+
+    classes: Optional[Sequence[Union[str, type]]] = None
+    pattern: Optional[str] = None
+
+    def __post_init__(self):
+        classes = self.classes
+        if classes is not None:
+            if isinstance(classes, (str, type)):
+                classes = [classes]
+            if not isinstance(classes, (list, tuple)) or not all(
+                    isinstance(c, (str, type)) for c in classes):
+                raise TypeError("Config.policy.classes must be a list of class names or "
+                                f"classes, got {self.classes!r}")
+            # names, in a tuple: what check_names and an export's record compare
+            object.__setattr__(self, "classes", tuple(c if isinstance(c, str) else c.__name__
+                                                      for c in classes))
+        if self.pattern is not None:
+            if not isinstance(self.pattern, str):
+                raise TypeError("Config.policy.pattern must be a regular expression string, "
+                                f"got {self.pattern!r}")
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"Config.policy.pattern={self.pattern!r} is not a valid "
+                                 f"regular expression: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """``Config(policy=Size(min_numel=10**8))``: the "size" policy, parameters in first-use
+    order grouped until a unit holds ``min_numel`` elements (the last unit may hold fewer).
+    ``policy="size"`` is ``Size()``."""
+
+    min_numel: int = 10**8
+
+    def __post_init__(self):
+        _count("policy.min_numel", self.min_numel, "(elements per unit of the size policy)")
+
+
+@dataclasses.dataclass(init=False, repr=False)
+class Offload(CPUOffloadPolicy):
+    """``Config(offload_policy=Offload(state=None, params=None, pin_memory=True))``: torch's
+    ``CPUOffloadPolicy`` (the sharded state in host memory), with two fractions:
+
+    ``state``: of the sharded state kept in host memory, by elements, the last parameters in
+    the model's order first; the rest, with its optimizer step, stays on the device, as
+    ZeRO-Offload's partial offload does. None: all of it, as FSDP2.
+
+    ``params``: of the units resharded after the forward (the first in forward order), those
+    whose shards are copied to the device again for the backward's all-gather; the others
+    hold the forward's copy on the device until then. 1.0: every all-gather copies its shards
+    in, as FSDP2 does; 0.0: none again; rounded to whole units. None: the planner's choice.
+
+    Like a Config it cannot change once built: ``dataclasses.replace`` makes a changed copy."""
+
+    state: Optional[float] = None
+    params: Optional[float] = None
+
+    def __init__(self, state: Optional[float] = None, params: Optional[float] = None,
+                 pin_memory: bool = True):
+        _flag("offload_policy.pin_memory", pin_memory)
+        if state is not None and (isinstance(state, bool) or not isinstance(state, (int, float))
+                                  or not 0 < state <= 1):
+            raise ValueError(f"Config.offload_policy.state must be a fraction above 0 and at "
+                             f"most 1 (of the sharded state kept in host memory) or None, got "
+                             f"{state!r}")
+        if params is not None and (isinstance(params, bool)
+                                   or not isinstance(params, (int, float))
+                                   or not 0 <= params <= 1):
+            raise ValueError(f"Config.offload_policy.params must be a fraction from 0 to 1 (of "
+                             f"the offloaded units whose shards are copied in again for the "
+                             f"backward) or None, got {params!r}")
+        for name, value in (("pin_memory", pin_memory), ("state", state), ("params", params)):
+            object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return (f"Offload(state={self.state!r}, params={self.params!r}, "
+                f"pin_memory={self.pin_memory!r})")
+
+    def __setattr__(self, name: str, value) -> None:
+        raise dataclasses.FrozenInstanceError(
+            f"Offload is frozen: Offload.{name} cannot change after Offload(...) checked it; "
+            f"make a changed copy with dataclasses.replace(offload, {name}=...)")
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+
+# the flat Config fields these replace, each as (field, class, option): passing one is refused
+# naming the new spelling
+MOVED = {
+    "module_classes": ("policy", "Module", "classes"),
+    "module_pattern": ("policy", "Module", "pattern"),
+    "min_unit_numel": ("policy", "Size", "min_numel"),
+    "bucket_bytes": ("bucket", "Bucket", "bytes"),
+    "prefetch_depth": ("prefetch", "Prefetch", "depth"),
+    "prefetch_bytes": ("prefetch", "Prefetch", "bytes"),
+    "offload_state": ("offload_policy", "Offload", "state"),
+    "offload_params": ("offload_policy", "Offload", "params"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """How autoshard shards and schedules a model. Frozen: every field is checked once, here;
     ``dataclasses.replace(config, field=...)`` makes a changed copy, checked again. The names
     it gives (module classes, a module pattern, units' parameters, recompute's blocks) are
-    checked against the model by ``autoshard()`` and ``plan()`` (``check_names``).
+    checked against the model by ``autoshard()`` and ``plan()`` (``check_names``). An option
+    that matters only when another is on lives inside the value that turns it on:
+    ``policy=Module(classes=...)``, ``prefetch=Prefetch(depth=...)``,
+    ``bucket=Bucket(bytes=...)``, ``offload_policy=Offload(state=...)``.
 
     The fields follow, by group: a group is a title underlined with dashes, a field is
     ``name: meaning`` with its continuation lines indented, and ``- `` starts an item of a
@@ -65,21 +210,18 @@ class Config:
     -----
     policy: how units are chosen when ``units`` is None:
         - "auto" (default): minimise predicted step time within ``memory_budget``;
-        - "module": each repeated block of a ModuleList/Sequential (or each module whose
-          class name is in ``module_classes`` / whose FQN matches ``module_pattern``) is a
-          unit, the remaining parameters a root unit;
-        - "size": parameters in first-use order, grouped until a unit holds
-          ``min_unit_numel``;
+        - "module" or ``Module(classes=None, pattern=None)``: each repeated block of a
+          ModuleList/Sequential is a unit, the remaining parameters a root unit. ``classes``:
+          the class names (or classes) whose modules are units instead; ``pattern``: a
+          regular expression, and every module whose path it matches whole
+          (``re.fullmatch``) is a unit instead ("module" is ``Module()``);
+        - "size" or ``Size(min_numel=10**8)``: parameters in first-use order, grouped until
+          a unit holds ``min_numel`` elements, the last unit perhaps fewer ("size" is
+          ``Size()``);
         - "per-parameter": one unit per parameter;
         - "whole-model": one unit.
     units: explicit (pinned) units, each a list of parameter FQNs; the rest form a root unit.
         They override any policy; ``plan.pinned_units()`` gives a plan's units in this form.
-    module_classes: for the "module" policy: the class names (or classes) whose modules are
-        units. Default: each repeated block of a ModuleList/Sequential.
-    module_pattern: for the "module" policy: a regular expression; every module whose path
-        it matches whole (``re.fullmatch``) is a unit.
-    min_unit_numel: for the "size" policy: the elements a unit holds at least (the last unit
-        may hold fewer).
     memory_budget: bytes per rank the plan may use ("80GiB", "512MB" and 1e9 are accepted);
         default: the device's memory (the device profile's ``memory``).
     device_profile: cost-model profile name ("h100", "a100", "cpu") or a ``DeviceProfile``
@@ -121,18 +263,23 @@ class Config:
 
     Communication
     -------------
-    prefetch: issue each unit's all-gather up to ``prefetch_depth`` units ahead (as deep as
-        the cost model says hiding it takes), with at most ``prefetch_bytes`` gathered bytes
-        in flight, and defer each reduce-scatter's wait to the next one (default: on).
-    prefetch_depth: how many units ahead an all-gather may be issued, at most (default 2).
-    prefetch_bytes: the most gathered bytes prefetch keeps in flight (a size, as
-        ``memory_budget``); default: no byte bound.
-    bucket: merge adjacent units smaller than ``bucket_bytes`` into one collective. Default:
-        on for the "per-parameter" policy only ("auto" already sizes units for time within
-        the memory budget; other policies are the user's choice of units).
-    bucket_bytes: the unit size below which ``bucket`` merges (a size, as
-        ``memory_budget``); default: the size below which a collective is latency-bound
-        under the cost model.
+    prefetch: issue each unit's all-gather ahead of its use, and defer each reduce-scatter's
+        wait to the next one:
+        - True (default): as ``Prefetch()``;
+        - ``Prefetch(depth=2, bytes=None)``: an all-gather is issued up to ``depth`` units
+          ahead, at most (as deep as the cost model says hiding it takes), with at most
+          ``bytes`` gathered bytes in flight (a size, as ``memory_budget``; None: no byte
+          bound);
+        - False: neither.
+    bucket: merge adjacent small units into one collective:
+        - None (default): on, as ``Bucket()``, for the "per-parameter" policy with no
+          ``units`` only ("auto" already sizes units for time within the memory budget;
+          other policies are the user's choice of units), off otherwise;
+        - True: on, as ``Bucket()``;
+        - ``Bucket(bytes=None)``: on, merging the units smaller than ``bytes`` (a size, as
+          ``memory_budget``); None: the size below which a collective is latency-bound under
+          the cost model;
+        - False: off.
     gradient_divide_factor: FSDP2's ``set_gradient_divide_factor``: each reduced gradient is
         the sum over the ranks divided by this (1.0: the sum, for a loss summed rather than
         averaged over the global batch) instead of their mean. None (default): the mean.
@@ -160,27 +307,30 @@ class Config:
           fits ``memory_budget`` (the plan lists the candidates);
         - {block path: "keep" | "min-cut" | "block"}: per block, as
           ``plan.pinned_recompute()`` gives it (blocks not named: the min cut).
-    offload_policy: ``torch.distributed.fsdp.CPUOffloadPolicy()`` keeps every sharded
-        parameter, its gradient shard and its optimizer state in host memory, as FSDP2 does:
-        each shard is copied to the device before its all-gather and each gradient shard back
-        to the host after its reduce-scatter (explicit graph nodes), so the optimizer steps on
-        the host. Scalars stay on the device. ``OffloadPolicy()`` or None (default): none;
-        with None the planner offloads when nothing fits on the device, as little of the
-        state as fits (``offload_state``), and says what to pass.
-    offload_state: with ``CPUOffloadPolicy``, the fraction of the sharded state kept in host
-        memory, by elements, the last parameters in the model's order first (their copies
-        come where compute hides them); the rest, with its optimizer step, stays on the
-        device, as ZeRO-Offload's partial offload does. None (default): all of it, as FSDP2.
-        The planner, offloading on its own, takes the least of 1/4, 1/2, 3/4 and 1 that fits.
-    offload_params: with the state offloaded, the fraction of units resharded after the
-        forward (the first in forward order) whose shards are copied to the device again
-        for the backward's all-gather. The other units hold the forward's copy (in the
-        compute dtype) on the device until then: one copy per shard per step, the optimizer
-        state and its step on the host, as ZeRO-Offload does. 1.0: every all-gather copies
-        its shards in, as FSDP2's CPUOffloadPolicy does; 0.0: none again; rounded to whole
-        units. None (default): per candidate grouping the planner takes the least of 0, 1/4,
-        1/2, 3/4 and 1 whose plan fits (by bisection, as peaks fall along them). Read only
-        when the state is offloaded.
+    offload_policy: where the sharded state lives:
+        - ``torch.distributed.fsdp.CPUOffloadPolicy()``: every sharded parameter, its
+          gradient shard and its optimizer state in host memory, as FSDP2 does: each shard is
+          copied to the device before its all-gather and each gradient shard back to the host
+          after its reduce-scatter (explicit graph nodes), so the optimizer steps on the host.
+          Scalars stay on the device. It is ``Offload()``;
+        - ``Offload(state=None, params=None, pin_memory=True)``: autoshard's
+          ``CPUOffloadPolicy``, with two fractions. ``state``: of the sharded state kept in
+          host memory, by elements, the last parameters in the model's order first (their
+          copies come where compute hides them); the rest, with its optimizer step, stays on
+          the device, as ZeRO-Offload's partial offload does; None: all of it, as FSDP2.
+          ``params``: of the units resharded after the forward (the first in forward order),
+          those whose shards are copied to the device again for the backward's all-gather;
+          the other units hold the forward's copy (in the compute dtype) on the device until
+          then: one copy per shard per step, the optimizer state and its step on the host, as
+          ZeRO-Offload does. 1.0: every all-gather copies its shards in, as FSDP2's
+          CPUOffloadPolicy does; 0.0: none again; rounded to whole units. None: per
+          candidate grouping the planner takes the least of 0, 1/4, 1/2, 3/4 and 1 whose
+          plan fits (by bisection, as peaks fall along them);
+        - ``OffloadPolicy()``: none;
+        - None (default): none, unless nothing fits on the device: then the planner keeps
+          as little of the state in host memory as fits (the least of 1/4, 1/2, 3/4 and 1
+          of it), and the plan records that fraction (``plan.offload``;
+          ``Offload(state=plan.offload)`` pins it).
 
     Precision and execution
     -----------------------
@@ -199,27 +349,19 @@ class Config:
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """
 
-    policy: str = "auto"
+    policy: Union[str, Module, Size] = "auto"
     units: Optional[Sequence[Sequence[str]]] = None
     memory_budget: Union[int, str, None] = None
     device_profile: Union[str, DeviceProfile, None] = None
     optimizer: str = "adamw"
-    module_classes: Optional[Sequence[str]] = None
-    module_pattern: Optional[str] = None
-    min_unit_numel: int = 10**8
     reshard_after_forward: Union[bool, str] = "auto"
-    bucket: Optional[bool] = None
-    bucket_bytes: Union[int, str, None] = None
-    prefetch: bool = True
+    bucket: Union[bool, Bucket, None] = None
+    prefetch: Union[bool, Prefetch] = True
     recompute: Union[bool, str, dict] = True
-    prefetch_bytes: Union[int, str, None] = None
-    prefetch_depth: int = 2
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: Optional[MixedPrecisionPolicy] = None
     offload_policy: Optional[OffloadPolicy] = None
-    offload_state: Optional[float] = None
-    offload_params: Optional[float] = None
     strategy: str = "zero3"
     partial_mesh: bool = False
     compile: bool = False
@@ -234,10 +376,54 @@ class Config:
         self._check_offload()
         self._check_profile_and_names()
 
+    @property
+    def policy_name(self) -> str:
+        """The policy's name: "module" for ``Module(...)``, "size" for ``Size(...)``."""
+        return {Module: "module", Size: "size"}.get(type(self.policy), self.policy)
+
+    @property
+    def policy_options(self) -> Union[Module, Size, None]:
+        """The options of the "module" or "size" policy (``Module()`` for "module", ``Size()``
+        for "size"); None for the policies that take none."""
+        if isinstance(self.policy, (Module, Size)):
+            return self.policy
+        return {"module": Module, "size": Size}.get(self.policy, lambda: None)()
+
+    @property
+    def prefetch_options(self) -> Optional[Prefetch]:
+        """How prefetch runs (``Prefetch()`` for True); None when it is off."""
+        if isinstance(self.prefetch, Prefetch):
+            return self.prefetch
+        return Prefetch() if self.prefetch else None
+
+    @property
+    def bucket_options(self) -> Optional[Bucket]:
+        """How bucketing runs (``Bucket()`` for True, and for None under the per-parameter
+        policy with no explicit units); None when it is off."""
+        if isinstance(self.bucket, Bucket):
+            return self.bucket
+        on = self.bucket if self.bucket is not None else (
+            self.units is None and self.policy == "per-parameter")
+        return Bucket() if on else None
+
+    @property
+    def offload_options(self) -> Optional[Offload]:
+        """The offload asked for, as an ``Offload`` (``CPUOffloadPolicy(pin_memory=p)`` is
+        ``Offload(pin_memory=p)``); None when ``offload_policy`` keeps the state on the
+        device (or leaves it to the planner)."""
+        policy = self.offload_policy
+        if isinstance(policy, Offload):
+            return policy
+        if isinstance(policy, CPUOffloadPolicy):
+            return Offload(pin_memory=bool(policy.pin_memory))
+        return None
+
     def _check_choices(self) -> None:
         """The fields that take one of a few values, and how they combine."""
-        _one_of("policy", self.policy, POLICIES,
-                " or pass explicit units=[[fqn, ...], ...]")
+        if not isinstance(self.policy, (Module, Size)):
+            _one_of("policy", self.policy, POLICIES,
+                    ", Module(classes=..., pattern=...), Size(min_numel=...), or pass "
+                    "explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
         _one_of("reshard_after_forward", self.reshard_after_forward,
                 (True, False, "auto", "search"))
@@ -251,10 +437,16 @@ class Config:
                 "it at 'auto', or use strategy='zero3' to choose per unit")
 
     def _check_flags(self) -> None:
-        """The switches, and ``recompute`` (a choice or a per-block dict)."""
-        for name in ("prefetch", "verify", "partial_mesh", "compile",
-                     "force_sum_reduction_for_comms"):
+        """The switches (``prefetch`` and ``bucket`` with their options), and ``recompute``
+        (a choice or a per-block dict)."""
+        for name in ("verify", "partial_mesh", "compile", "force_sum_reduction_for_comms"):
             _flag(name, getattr(self, name))
+        if not isinstance(self.prefetch, (bool, Prefetch)):
+            raise TypeError("Config.prefetch must be True, False or Prefetch(depth=..., "
+                            f"bytes=...), got {self.prefetch!r}")
+        if self.bucket is not None and not isinstance(self.bucket, (bool, Bucket)):
+            raise TypeError("Config.bucket must be True, False, Bucket(bytes=...) or None (on "
+                            f"for the per-parameter policy only), got {self.bucket!r}")
         if isinstance(self.recompute, Mapping):
             _recompute_blocks(self.recompute)
             # a read-only copy: the caller's dict may change, and the Config may not
@@ -262,16 +454,10 @@ class Config:
         else:
             _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
                     " or {block path: 'keep' | 'min-cut' | 'block'}")
-        if self.bucket is not None:
-            _flag("bucket", self.bucket, "or None (on for the per-parameter policy only)")
 
     def _check_numbers(self) -> None:
-        """Sizes, counts, the timeout and the divide factor: in range, normalised."""
-        for name in ("memory_budget", "prefetch_bytes", "bucket_bytes"):
-            self._set(name, _size(name, getattr(self, name)))
-        _count("prefetch_depth", self.prefetch_depth, "(how many units ahead an all-gather "
-               "may be issued; use prefetch=False for none)")
-        _count("min_unit_numel", self.min_unit_numel, "(elements per unit of the size policy)")
+        """The budget, the timeout and the divide factor: in range, normalised."""
+        self._set("memory_budget", _size("memory_budget", self.memory_budget))
         if isinstance(self.timeout, datetime.timedelta):
             self._set("timeout", self.timeout.total_seconds())
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
@@ -289,62 +475,27 @@ class Config:
             self._set("gradient_divide_factor", float(f))
 
     def _check_offload(self) -> None:
-        """The precision and offload policies and the offload fractions."""
+        """The precision and offload policies (an ``Offload`` checked its fractions when
+        built), and offload against the strategy."""
         _mp_policy(self.mp_policy)
         _offload_policy(self.offload_policy)
-        if self.offload_state is not None and (
-                isinstance(self.offload_state, bool)
-                or not isinstance(self.offload_state, (int, float))
-                or not 0 < self.offload_state <= 1):
-            raise ValueError(f"Config.offload_state must be a fraction above 0 and at most 1 "
-                             f"(of the sharded state kept in host memory) or None, got "
-                             f"{self.offload_state!r}")
-        if self.offload_state is not None and not offloads(self):
-            raise ValueError("Config.offload_state says how much of the state to keep in host "
-                             "memory; it needs offload_policy=torch.distributed.fsdp."
-                             "CPUOffloadPolicy() to keep any there")
         if offloads(self) and self.strategy in ("ddp", "zero1"):
             raise ValueError(
                 f"Config(strategy={self.strategy!r}) keeps every parameter whole on the device; "
                 "offload_policy=CPUOffloadPolicy() moves sharded state to the host. Use "
                 "strategy='zero3' or 'zero2' with offload")
-        if self.offload_params is not None and (
-                isinstance(self.offload_params, bool)
-                or not isinstance(self.offload_params, (int, float))
-                or not 0 <= self.offload_params <= 1):
-            raise ValueError(f"Config.offload_params must be a fraction from 0 to 1 (of the "
-                             f"offloaded units whose shards are copied in again for the "
-                             f"backward) or None, got {self.offload_params!r}")
 
     def _check_profile_and_names(self) -> None:
-        """The device profile, then the names: units, module classes, pattern."""
+        """The device profile and the units (the module policy checked its names when
+        built)."""
         if self.device_profile is not None:
             from autoshard.cost import DeviceProfile, PROFILES
 
             if not isinstance(self.device_profile, DeviceProfile):
                 _one_of("device_profile", self.device_profile, tuple(PROFILES),
                         ", a DeviceProfile (autoshard.cost.calibrate()) or None")
-        if self.bucket is None:
-            self._set("bucket", self.units is None and self.policy == "per-parameter")
         if self.units is not None:
             self._set("units", _units(self.units))
-        if self.module_classes is not None:
-            if isinstance(self.module_classes, (str, type)):
-                self._set("module_classes", [self.module_classes])
-            if not all(isinstance(c, (str, type)) for c in self.module_classes):
-                raise TypeError("Config.module_classes must be a list of class names or "
-                                f"classes, got {self.module_classes!r}")
-            self._set("module_classes", tuple(c if isinstance(c, str) else c.__name__
-                                              for c in self.module_classes))
-        if self.module_pattern is not None:
-            if not isinstance(self.module_pattern, str):
-                raise TypeError("Config.module_pattern must be a regular expression string, "
-                                f"got {self.module_pattern!r}")
-            try:
-                re.compile(self.module_pattern)
-            except re.error as e:
-                raise ValueError(f"Config.module_pattern={self.module_pattern!r} is not a "
-                                 f"valid regular expression: {e}") from None
 
     def _set(self, name: str, value) -> None:
         """Store a normalised value while ``__post_init__`` checks the fields."""
@@ -352,12 +503,20 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain JSON data (an export's record of how it was planned); ``from_dict`` reads it.
-        Policies are written by their fields, a device profile by name or by its numbers."""
+        Policies and options are written by their fields (a policy's with its "name"), a
+        device profile by name or by its numbers."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.units is not None:
             d["units"] = [list(u) for u in self.units]
-        if self.module_classes is not None:
-            d["module_classes"] = list(self.module_classes)
+        if isinstance(self.policy, Module):
+            classes = self.policy.classes
+            d["policy"] = {"name": "module", "classes": None if classes is None
+                           else list(classes), "pattern": self.policy.pattern}
+        elif isinstance(self.policy, Size):
+            d["policy"] = {"name": "size", "min_numel": self.policy.min_numel}
+        for name in ("bucket", "prefetch"):
+            if dataclasses.is_dataclass(d[name]):
+                d[name] = dataclasses.asdict(d[name])
         if isinstance(self.recompute, types.MappingProxyType):
             d["recompute"] = dict(self.recompute)
         mp = self.mp_policy
@@ -370,35 +529,118 @@ class Config:
             d["offload_policy"] = {"cpu": bool(offloads(self)),
                                    "pin_memory": getattr(self.offload_policy, "pin_memory",
                                                          False)}
+            if isinstance(self.offload_policy, Offload):
+                d["offload_policy"].update(state=self.offload_policy.state,
+                                           params=self.offload_policy.params)
         if self.device_profile is not None and not isinstance(self.device_profile, str):
             d["device_profile"] = self.device_profile.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
+        """The Config ``to_dict`` wrote; a dict with the flat fields of earlier versions
+        (``prefetch_depth``, ``offload_state``, ...) is read in the shape they now have."""
         import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        d = dict(d)
+        d = _regrouped(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown Config fields {unknown}: written by a newer autoshard?")
+        policy = d.get("policy")
+        if isinstance(policy, dict):
+            options = {k: v for k, v in policy.items() if k != "name"}
+            kind = {"module": Module, "size": Size}.get(policy.get("name"))
+            if kind is None:
+                raise ValueError(f"Config.policy: a record of {policy!r} names no policy with "
+                                 "options ('module' or 'size'): written by a newer autoshard?")
+            d["policy"] = kind(**options)
+        for name, option in (("bucket", Bucket), ("prefetch", Prefetch)):
+            if isinstance(d.get(name), dict):
+                d[name] = option(**d[name])
         mp = d.get("mp_policy")
         if mp is not None:
             d["mp_policy"] = MixedPrecisionPolicy(
                 **{k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
                    for k, v in mp.items()})
-        off = d.get("offload_policy")
-        if off is not None:
-            d["offload_policy"] = (CPUOffloadPolicy(pin_memory=off["pin_memory"])
-                                   if off["cpu"] else OffloadPolicy())
+        if d.get("offload_policy") is not None:
+            d["offload_policy"] = _offload_from_dict(d["offload_policy"])
         prof = d.get("device_profile")
         if isinstance(prof, dict):
             from autoshard.cost import DeviceProfile
 
             d["device_profile"] = DeviceProfile(**prof)
         return cls(**d)
+
+
+_dataclass_init = Config.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    _refuse_moved(kwargs)
+    _dataclass_init(self, *args, **kwargs)
+
+
+def _refuse_moved(kwargs: dict) -> None:
+    """TypeError for the flat fields that moved into the option that turns them on, naming
+    the new spelling: ``Config(prefetch_depth=3) is now Config(prefetch=Prefetch(depth=3))``."""
+    old = [k for k in kwargs if k in MOVED]
+    if not old:
+        return
+    grouped: dict = {}
+    for k in old:
+        field, option, name = MOVED[k]
+        grouped.setdefault((field, option), []).append(f"{name}={kwargs[k]!r}")
+    policy = kwargs.get("offload_policy")
+    if ("offload_policy", "Offload") in grouped and isinstance(policy, CPUOffloadPolicy):
+        grouped["offload_policy", "Offload"].append(f"pin_memory={policy.pin_memory!r}")
+    given = ", ".join(f"{k}={kwargs[k]!r}" for k in old)
+    now = ", ".join(f"{field}={option}({', '.join(args)})"
+                    for (field, option), args in grouped.items())
+    names = ", ".join(dict.fromkeys(option for _, option in grouped))
+    raise TypeError(f"Config({given}) is now Config({now}) (from autoshard import {names}): "
+                    "an option that matters only when another is on lives inside the value "
+                    "that turns it on")
+
+
+def _regrouped(d: dict) -> dict:
+    """A copy of a ``to_dict`` record in the current shape: the flat fields an earlier
+    version wrote (``MOVED``) go into the option that turns them on, and a bucket decided by
+    the policy is None again (those versions stored the decision)."""
+    d = dict(d)
+    old = {k: d.pop(k) for k in MOVED if k in d}
+    if not old:
+        return d
+    policy, units = d.get("policy", "auto"), d.get("units")
+    if policy == "module" and (old.get("module_classes") or old.get("module_pattern")):
+        d["policy"] = {"name": "module", "classes": old.get("module_classes"),
+                       "pattern": old.get("module_pattern")}
+    if policy == "size" and old.get("min_unit_numel", Size.min_numel) != Size.min_numel:
+        d["policy"] = {"name": "size", "min_numel": old["min_unit_numel"]}
+    bucket = d.get("bucket")
+    if bucket and old.get("bucket_bytes") is not None:
+        d["bucket"] = {"bytes": old["bucket_bytes"]}
+    elif bucket == (units is None and policy == "per-parameter"):
+        d["bucket"] = None
+    depth, cap = old.get("prefetch_depth", 2), old.get("prefetch_bytes")
+    if d.get("prefetch", True) and (depth != 2 or cap is not None):
+        d["prefetch"] = {"depth": depth, "bytes": cap}
+    off = d.get("offload_policy")
+    state, params = old.get("offload_state"), old.get("offload_params")
+    if off is not None and off.get("cpu") and (state is not None or params is not None):
+        d["offload_policy"] = dict(off, state=state, params=params)
+    return d
+
+
+def _offload_from_dict(off: dict):
+    from torch.distributed.fsdp import OffloadPolicy
+
+    if "state" in off or "params" in off:
+        return Offload(state=off.get("state"), params=off.get("params"),
+                       pin_memory=off["pin_memory"])
+    return CPUOffloadPolicy(pin_memory=off["pin_memory"]) if off["cpu"] else OffloadPolicy()
 
 
 def _frozen(self, name: str, value=None):
@@ -411,6 +653,8 @@ def _frozen(self, name: str, value=None):
 # replaces them after the class is built
 Config.__setattr__ = _frozen
 Config.__delattr__ = _frozen
+# the flat names of earlier versions are refused naming their new place, not as unknown
+Config.__init__ = _init
 
 
 def _dtype_name(dtype):
@@ -440,17 +684,16 @@ def _offload_policy(policy) -> None:
 
     if policy is not None and not isinstance(policy, OffloadPolicy):
         raise TypeError("Config.offload_policy must be a torch.distributed.fsdp "
-                        "CPUOffloadPolicy() (or OffloadPolicy() for none) or None, got "
-                        f"{policy!r}")
+                        "CPUOffloadPolicy() (or OffloadPolicy() for none), an autoshard "
+                        f"Offload(state=..., params=...) or None, got {policy!r}")
 
 
 def offloads(config) -> float:
     """The fraction of the sharded state ``config`` keeps in host memory (0.0: none)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    if not isinstance(config.offload_policy, CPUOffloadPolicy):
+    off = config.offload_options
+    if off is None:
         return 0.0
-    return 1.0 if config.offload_state is None else float(config.offload_state)
+    return 1.0 if off.state is None else float(off.state)
 
 
 def _recompute_blocks(modes: dict) -> None:
@@ -515,26 +758,27 @@ def _units(units) -> list:
 
 def check_names(config: Config, model) -> None:
     """Every name ``config`` gives must name something of ``model``: a module class in
-    ``module_classes``, a module path ``module_pattern`` matches, each parameter FQN of
+    ``Module.classes``, a module path ``Module.pattern`` matches, each parameter FQN of
     ``units`` and each block path of a ``recompute`` dict. ``Config`` cannot check these
     alone; a name that matches nothing would otherwise be ignored silently. ValueError lists
     what the model has, and the close matches."""
     owner = type(model).__name__
     modules = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if p]
     paths = [p for p, _ in modules]
-    if config.module_classes:
+    module = config.policy if isinstance(config.policy, Module) else Module()
+    if module.classes:
         present = list(dict.fromkeys(type(m).__name__ for _, m in modules))
-        for name in config.module_classes:
+        for name in module.classes:
             if name not in present:
-                raise ValueError(f"Config.module_classes names {name!r}, but no submodule of "
+                raise ValueError(f"Config.policy.classes names {name!r}, but no submodule of "
                                  f"{owner} is of that class; "
                                  + _known(name, present, "its classes"))
-    if config.module_pattern is not None:
-        rx = re.compile(config.module_pattern)
+    if module.pattern is not None:
+        rx = re.compile(module.pattern)
         if not any(rx.fullmatch(p) for p in paths):
-            raise ValueError(f"Config.module_pattern={config.module_pattern!r} matches no "
+            raise ValueError(f"Config.policy.pattern={module.pattern!r} matches no "
                              f"module path of {owner} whole (re.fullmatch); "
-                             + _known(config.module_pattern, paths, "its module paths"))
+                             + _known(module.pattern, paths, "its module paths"))
     if config.units is not None:
         fqns = [f for f, _ in model.named_parameters(remove_duplicate=False)]
         known = set(fqns)

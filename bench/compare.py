@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autoshard import Prefetch
 from autoshard.models import GPT, gpt_loss, tiny_hf
 
 VOCAB = 256
@@ -323,10 +324,10 @@ def system_of(spec: str) -> str:
 VARIANTS = {
     "module": {"policy": "module"},
     "module-noprefetch": {"policy": "module", "prefetch": False},
-    "depth1": {"policy": "module", "prefetch_depth": 1},
-    "depth4": {"policy": "module", "prefetch_depth": 4},
-    "cap256k": {"policy": "module", "prefetch_bytes": "256KiB"},
-    "cap1m": {"policy": "module", "prefetch_bytes": "1MiB"},
+    "depth1": {"policy": "module", "prefetch": Prefetch(depth=1)},
+    "depth4": {"policy": "module", "prefetch": Prefetch(depth=4)},
+    "cap256k": {"policy": "module", "prefetch": Prefetch(bytes="256KiB")},
+    "cap1m": {"policy": "module", "prefetch": Prefetch(bytes="1MiB")},
     "bucket": {"policy": "per-parameter", "bucket": True},
     "nobucket": {"policy": "per-parameter", "bucket": False},
     "reshard": {"reshard_after_forward": True},

@@ -163,10 +163,12 @@ def _debug(fn, gm, i: int, before, t0: float, level: int) -> None:
 
 
 def unit_options(config) -> dict:
-    """``assign_units_pass``'s options from a Config."""
-    return {"units": config.units, "policy": config.policy,
-            "module_classes": config.module_classes, "module_pattern": config.module_pattern,
-            "min_unit_numel": config.min_unit_numel}
+    """``assign_units_pass``'s options from a Config: the policy's name and its options."""
+    options = {"units": config.units, "policy": config.policy_name}
+    policy = config.policy_options
+    if policy is not None:
+        options.update(dataclasses.asdict(policy))
+    return options
 
 
 def default_passes(config, **unit_extra) -> list:
@@ -174,10 +176,11 @@ def default_passes(config, **unit_extra) -> list:
     # recomputation first: it decides the activation memory the unit choice works with
     passes = [(recompute_activations_pass, {})] if config.recompute else []
     passes.append((assign_units_pass, units))
-    if config.bucket:
-        passes.append((bucket_units_pass, {"min_bytes": config.bucket_bytes}))
+    bucket, prefetch = config.bucket_options, config.prefetch_options
+    if bucket is not None:
+        passes.append((bucket_units_pass, {"min_bytes": bucket.bytes}))
     passes.append((insert_collectives_pass, {}))
-    if config.prefetch:
-        passes.append((prefetch_pass, {"max_inflight_bytes": config.prefetch_bytes,
-                                       "max_depth": config.prefetch_depth}))
+    if prefetch is not None:
+        passes.append((prefetch_pass, {"max_inflight_bytes": prefetch.bytes,
+                                       "max_depth": prefetch.depth}))
     return passes + [(split_pass, {})]

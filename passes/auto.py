@@ -145,7 +145,7 @@ def _groupings(ctx, order, specs, options) -> list:
         rest = [f for f in order if f not in {x for _, g in mod for x in g}]
         groupings.append(mod + ([("root", rest)] if rest else []))
     numel = {f: math.prod(specs[f].shape) for f in order}
-    groupings.append(_size_groups(order, numel, options.get("min_unit_numel", 10**8)))
+    groupings.append(_size_groups(order, numel, options.get("min_numel", 10**8)))
     caps = {max(unit_bytes(g, specs) for _, g in c) for c in groupings[2:]}
     caps |= {total >> k for k in range(1, 7)}
     for cap in sorted(caps, reverse=True):

@@ -260,7 +260,7 @@ class Planner:
         plan = make_plan(
             math.prod(mesh_shape), ctx.units, specs, [ctx.split.fwd, ctx.split.bwd],
             prediction=pred, profile=ctx.profile, budget=ctx.memory_budget,
-            policy="pinned" if config.units is not None else config.policy,
+            policy="pinned" if config.units is not None else config.policy_name,
             model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
             host_state_bytes=state["host"], recompute=ctx.recompute, candidates=candidates,
             offload=ctx.offload, offload_params=ctx.offload_params,
@@ -406,8 +406,9 @@ class _Placement:
         self.big = len(search.gm.graph.nodes) > BIG_GRAPH
         self.budget = ctx.memory_budget
         # offloaded, the fractions of units copying their shards in twice to try per candidate
-        self.ladder = ((config.offload_params,) if config.offload_params is not None
-                       else OFFLOAD_PARAMS) if ctx.offload else (1.0,)
+        pinned = config.offload_options.params if config.offload_options else None
+        self.ladder = (((pinned,) if pinned is not None else OFFLOAD_PARAMS) if ctx.offload
+                       else (1.0,))
         self.specs = {p.fqn: p for p in ctx.captured.params}
         self.floors: dict = {}  # choice -> bytes held all step plus its activations
 

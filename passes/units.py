@@ -91,7 +91,7 @@ def _first_use_order(gm: fx.GraphModule) -> list:
 
 
 def _module_groups(model, order, options) -> list:
-    classes, pattern = options.get("module_classes"), options.get("module_pattern")
+    classes, pattern = options.get("classes"), options.get("pattern")
     if classes or pattern:
         rx = re.compile(pattern) if pattern else None
         paths = []
@@ -132,7 +132,9 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
     Needs: parameter placeholders tagged ``role=param`` with their ``fqn`` (capture).
     Options: ``units`` — explicit lists of FQNs (any tied alias accepted), or ``policy``:
-    "auto" (see ``auto_units``), "module", "size", "per-parameter", "whole-model".
+    "auto" (see ``auto_units``), "module" (with ``classes`` and ``pattern``, as
+    ``autoshard.Module``'s), "size" (with ``min_numel``, as ``autoshard.Size``'s),
+    "per-parameter", "whole-model".
     Guarantees: every parameter is in exactly one unit; parameters no explicit unit or module
     names form the "root" unit; a unit is named by its block (module policy), else by the
     module paths covering its parameters (``span_names``); units are numbered in order of
@@ -174,7 +176,7 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         groups = _module_groups(ctx.model, order, options)
     elif policy == "size":
         numel = {f: math.prod(specs[f].shape) for f in order}
-        groups = _size_groups(order, numel, options.get("min_unit_numel", 10**8))
+        groups = _size_groups(order, numel, options.get("min_numel", 10**8))
     elif policy == "per-parameter":
         groups = [(f, [f]) for f in order]
     elif policy == "whole-model":

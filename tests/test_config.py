@@ -2,13 +2,33 @@
 
 import dataclasses
 import datetime
+import json
 
 import pytest
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from autoshard import Config
-from autoshard.config import parse_bytes
+import autoshard
+from autoshard import Bucket, Config, Module, Offload, Prefetch, Size
+from autoshard.config import offloads, parse_bytes
+
+
+class Built:
+    """An option written as source and built inside the test: its own constructor is what
+    refuses it (``Prefetch(depth=-3)`` raises before a Config sees it)."""
+
+    NAMES = {"Bucket": Bucket, "Module": Module, "Offload": Offload, "Prefetch": Prefetch,
+             "Size": Size}
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def __repr__(self) -> str:
+        return self.source
+
+    def build(self):
+        return eval(self.source, dict(self.NAMES))
+
 
 BAD = [
     ({"policy": "blocks"}, ValueError, "Config.policy='blocks' is not accepted; use one of 'auto'"),
@@ -25,23 +45,49 @@ BAD = [
                                            "finite, from 1 byte to 2**63 - 1 bytes"),
     ({"device_profile": "tpu"}, ValueError, "Config.device_profile='tpu' is not accepted"),
     ({"optimizer": "lion"}, ValueError, "Config.optimizer='lion' is not accepted"),
-    ({"module_classes": [3]}, TypeError, "Config.module_classes must be a list of class"),
-    ({"module_pattern": "blocks.("}, ValueError, "Config.module_pattern='blocks.(' is not a "
-                                                 "valid regular expression"),
-    ({"min_unit_numel": 0}, ValueError, "Config.min_unit_numel must be a positive int"),
-    ({"min_unit_numel": 2**63}, ValueError, "Config.min_unit_numel must be a positive int "
-                                            "(elements per unit of the size policy), at most"),
+    ({"policy": Module}, ValueError, "Config.policy=<class 'autoshard.config.Module'> is not "
+                                     "accepted; use one of 'auto', 'module', 'size', "
+                                     "'per-parameter', 'whole-model', Module(classes=..., "
+                                     "pattern=...), Size(min_numel=...)"),
+    ({"policy": Built("Module(classes=[3])")}, TypeError,
+     "Config.policy.classes must be a list of class names or classes, got [3]"),
+    ({"policy": Built("Module(classes={'Block'})")}, TypeError,
+     "Config.policy.classes must be a list of class"),
+    ({"policy": Built("Module(pattern=3)")}, TypeError,
+     "Config.policy.pattern must be a regular expression string, got 3"),
+    ({"policy": Built("Module(pattern='blocks.(')")}, ValueError,
+     "Config.policy.pattern='blocks.(' is not a valid regular expression"),
+    ({"policy": Built("Size(min_numel=0)")}, ValueError,
+     "Config.policy.min_numel must be a positive int"),
+    ({"policy": Built("Size(min_numel=2**63)")}, ValueError,
+     "Config.policy.min_numel must be a positive int (elements per unit of the size policy), "
+     "at most"),
+    ({"policy": Built("Size(min_numel=True)")}, ValueError,
+     "Config.policy.min_numel must be a positive int"),
     ({"reshard_after_forward": 1}, ValueError, "Config.reshard_after_forward=1 is not accepted"),
-    ({"bucket": "yes"}, TypeError, "Config.bucket must be True or False"),
-    ({"bucket_bytes": -5}, ValueError, "Config.bucket_bytes=-5 must be positive"),
-    ({"bucket_bytes": float("nan")}, ValueError, "Config.bucket_bytes=nan must be positive"),
-    ({"prefetch": "no"}, TypeError, "Config.prefetch must be True or False, got 'no'"),
+    ({"bucket": "yes"}, TypeError, "Config.bucket must be True, False, Bucket(bytes=...) or "
+                                   "None (on for the per-parameter policy only), got 'yes'"),
+    ({"bucket": Built("Bucket(bytes=-5)")}, ValueError, "Config.bucket.bytes=-5 must be positive"),
+    ({"bucket": Built("Bucket(bytes=float('nan'))")}, ValueError,
+     "Config.bucket.bytes=nan must be positive"),
+    ({"bucket": Built("Bucket(bytes=True)")}, TypeError,
+     "Config.bucket.bytes must be a size such as 512MiB or 1e9, or None for the default"),
+    ({"prefetch": "no"}, TypeError, "Config.prefetch must be True, False or Prefetch(depth=..., "
+                                    "bytes=...), got 'no'"),
+    ({"prefetch": None}, TypeError, "Config.prefetch must be True, False or Prefetch("),
     ({"recompute": 1}, ValueError, "Config.recompute=1 is not accepted; use one of True, "
                                    "False, 'blocks', 'auto'"),
-    ({"prefetch_bytes": 0}, ValueError, "Config.prefetch_bytes=0 must be positive"),
-    ({"prefetch_bytes": float("inf")}, ValueError, "Config.prefetch_bytes=inf must be positive"),
-    ({"prefetch_depth": -3}, ValueError, "Config.prefetch_depth must be a positive int"),
-    ({"prefetch_depth": 10**20}, ValueError, "Config.prefetch_depth must be a positive int"),
+    ({"prefetch": Built("Prefetch(bytes=0)")}, ValueError,
+     "Config.prefetch.bytes=0 must be positive"),
+    ({"prefetch": Built("Prefetch(bytes=float('inf'))")}, ValueError,
+     "Config.prefetch.bytes=inf must be positive"),
+    ({"prefetch": Built("Prefetch(depth=-3)")}, ValueError,
+     "Config.prefetch.depth must be a positive int (how many units ahead an all-gather may be "
+     "issued; use prefetch=False for none), at most 2**63 - 1, got -3"),
+    ({"prefetch": Built("Prefetch(depth=10**20)")}, ValueError,
+     "Config.prefetch.depth must be a positive int"),
+    ({"prefetch": Built("Prefetch(depth=2.0)")}, ValueError,
+     "Config.prefetch.depth must be a positive int"),
     ({"verify": None}, TypeError, "Config.verify must be True or False"),
     ({"timeout": 0}, ValueError, "Config.timeout must be a positive number of seconds"),
     ({"timeout": 1e300}, ValueError, "Config.timeout must be a positive number of seconds, at "
@@ -52,17 +98,27 @@ BAD = [
     ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.int8)}, ValueError,
      "Config.mp_policy.param_dtype must be a floating dtype"),
     ({"offload_policy": "cpu"}, TypeError, "Config.offload_policy must be a torch.distributed."
-                                           "fsdp CPUOffloadPolicy()"),
-    ({"offload_state": 0}, ValueError, "Config.offload_state must be a fraction above 0"),
-    ({"offload_state": 0.5}, ValueError, "it needs offload_policy=torch.distributed.fsdp."
-                                         "CPUOffloadPolicy()"),
-    ({"offload_params": 1.5}, ValueError, "Config.offload_params must be a fraction from 0 to 1"),
-    ({"offload_params": True}, ValueError, "Config.offload_params must be a fraction from 0 to"),
+                                           "fsdp CPUOffloadPolicy() (or OffloadPolicy() for "
+                                           "none), an autoshard Offload(state=..., params=...) "
+                                           "or None, got 'cpu'"),
+    ({"offload_policy": Built("Offload(state=0)")}, ValueError,
+     "Config.offload_policy.state must be a fraction above 0 and at most 1 (of the sharded "
+     "state kept in host memory) or None, got 0"),
+    ({"offload_policy": Built("Offload(state=1.5)")}, ValueError,
+     "Config.offload_policy.state must be a fraction above 0"),
+    ({"offload_policy": Built("Offload(params=1.5)")}, ValueError,
+     "Config.offload_policy.params must be a fraction from 0 to 1"),
+    ({"offload_policy": Built("Offload(params=True)")}, ValueError,
+     "Config.offload_policy.params must be a fraction from 0 to"),
+    ({"offload_policy": Built("Offload(pin_memory='yes')")}, TypeError,
+     "Config.offload_policy.pin_memory must be True or False, got 'yes'"),
     ({"strategy": "fsdp"}, ValueError, "Config.strategy='fsdp' is not accepted; use one of 'ddp'"),
     ({"strategy": "zero2", "reshard_after_forward": True}, ValueError,
      "Config(strategy='zero2') keeps every unit gathered"),
     ({"strategy": "ddp", "offload_policy": CPUOffloadPolicy()}, ValueError,
      "Config(strategy='ddp') keeps every parameter whole on the device"),
+    ({"strategy": "zero1", "offload_policy": Built("Offload(state=0.5)")}, ValueError,
+     "Config(strategy='zero1') keeps every parameter whole on the device"),
     ({"partial_mesh": 1}, TypeError, "Config.partial_mesh must be True or False"),
     ({"compile": "inductor"}, TypeError, "Config.compile must be True or False"),
     ({"gradient_divide_factor": 0}, ValueError, "Config.gradient_divide_factor must be a "
@@ -78,7 +134,7 @@ BAD = [
     next(iter(k.values()))))[:50] for k, _, _ in BAD])
 def test_bad_field_is_named_with_what_it_accepts(kwargs, exc, message):
     with pytest.raises(exc) as info:
-        Config(**kwargs)
+        Config(**{k: v.build() if isinstance(v, Built) else v for k, v in kwargs.items()})
     assert message in str(info.value)
 
 
@@ -89,15 +145,18 @@ def test_every_field_is_covered():
 
 def test_good_values_are_normalised():
     c = Config(memory_budget="2GiB", timeout=datetime.timedelta(minutes=2),
-               module_classes=[Config], units=[("a", "b")])
+               policy=Module(classes=[Config]), units=[("a", "b")])
     assert c.memory_budget == 2 * 2**30 and c.timeout == 120.0
-    assert c.module_classes == ("Config",) and c.units == (("a", "b"),)
-    assert c.to_dict()["units"] == [["a", "b"]] and c.to_dict()["module_classes"] == ["Config"]
+    assert c.policy.classes == ("Config",) and c.units == (("a", "b"),)
+    assert c.to_dict()["units"] == [["a", "b"]]
+    assert c.to_dict()["policy"] == {"name": "module", "classes": ["Config"], "pattern": None}
+    assert Module(classes="Block") == Module(classes=("Block",))
 
 
 def test_nothing_a_config_holds_changes_in_place():
     """Frozen all the way down: its lists are tuples, its recompute dict read-only."""
-    c = Config(units=[["a"]], module_classes=["Block"], recompute={"blocks.0": "block"})
+    c = Config(units=[["a"]], policy=Module(classes=["Block"]),
+               recompute={"blocks.0": "block"})
     with pytest.raises(AttributeError):
         c.units.append(("b",))
     with pytest.raises(TypeError):
@@ -105,8 +164,19 @@ def test_nothing_a_config_holds_changes_in_place():
     assert Config.from_dict(c.to_dict()) == c
     assert dataclasses.replace(c, policy="module").recompute == {"blocks.0": "block"}
     assert Config(timeout=datetime.timedelta(days=7)).timeout == 604800.0
-    assert Config(bucket_bytes="1.5e3KiB", prefetch_bytes=".5GiB").bucket_bytes == 1536000
-    assert Config(prefetch_bytes=".5GiB", min_unit_numel=2**63 - 1).prefetch_bytes == 2**29
+    c = Config(bucket=Bucket(bytes="1.5e3KiB"), prefetch=Prefetch(bytes=".5GiB"))
+    assert c.bucket.bytes == 1536000 and c.prefetch.bytes == 2**29
+    assert Config(policy=Size(min_numel=2**63 - 1)).policy.min_numel == 2**63 - 1
+    for option in (c.bucket, c.prefetch, Module(), Size(), Offload()):
+        name = dataclasses.fields(option)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(option, name, getattr(option, name))
+    with pytest.raises(dataclasses.FrozenInstanceError, match=r"dataclasses\.replace\(offload, "
+                                                              r"state=\.\.\.\)"):
+        Offload().state = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del Offload().params
+    assert dataclasses.replace(Offload(state=0.5), params=0.25) == Offload(0.5, 0.25)
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), -5, 0.5,
@@ -144,8 +214,175 @@ def test_plan_refuses_names_that_match_nothing():
     from autoshard.models import GPT
 
     inputs = (torch.randint(0, 96, (2, 16)),)
-    with pytest.raises(ValueError, match=r"Config.module_classes names 'Blok', but no "
+    with pytest.raises(ValueError, match=r"Config.policy.classes names 'Blok', but no "
                                          r"submodule of GPT .*\(did you mean 'Block'\?\)"):
-        plan(GPT(), inputs, world_size=2, config=Config(policy="module", module_classes="Blok"))
+        plan(GPT(), inputs, world_size=2, config=Config(policy=Module(classes="Blok")))
     with pytest.raises(ValueError, match=r"its parameters: wte.weight, .*, \.\.\. \(15 more\)"):
         plan(GPT(), inputs, world_size=2, config=Config(units=[["wte"]]))
+
+
+def test_the_simple_spellings_stay_as_given_and_mean_the_default_options():
+    """A Config keeps what it was given; what a simple spelling means is read from it."""
+    for policy, options in (("module", Module()), ("size", Size()), ("auto", None),
+                            ("per-parameter", None), ("whole-model", None)):
+        c = Config(policy=policy)
+        assert c.policy == policy and c.policy_name == policy and c.policy_options == options
+    assert Config(policy=Size(min_numel=7)).policy_name == "size"
+    assert Config(policy=Module(pattern="a")).policy_options == Module(pattern="a")
+    assert Config().prefetch is True and Config().prefetch_options == Prefetch(depth=2)
+    assert Config(prefetch=False).prefetch_options is None
+    # bucket None stays None: the policy decides, in every copy made from it
+    c = Config()
+    assert c.bucket is None and c.bucket_options is None
+    per = dataclasses.replace(c, policy="per-parameter")
+    assert per.bucket is None and per.bucket_options == Bucket()
+    assert dataclasses.replace(per, units=[["a"]]).bucket_options is None
+    assert Config(bucket=True).bucket is True and Config(bucket=True).bucket_options == Bucket()
+    assert Config(policy="per-parameter", bucket=False).bucket_options is None
+    # torch's policies are kept as they are; an Offload says what they mean
+    cpu = CPUOffloadPolicy(pin_memory=False)
+    c = Config(offload_policy=cpu)
+    assert c.offload_policy is cpu and c.offload_options == Offload(pin_memory=False)
+    assert offloads(c) == 1.0 and c.to_dict()["offload_policy"] == {"cpu": True,
+                                                                    "pin_memory": False}
+    none = Config(offload_policy=OffloadPolicy())
+    assert none.offload_options is None and offloads(none) == 0.0
+    assert Config().offload_options is None and offloads(Config()) == 0.0
+
+
+def test_the_new_spellings_carry_their_options():
+    options = [Module(classes=[torch.nn.Linear], pattern=r"blocks\.\d+"), Bucket(bytes="1MiB"),
+               Prefetch(depth=3, bytes=1e6), Offload(state=0.5, params=0.25, pin_memory=False)]
+    module, bucket, prefetch, offload = options
+    c = Config(policy=module, bucket=bucket, prefetch=prefetch, offload_policy=offload)
+    assert (c.policy, c.bucket, c.prefetch, c.offload_policy) == tuple(options)
+    assert c.policy is module and c.offload_policy is offload  # the user's own objects
+    assert module.classes == ("Linear",) and bucket.bytes == 2**20 and prefetch.bytes == 10**6
+    assert c.policy_name == "module" and c.bucket_options is bucket
+    assert c.prefetch_options is prefetch and c.offload_options is offload
+    assert isinstance(offload, CPUOffloadPolicy) and offloads(c) == 0.5
+    assert repr(offload) == "Offload(state=0.5, params=0.25, pin_memory=False)"
+    assert Offload() != CPUOffloadPolicy() and offloads(Config(offload_policy=Offload())) == 1.0
+    for name in ("Bucket", "Prefetch", "Offload", "Module", "Size"):
+        assert name in autoshard.__all__ and getattr(autoshard, name).__name__ == name
+        assert getattr(autoshard.autoshard, name) is getattr(autoshard, name)
+
+
+MOVED = [
+    ({"prefetch_depth": 3}, "Config(prefetch_depth=3) is now Config(prefetch=Prefetch(depth=3)) "
+                            "(from autoshard import Prefetch)"),
+    ({"prefetch_bytes": "1MiB"}, "Config(prefetch_bytes='1MiB') is now "
+                                 "Config(prefetch=Prefetch(bytes='1MiB'))"),
+    ({"bucket_bytes": 4096}, "Config(bucket_bytes=4096) is now Config(bucket=Bucket(bytes=4096))"),
+    ({"offload_state": 0.5}, "Config(offload_state=0.5) is now "
+                             "Config(offload_policy=Offload(state=0.5)) (from autoshard import "
+                             "Offload)"),
+    ({"offload_params": 0.0}, "Config(offload_params=0.0) is now "
+                              "Config(offload_policy=Offload(params=0.0))"),
+    ({"module_classes": ["Block"]}, "Config(module_classes=['Block']) is now "
+                                    "Config(policy=Module(classes=['Block']))"),
+    ({"module_pattern": "blocks"}, "Config(module_pattern='blocks') is now "
+                                   "Config(policy=Module(pattern='blocks'))"),
+    ({"min_unit_numel": 10**6}, "Config(min_unit_numel=1000000) is now "
+                                "Config(policy=Size(min_numel=1000000))"),
+    # several at once are grouped by the option they move into, with what they join
+    ({"policy": "module", "module_classes": ["Block"], "module_pattern": "h",
+      "prefetch_depth": 1, "offload_policy": CPUOffloadPolicy(pin_memory=False),
+      "offload_state": 0.25},
+     "Config(module_classes=['Block'], module_pattern='h', prefetch_depth=1, offload_state=0.25) "
+     "is now Config(policy=Module(classes=['Block'], pattern='h'), prefetch=Prefetch(depth=1), "
+     "offload_policy=Offload(state=0.25, pin_memory=False)) (from autoshard import Module, "
+     "Prefetch, Offload)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,says", MOVED, ids=[list(k)[-1] for k, _ in MOVED])
+def test_each_flat_name_is_refused_naming_its_new_spelling(kwargs, says):
+    with pytest.raises(TypeError) as info:
+        Config(**kwargs)
+    assert says in str(info.value)
+    with pytest.raises(TypeError) as info:  # a changed copy too
+        dataclasses.replace(Config(), **kwargs)
+    assert says in str(info.value)
+    assert not any(hasattr(Config(), name) for name in kwargs if name != "policy"
+                   and name != "offload_policy")
+
+
+ROUND_TRIP = [
+    Config(),
+    Config(policy="module", bucket=True, prefetch=False, offload_policy=CPUOffloadPolicy()),
+    Config(policy="size", bucket=False, offload_policy=OffloadPolicy()),
+    Config(policy=Module(classes=["Block"], pattern=r"blocks\.\d+"), bucket=Bucket(),
+           prefetch=Prefetch(depth=4, bytes="1MiB"), offload_policy=Offload(params=0.5)),
+    Config(policy=Size(min_numel=1234), bucket=Bucket(bytes=10**6), prefetch=Prefetch(),
+           offload_policy=Offload(state=0.75, params=0.0, pin_memory=False),
+           units=[["a"], ["b"]], recompute={"blocks.0": "block"}, memory_budget="1GiB"),
+    Config(policy=Module(), offload_policy=Offload()),
+]
+
+
+@pytest.mark.parametrize("config", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
+def test_to_dict_and_from_dict_round_trip_through_json(config):
+    d = json.loads(json.dumps(config.to_dict()))
+    again = Config.from_dict(d)
+    assert again == config and again.to_dict() == d
+    assert type(again.offload_policy) is type(config.offload_policy)  # noqa: E721
+    assert not any(k in d for k in ("prefetch_depth", "bucket_bytes", "module_classes",
+                                    "offload_state", "offload_params", "min_unit_numel"))
+
+
+# what Config.to_dict wrote while these options were fields of their own (exports and
+# checkpoints hold such records), with the Config each now reads as
+OLD = {"policy": "auto", "units": None, "memory_budget": None, "device_profile": None,
+       "optimizer": "adamw", "module_classes": None, "module_pattern": None,
+       "min_unit_numel": 10**8, "reshard_after_forward": "auto", "bucket": False,
+       "bucket_bytes": None, "prefetch": True, "recompute": True, "prefetch_bytes": None,
+       "prefetch_depth": 2, "verify": False, "timeout": 300, "mp_policy": None,
+       "offload_policy": None, "offload_state": None, "offload_params": None,
+       "strategy": "zero3", "partial_mesh": False, "compile": False,
+       "gradient_divide_factor": None, "force_sum_reduction_for_comms": False}
+OLD_READ = [
+    ({}, Config()),
+    ({"policy": "per-parameter", "bucket": True}, Config(policy="per-parameter")),
+    ({"policy": "per-parameter", "bucket": False}, Config(policy="per-parameter", bucket=False)),
+    ({"bucket": True}, Config(bucket=True)),
+    ({"policy": "module", "bucket": True, "bucket_bytes": 4096},
+     Config(policy="module", bucket=Bucket(bytes=4096))),
+    ({"policy": "module", "module_classes": ["Block"]},
+     Config(policy=Module(classes=["Block"]))),
+    ({"policy": "module", "module_pattern": r"blocks\.\d+"},
+     Config(policy=Module(pattern=r"blocks\.\d+"))),
+    ({"policy": "size", "min_unit_numel": 5000}, Config(policy=Size(min_numel=5000))),
+    ({"policy": "size"}, Config(policy="size")),
+    ({"prefetch_depth": 3, "prefetch_bytes": 10**6},
+     Config(prefetch=Prefetch(depth=3, bytes=10**6))),
+    ({"prefetch": False, "prefetch_depth": 3}, Config(prefetch=False)),
+    ({"offload_policy": {"cpu": True, "pin_memory": False}, "offload_state": 0.5,
+      "offload_params": 0.25},
+     Config(offload_policy=Offload(state=0.5, params=0.25, pin_memory=False))),
+    ({"offload_policy": {"cpu": True, "pin_memory": True}},
+     Config(offload_policy=CPUOffloadPolicy())),
+    ({"offload_policy": {"cpu": False, "pin_memory": False}},
+     Config(offload_policy=OffloadPolicy())),
+    ({"units": [["a"]], "bucket": False, "policy": "per-parameter"},
+     Config(units=[["a"]], policy="per-parameter")),
+]
+
+
+@pytest.mark.parametrize("changed,config", OLD_READ, ids=range(len(OLD_READ)))
+def test_from_dict_reads_the_flat_records_earlier_versions_wrote(changed, config):
+    old = dict(OLD, **changed)
+    got = Config.from_dict(json.loads(json.dumps(old)))
+    assert got == config and type(got.offload_policy) is type(config.offload_policy)  # noqa
+    assert Config.from_dict(got.to_dict()) == got
+    assert old == dict(OLD, **changed)  # the record itself is left as it was
+
+
+def test_from_dict_still_refuses_fields_it_does_not_know():
+    with pytest.raises(ValueError, match=r"unknown Config fields \['prefetch_width'\]"):
+        Config.from_dict(dict(OLD, prefetch_width=3))
+    with pytest.raises(ValueError, match=r"Config.policy: a record of \{'name': 'layers'\} names "
+                                         r"no policy with options"):
+        Config.from_dict({"policy": {"name": "layers"}})
+    with pytest.raises(ValueError, match=r"Config.prefetch.depth must be a positive int"):
+        Config.from_dict({"prefetch": {"depth": 0, "bytes": None}})

@@ -42,12 +42,25 @@ def test_config_reference_names_every_field_once_with_type_and_default():
         assert text.count(f"\n### `{f.name}`\n") == 1, f.name
         assert f"`{f.name}: {f.type} = {f.default!r}`" in text, f.name
     doc = Config.__doc__
-    dropped = re.sub(r"\n    prefetch_depth: .*\n", "\n", doc)
+    dropped = re.sub(r"\n    optimizer: .*\n", "\n", doc)
     assert dropped != doc
-    with pytest.raises(ValueError, match=r"missing: \['prefetch_depth'\]"):
+    with pytest.raises(ValueError, match=r"missing: \['optimizer'\]"):
         _reference.sections(dropped)
     with pytest.raises(ValueError, match="'no_such_field', which is not a field"):
         _reference.sections(doc + "\n    no_such_field: nothing\n")
+
+
+def test_config_reference_documents_each_option_a_field_carries():
+    import autoshard
+    from autoshard import _reference
+
+    text = _reference.render()
+    for cls in (autoshard.Module, autoshard.Size, autoshard.Bucket, autoshard.Prefetch,
+                autoshard.Offload):
+        assert text.count(f"\n### `{cls.__name__}`\n") == 1, cls.__name__
+    assert "`Prefetch(depth: int = 2, bytes: Union[int, str, None] = None)`" in text
+    assert ("`Offload(state: Optional[float] = None, params: Optional[float] = None, "
+            "pin_memory: bool = True)`") in text
 
 
 def test_config_reference_check_mode_names_the_command(tmp_path):

@@ -4,16 +4,17 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import AutoshardError, Config
+from autoshard import AutoshardError, Config, Module, Offload, Size
 from autoshard.models import GPT
 from models import build
 
-FIXED = ["module", "size", "per-parameter", "whole-model"]
+SMALL = Size(min_numel=20000)  # several units of these small models
+FIXED = ["module", SMALL, "per-parameter", "whole-model"]
 
 
 def _plan(model, inputs, **cfg):
     return autoshard.plan(model, inputs, world_size=8, config=Config(device_profile="h100",
-                                                                      min_unit_numel=20000, **cfg))
+                                                                      **cfg))
 
 
 def _models():
@@ -55,7 +56,7 @@ def test_units_shrink_with_the_budget():
 
 
 def test_no_plan_fits_names_the_smallest_budget_that_would():
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
     model, inputs = _models()["gpt"]
     # on the device only, and (the default) with offload as the last resort
@@ -66,7 +67,7 @@ def test_no_plan_fits_names_the_smallest_budget_that_would():
         # every block recomputed whole and, offloaded, every shard copied in for each
         # all-gather: the least device memory
         finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute="blocks",
-                       offload_policy=offload or CPUOffloadPolicy(), offload_params=1.0)
+                       offload_policy=Offload(params=1.0) if offload is None else offload)
         assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
         # and that budget is enough
         _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"],
@@ -84,8 +85,8 @@ def test_pinned_units_round_trip_through_json():
 
 def test_module_policy_by_class_name_and_pattern():
     model, inputs = _models()["gpt"]
-    by_class = _plan(model, inputs, policy="module", module_classes=["Block"])
-    by_pattern = _plan(model, inputs, policy="module", module_pattern=r"blocks\.[0-9]+")
+    by_class = _plan(model, inputs, policy=Module(classes=["Block"]))
+    by_pattern = _plan(model, inputs, policy=Module(pattern=r"blocks\.[0-9]+"))
     names = [u.name for u in by_class.units]
     assert names == ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert [u.name for u in by_pattern.units] == names
@@ -93,7 +94,7 @@ def test_module_policy_by_class_name_and_pattern():
 
 def test_size_policy_makes_units_of_at_least_the_minimum():
     model, inputs = _models()["gpt"]
-    plan = _plan(model, inputs, policy="size")
+    plan = _plan(model, inputs, policy=SMALL)
     assert all(u.numel >= 20000 for u in plan.units)
     assert len(plan.units) > 1
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 import autoshard
-from autoshard import meta
+from autoshard import Offload, meta
 from autoshard.cost import PROFILES, node_time, tensor_bytes
 from autoshard.models import GPT
 
@@ -20,10 +20,12 @@ MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32
 
 def _plan(offload, layers=2, world_size=2, **config):
     """``offload``: True (CPUOffloadPolicy), False (OffloadPolicy(): none), None (the
-    planner's choice)."""
+    planner's choice), or an ``Offload`` (its fractions)."""
     from torch.distributed.fsdp import OffloadPolicy
 
-    policy = None if offload is None else CPUOffloadPolicy() if offload else OffloadPolicy()
+    policy = offload
+    if not (offload is None or isinstance(offload, Offload)):
+        policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     return autoshard.plan(GPT(seq=32, layers=layers), INPUTS, world_size=world_size,
                           config=autoshard.Config(policy="module", prefetch=False,
                                                   device_profile="h100", verify=True,
@@ -31,12 +33,13 @@ def _plan(offload, layers=2, world_size=2, **config):
 
 
 def _sharded_compiled(offload, layers=2, **config):
+    """``offload``: an ``Offload``, True (CPUOffloadPolicy) or False (none)."""
     from autoshard.compiler import compile_step
 
     model = GPT(seq=32, layers=layers)
+    policy = offload if isinstance(offload, Offload) else CPUOffloadPolicy() if offload else None
     cfg = autoshard.Config(policy="module", prefetch=False, device_profile="h100",
-                           verify=True, offload_policy=CPUOffloadPolicy() if offload else None,
-                           **config)
+                           verify=True, offload_policy=policy, **config)
     with torch.enable_grad():
         _, ctx, plan = compile_step(model, type(model).forward, INPUTS, {}, world_size=2,
                                     group_name="plan", device=torch.device("cpu"), config=cfg)
@@ -47,9 +50,9 @@ def _sharded_compiled(offload, layers=2, **config):
 @pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
 def test_every_offloaded_shard_goes_through_a_copy_to_the_device_and_its_gradient_back(mp,
                                                                                       state):
-    """All of the state on the host, or (``offload_state``) the last half of it: exactly the
+    """All of the state on the host, or (``Offload.state``) the last half of it: exactly the
     offloaded parameters are copied in and their gradient shards out."""
-    ctx, plan = _sharded_compiled(True, mp_policy=mp, offload_params=1.0, offload_state=state)
+    ctx, plan = _sharded_compiled(Offload(state=state, params=1.0), mp_policy=mp)
     specs = {p.fqn: p for p in ctx.captured.params}
     homes = {s.device for s in specs.values() if s.sharded}
     assert homes == ({"host"} if state is None else {"host", "device"})
@@ -79,14 +82,14 @@ def test_every_offloaded_shard_goes_through_a_copy_to_the_device_and_its_gradien
 
 
 def test_the_plan_holds_the_model_state_on_the_host_and_prices_the_copies():
-    on, off = _plan(False), _plan(True, offload_params=1.0)
+    on, off = _plan(False), _plan(Offload(params=1.0))
     state = on.predicted["model_state_bytes"]
     assert off.predicted["model_state_bytes"] == 0
     assert off.predicted["host_state_bytes"] == state
     assert "offloaded to host memory" in off.summary_table()
     # the device holds the gathered units and activations, not the shards, gradient shards
     # and AdamW state; what it holds instead is one unit's shards copied in before packing
-    ctx, _ = _sharded_compiled(True, offload_params=1.0)
+    ctx, _ = _sharded_compiled(Offload(params=1.0))
     copies = [n for gm in (ctx.split.fwd, ctx.split.bwd) for n in gm.graph.nodes
               if meta.tag(n, meta.COMM) in (meta.H2D, meta.D2H)]
     staged = max(sum(tensor_bytes(n.meta["val"]) for n in copies
@@ -127,7 +130,7 @@ def test_the_planner_offloads_only_when_nothing_fits_on_the_device_and_as_little
     # the optimizer state brought back) exceeds the budget, and bounds the real plan's peak
     quarter = next(c for c in tight.candidates if c["offload"] == 0.25)
     assert quarter["units"] is None and "brings back" in quarter["note"]
-    real = _plan(True, offload_state=0.25, memory_budget=budget,
+    real = _plan(Offload(state=0.25), memory_budget=budget,
                  recompute={}).predicted["peak_bytes"]
     assert budget < quarter["peak_bytes"] <= real
     fast = min(c["step_s"] for c in tight.candidates if c["fits"])
@@ -184,7 +187,7 @@ def test_the_runtime_applies_the_fraction_the_planner_offloads_and_keeps_it():
     assert model.plan.offload == planned.offload
     assert {s.fqn for s in model._autoshard.last.captured.params if s.device == "host"} == hosted
     given = autoshard.autoshard(GPT(seq=32), config=autoshard.Config(
-        **config, offload_policy=CPUOffloadPolicy(), offload_state=planned.offload))
+        **config, offload_policy=Offload(state=planned.offload)))
     given(*INPUTS)
     assert given.plan.predicted == planned.predicted
 
@@ -197,7 +200,7 @@ def _copies_in(ctx, region=None):
 
 @pytest.mark.parametrize("mp", [None, MP], ids=["fp32", "bf16"])
 def test_a_unit_holding_its_shards_copies_them_in_once_per_step(mp):
-    held, again = (_sharded_compiled(True, layers=4, mp_policy=mp, offload_params=f)
+    held, again = (_sharded_compiled(Offload(params=f), layers=4, mp_policy=mp)
                    for f in (0.0, 1.0))
     (hctx, hplan), (actx, aplan) = held, again
     resharded = [u.index for u in hctx.units if not u.keep]
@@ -227,7 +230,7 @@ def test_a_unit_holding_its_shards_copies_them_in_once_per_step(mp):
 
 
 def test_the_planner_copies_in_again_only_as_many_units_as_it_must():
-    peaks = {f: _plan(True, layers=4, offload_params=f).predicted["peak_bytes"]
+    peaks = {f: _plan(Offload(params=f), layers=4).predicted["peak_bytes"]
              for f in (0.0, 0.25, 1.0)}
     assert peaks[0.0] > peaks[0.25] > peaks[1.0]
     # the least that fits is chosen: all held first, then all copied again, then bisection
@@ -250,7 +253,7 @@ def test_the_planner_copies_in_again_only_as_many_units_as_it_must():
 def test_each_number_of_units_copying_again_is_tried_once():
     """With two offloaded units the ladder's 1/4 and 3/4 round to 0 and 2 units: the planner
     tries 0, 2 and 1 of them, once each, and records the fraction that took effect."""
-    peak = _plan(True, offload_params=1.0).predicted["peak_bytes"]
+    peak = _plan(Offload(params=1.0)).predicted["peak_bytes"]
     plan = _plan(True, memory_budget=peak)
     tried = [c["offload_params"] for c in plan.candidates]
     assert len(tried) == len(set(tried)) and set(tried) <= {0.0, 0.5, 1.0}

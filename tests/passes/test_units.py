@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autoshard import meta
+from autoshard import Size, meta
 from autoshard.models import GPT
 from autoshard.passes import assign_units_pass
 from graphs import captured, run
@@ -87,8 +87,8 @@ def test_units_of_every_policy_are_named_by_module_paths(policy):
         model = GPT(layers=12)
     budget = "2200KiB" if policy == "auto" else None  # several units, the rest of the model
     plan = autoshard.plan(model, (torch.randint(0, 96, (2, 16)),), world_size=2,
-                          config=autoshard.Config(policy=policy, memory_budget=budget,
-                                                  min_unit_numel=60000))
+                          config=autoshard.Config(policy=Size(min_numel=60000) if policy ==
+                                                  "size" else policy, memory_budget=budget))
     names = [u.name for u in plan.units]
     assert len(set(names)) == len(names) and (len(names) > 1) == (policy != "whole-model")
     for u in plan.units:

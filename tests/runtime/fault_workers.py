@@ -7,7 +7,7 @@ import time
 import torch
 import torch.nn as nn
 
-from autoshard import AutoshardError, Config, autoshard
+from autoshard import AutoshardError, Config, Module, Prefetch, autoshard
 
 _lib = torch.library.Library("autoshard_test", "DEF")
 _lib.define("stall(Tensor x, float seconds) -> Tensor")
@@ -32,7 +32,7 @@ class Net(nn.Module):
 
 def _model(timeout=None, stall_s=0.0, compile=False):
     torch.manual_seed(0)
-    cfg = Config(policy="module", module_classes=["Linear"], prefetch=False, compile=compile,
+    cfg = Config(policy=Module(classes=["Linear"]), prefetch=False, compile=compile,
                  **({"timeout": timeout} if timeout else {}))
     return autoshard(Net(stall_s), config=cfg)
 
@@ -188,8 +188,7 @@ def _same_as_eager(rank, world, xs, models=1):
         torch.manual_seed(k)
         eager.append(Net())
         torch.manual_seed(k)
-        sharded.append(autoshard(Net(), config=Config(policy="module",
-                                                      module_classes=["Linear"])))
+        sharded.append(autoshard(Net(), config=Config(policy=Module(classes=["Linear"]))))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in eager + sharded]
     out = {"losses": [], "eager_losses": [], "equal": True}
     for batch in xs:
@@ -223,7 +222,7 @@ def message_worker(rank, world, cases):
         r = out[case] = {}
         if case == "config_differs":
             model = Net()
-            cfg = Config(policy="module", module_classes=["Linear"], prefetch_depth=2 + rank)
+            cfg = Config(policy=Module(classes=["Linear"]), prefetch=Prefetch(depth=2 + rank))
             r["error"] = _outcome(lambda: autoshard(model, config=cfg))
             r["untouched"] = not any(isinstance(p, DTensor) for p in model.parameters())
         elif case == "extra_layer":

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from autoshard import Config, autoshard
+from autoshard import Config, Offload, autoshard
 from harness import train_step
 from models import CASES, build, call
 
@@ -139,11 +139,9 @@ OFFLOAD_NAMES = list(OFFLOAD)
 
 
 def offload_worker(rank, world, name):
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     model = autoshard(build(name), config=Config(
-        policy="module", offload_policy=CPUOffloadPolicy(pin_memory=False), offload_params=0.5,
-        offload_state=OFFLOAD[name], verify=True))
+        policy="module", offload_policy=Offload(state=OFFLOAD[name], params=0.5,
+                                                pin_memory=False), verify=True))
     losses, _ = _train(model, name, rank, world)
     homes = {p.to_local().device.type for p in model.parameters()}
     full = model.full_state_dict()  # every rank takes part in gathering it

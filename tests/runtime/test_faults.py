@@ -75,8 +75,9 @@ def messages():
 
 def test_a_config_that_differs_between_ranks_is_named(messages):
     for r in messages["config_differs"]:
-        assert r["error"].startswith("Config.prefetch_depth differs between ranks: rank 0: 2, "
-                                     "rank 1: 3."), r["error"]
+        assert r["error"].startswith(
+            "Config.prefetch differs between ranks: rank 0: Prefetch(depth=2, bytes=None), "
+            "rank 1: Prefetch(depth=3, bytes=None)."), r["error"]
         assert "partial" not in r["error"] and r["untouched"]
 
 

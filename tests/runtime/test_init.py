@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from autoshard import AutoshardError, Config, autoshard, deferred_init
+from autoshard import AutoshardError, Config, Module, autoshard, deferred_init
 from autoshard.models import GPT
 from autoshard.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
@@ -571,11 +571,11 @@ def test_autosharded_submodule_is_named(mesh):
 
 
 NAMES = [
-    ({"policy": "module", "module_classes": ["NoSuchBlock"]},
-     "Config.module_classes names 'NoSuchBlock', but no submodule of GPT is of that class; "
+    ({"policy": Module(classes=["NoSuchBlock"])},
+     "Config.policy.classes names 'NoSuchBlock', but no submodule of GPT is of that class; "
      "its classes: Embedding, ModuleList, Block, LayerNorm, Linear (did you mean 'Block'?)"),
-    ({"policy": "module", "module_pattern": "layers"},
-     "Config.module_pattern='layers' matches no module path of GPT whole (re.fullmatch); its "
+    ({"policy": Module(pattern="layers")},
+     "Config.policy.pattern='layers' matches no module path of GPT whole (re.fullmatch); its "
      "module paths: wte, wpe, blocks, blocks.0, blocks.0.ln1,"),
     ({"units": [["wte.weight"], ["blocks.0.attn.weight"]]},
      "Config.units[1] names 'blocks.0.attn.weight', which is not a parameter of GPT; its "

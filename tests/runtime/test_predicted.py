@@ -20,9 +20,7 @@ from models import CASES, build, call
 def _measure(rank, world, payload):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from autoshard import Config, autoshard
-
-    from torch.distributed.fsdp import CPUOffloadPolicy
+    from autoshard import Config, Offload, autoshard
 
     name, variant = payload
     mp = None
@@ -32,8 +30,8 @@ def _measure(rank, world, payload):
     offloaded = variant.startswith("offload")
     model = autoshard(build(name), config=Config(
         policy="module", prefetch=False, mp_policy=mp, recompute=recompute,
-        offload_policy=CPUOffloadPolicy(pin_memory=False) if offloaded else None,
-        offload_state=0.5 if variant == "offload 1/2" else None, offload_params=0.5))
+        offload_policy=Offload(state=0.5 if variant == "offload 1/2" else None, params=0.5,
+                               pin_memory=False) if offloaded else None))
     _, data, _, loss_fn = CASES[name]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = data(torch.Generator().manual_seed(0), 8)
