@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -66,12 +67,23 @@ def test_calibrate_measures_this_machine():
 
 
 def test_calibrate_with_a_group_before_init_process_group_is_refused():
-    import torch.distributed as dist
+    """In a process of its own: this one may hold a default group an earlier test made."""
+    import subprocess
+    import sys
 
-    assert not dist.is_initialized()  # the tests' ranks run in processes of their own
-    for group in (dist.group.WORLD, None, object()):  # WORLD is None before the group exists
-        with pytest.raises(ValueError, match=r"after torch\.distributed\.init_process_group"):
-            calibrate(group=group)
+    code = """
+import pytest
+import torch.distributed as dist
+from autoshard.cost import calibrate
+assert not dist.is_initialized()
+for group in (dist.group.WORLD, None, object()):  # WORLD is None before the group exists
+    with pytest.raises(ValueError, match=r"after torch\\.distributed\\.init_process_group"):
+        calibrate(group=group)
+print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr
 
 
 def _plan():
