@@ -1,9 +1,13 @@
-"""plan_step: the planner, as the one pass the API runs.
+"""plan_step: the planner, as the one pass the compiler runs.
 
-A plan is a choice of units (which parameters are gathered together), of recomputation
-(which activations cross from forward to backward, per repeated block), of resharding (which
-units free their gathered parameters after the forward) and of offload (whether the sharded
-state lives in host memory). This pass runs the rest of the pipeline once per candidate on a
+A plan is a choice of strategy (``Config.strategy``; "auto" searches zero1, zero2 and zero3),
+of units (which parameters are gathered together), of recomputation (which activations cross
+from forward to backward, per repeated block), of resharding (which units free their gathered
+parameters after the forward) and of offload (whether the sharded state lives in host
+memory): one frozen ``Candidate``. ``lower`` builds a candidate on a copy of the graph and
+predicts it (a ``Lowered``); the ``Planner`` enumerates and bounds them, one ``_Search`` per
+strategy and one ``_Placement`` per placement of the state, and returns the finished Plan.
+This pass runs the rest of the pipeline once per candidate on a
 copy of the captured graph, predicts each result's step time and peak memory
 (``autoshard.simulate``) and keeps the fastest that fits the memory budget; every candidate
 tried, with its prediction, is recorded for the plan to show.
