@@ -63,6 +63,10 @@ FREE = "free"
 # is packed for its all-gather, and the gradient shard copied back to the host after unpacking
 H2D = "h2d"
 D2H = "d2h"
+# every kind whose node copies a tensor between host and device memory: on a GPU the executor
+# runs each on a copy stream of its own direction (``autoshard.runtime.streams``); a new kind
+# of copy (activations copied out and in) joins this tuple to be run there too
+COPIES = (H2D, D2H)
 
 COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE, AR_ISSUE)
 WAITS = (AG_WAIT, RS_WAIT, AR_WAIT)

@@ -1,4 +1,16 @@
-"""Running a compiled program: the forward graph now, the backward graph on backward()."""
+"""Running a compiled program: the forward graph now, the backward graph on backward().
+
+The graphs run as fx wrote them, node by node in the plan's order, on the caller's (compute)
+stream: the c10d functional collectives issue and wait where their nodes are, and each
+``autoshard::free`` releases storage where it stands. One exception, on a GPU: the copies
+between host and device memory (nodes tagged with a kind in ``meta.COPIES``: offloaded shards
+copied in, gradient shards copied out, activations copied out and in) run on a copy stream per
+direction, ordered by events waited for just before each copy's first reader, before a free of
+what it read, and by the host before the graph returns (``autoshard.runtime.streams``, which
+rewrites a copy of each graph for that; ``AUTOSHARD_COPY_STREAMS=0`` turns it off). On a CPU,
+under ``Config(compile=True)`` (inductor's code keeps the copies in order on the compute
+stream) and in ``Program.run_instrumented`` the graphs run exactly as the passes wrote them.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +27,7 @@ from autoshard._compat import tree_unflatten
 from autoshard.capture import TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
+from autoshard.runtime import streams
 
 
 class Program:
@@ -33,9 +46,10 @@ class Program:
             self.bwd = (CompiledGraph(split.bwd, "backward", boxed=True)
                         if split.bwd is not None else None)
         else:
-            self.fwd = split.fwd
+            # on a GPU, host<->device copies run on copy streams (autoshard.runtime.streams)
+            self.fwd, bwd = streams.for_device(split.fwd, split.bwd, device_type)
             # the backward takes its inputs boxed: saved activations die at their last use
-            self.bwd = _compat.boxed(split.bwd) if split.bwd is not None else None
+            self.bwd = _compat.boxed(bwd) if bwd is not None else None
         self._bwd_retained = None
         # forward ops the backward recomputes ran, when traced, in the forward's grad mode,
         # and torch.utils.checkpoint recomputes them in it too: a backward holding any runs
