@@ -160,3 +160,111 @@ def test_an_offloaded_step_on_a_cpu_runs_the_graphs_as_written():
     test_offload_trains_exactly_as_on_the_device)."""
     (got,) = run_ranks(1, _offloaded_on_cpu)
     assert got["copies"] > 0 and got["same"]
+
+
+def test_the_benchmark_without_cuda_exits_saying_why(monkeypatch):
+    from bench import gpu_streams
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        gpu_streams.main([])
+    assert "needs a CUDA device" in str(e.value.code)
+
+
+def test_overlap_counts_copy_time_under_compute_kernels_only():
+    from bench.gpu_streams import overlap
+
+    def ev(cat, name, ts, dur, stream):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}
+
+    trace = {"traceEvents": [
+        ev("kernel", "gemm", 0, 10, 7), ev("kernel", "add", 5, 10, 7),  # compute: 0..15
+        ev("kernel", "ncclDevKernel_AllGather", 20, 30, 9),  # not compute
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 10, 10, 21),  # 5 of 10 under
+        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 25, 10, 22),  # 0 of 10
+        ev("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 10, 7)]}  # not host<->device
+    got = overlap(trace)
+    assert (got["copy_us"], got["overlapped_us"], got["fraction"]) == (20.0, 5.0, 0.25)
+    assert got["copy_streams"] == [21, 22] and got["compute_streams"] == [7]
+
+
+# --- on a GPU ------------------------------------------------------------------------------
+
+TOL = 1e-5
+
+
+def _offloaded_on_gpu(rank, world, name):
+    """Eager and ``CPUOffloadPolicy`` autoshard on one GPU, from the same init and data."""
+    from models import CASES, build, call
+    from parity_workers import batches
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from autoshard import Config, autoshard
+
+    torch.cuda.set_device(0)
+    ref = build(name).cuda()
+    model = autoshard(build(name).cuda(), config=Config(
+        policy="module", offload_policy=CPUOffloadPolicy()))
+    out = {"losses": {}, "params": {}}
+    for key, m in (("eager", ref), ("offload", model)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        out["losses"][key] = []
+        for step in range(3):
+            x, y = (t.cuda() for t in batches(name, step))
+            loss = CASES[name][3](call(name, m, x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out["losses"][key].append(loss.item())
+    out["params"] = {"eager": {k: v.detach().cpu() for k, v in ref.state_dict().items()},
+                     "offload": model.full_state_dict()}
+    (prog,) = model._autoshard.programs.values()
+    out["routed"] = prog.fwd is not prog.split.fwd and prog.bwd is not prog.split.bwd
+    out["homes"] = {p.to_local().device.type for p in model.parameters()}
+    return out
+
+
+@pytest.mark.gpu
+def test_offloaded_training_on_a_gpu_matches_eager():
+    got = run_ranks(1, _offloaded_on_gpu, "gpt", torchrun_env=True)[0]
+    assert got["routed"] and got["homes"] == {"cpu"}
+    dloss = max(abs(a - b) for a, b in zip(*got["losses"].values()))
+    assert dloss <= TOL, dloss
+    ref, ours = got["params"]["eager"], got["params"]["offload"]
+    dparam = max((ours[k].cpu() - ref[k]).abs().max().item() for k in ours)
+    assert dparam <= TOL, dparam
+
+
+def _profiled_on_gpu(rank, world, _):
+    """``bench.gpu_streams``' measure on a GPT whose copies and compute both take time."""
+    import json
+    import os
+    import tempfile
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from autoshard import Config, autoshard
+    from autoshard.models import GPT
+    from bench.gpu_streams import overlap, profiled_step
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = autoshard(GPT(vocab=512, dim=512, heads=8, layers=4, seq=256).cuda(),
+                      config=Config(policy="module", offload_policy=CPUOffloadPolicy()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 512, (16, 256), device="cuda")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        profiled_step(model, opt, [(x, torch.roll(x, -1, dims=1))], 2, path)
+        with open(path) as f:
+            return overlap(json.load(f))
+
+
+@pytest.mark.gpu
+def test_copies_run_on_their_own_streams_and_overlap_compute():
+    got = run_ranks(1, _profiled_on_gpu, torchrun_env=True)[0]
+    assert got["copy_us"] > 0, got
+    assert got["copy_streams"] and not set(got["copy_streams"]) & set(got["compute_streams"])
+    assert got["fraction"] > 0, got
