@@ -207,7 +207,8 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
     if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
-        # on the compute stream, as the graph runs it: copy engines do not overlap it yet
+        # on the compute stream, as a CPU and a compiled program run it; on a GPU the executor
+        # runs it on a copy stream (runtime.streams) and this is an upper bound
         return tensor_bytes(node.meta.get("val")) / profile.host_bandwidth
     work = node.meta.get(_WORK)
     if work is None:  # kept with the node: its op and its values' shapes do not change
