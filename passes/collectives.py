@@ -82,7 +82,10 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
     and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
     the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
-    with no copy from the host and no packing; ``ctx.offload_params`` chooses those among
+    with no copy from the host and no packing; that of a unit resharded to groups of k
+    (``Unit.group``, hpZ) sends the ``autoshard::chunk`` (tagged ``meta.AG_CHUNK``) that
+    copied this rank's 1/k of the forward's gathered buffer after its last forward read,
+    over this rank's group of k (``reshard_group``), and the chunk is freed after its wait; ``ctx.offload_params`` chooses those among
     ``offloaded_units``),
     its gradients reduced after the last of them is complete, as ``ParamSpec.reduction``
     says (a reduce_scatter+wait over the shard dimension, an all_reduce+wait over each
@@ -142,14 +145,52 @@ def _insert_gathers(gm, ctx, pos, roots: dict, specs: dict, phs: dict, group: st
     backward unless ``Unit.keep``); what they allocate joins ``roots``, to be freed."""
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if specs[f].gathers]
+        k = unit.group if not unit.keep else 0
+        sub = reshard_group(ctx, k) if k else None
         for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
             held = None  # the forward's send buffer, when the unit holds it for the backward
             for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
+                hpz = k and region == meta.BWD and held is not None
                 new, sent = _gather(gm, pos, unit.index, region,
-                                    [specs[f] for f in group_fqns], phs, group, unit.keep,
-                                    dtype, device, held)
+                                    [specs[f] for f in group_fqns], phs,
+                                    sub if hpz else group, unit.keep, dtype, device, held,
+                                    ranks=k if hpz else None)
                 held = sent if unit.held else None
+                if k and region == meta.FWD and new:
+                    held = _insert_chunk(gm, unit.index, new, k, sub)
+                    new = new + [held]
                 roots.update((r, unit.index) for r in _freed_roots(new))
+
+
+def reshard_group(ctx, k: int) -> str:
+    """The process group name of this rank's group of ``k`` consecutive ranks of the shard
+    dimension (``PassContext.reshard_groups``); for planning without one, a name derived
+    from the shard dimension's."""
+    names = ctx.reshard_groups or {}
+    if k in names:
+        return names[k]
+    return f"{group_names(ctx)[-1]}:groups_of_{k}"
+
+
+def _insert_chunk(gm, unit: int, new: list, k: int, sub: str) -> fx.Node:
+    """hpZ: after the last forward read of the gathered buffer a forward gather made
+    (``new``), a copy of this rank's 1/k of it (``autoshard::chunk``) for the backward's
+    all-gather within its group of ``k``; the buffer is freed after it as before."""
+    from autoshard.runtime.ops import chunk_op
+
+    waited = next(n for n in new if meta.tag(n, meta.COMM) == meta.AG_WAIT)
+    pos = positions(gm.graph)
+    last = waited
+    for a in alias_closure(alias_base(waited)):
+        for u in a.users:
+            if meta.is_forward(u) and not meta.is_free(u) and pos[u] > pos[last]:
+                last = u
+    with gm.graph.inserting_after(last):
+        chunk = gm.graph.call_function(chunk_op, (waited, k, sub))
+    v = waited.meta["val"]
+    chunk.meta["val"] = fake_empty(v.fake_mode, (v.numel() // k,), v.dtype, v.device)
+    meta.tags(chunk).update(_plain_tags(meta.AG_CHUNK, unit, meta.FWD))
+    return chunk
 
 
 def _insert_reductions(gm, ctx, pos, roots: dict, specs: dict, groups: list) -> None:
@@ -257,7 +298,7 @@ def _cast_unsharded(gm, ph, storage_dtype):
 def offloaded_units(units, specs: dict) -> list:
     """The units resharded after the forward whose shards are in host memory: each copies
     them in again for the backward's all-gather or holds the forward's copy."""
-    return [u for u in units if not u.keep and any(
+    return [u for u in units if not u.keep and not u.group and any(
         specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
 
 
@@ -270,12 +311,15 @@ def _choose_held(units, specs, fraction: float) -> None:
         u.held = i >= again
 
 
-def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None):
+def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None,
+            ranks=None):
     """all-gather the parameters ``specs`` describe (shards cast to ``dtype``, their compute
     dtype; an offloaded shard first copied from the host to ``device``) before their first
     use in ``region``; ``held``: the send buffer an earlier gather packed, sent again as it is
-    (no copy, no packing). Returns (new nodes, the send buffer)."""
+    (no copy, no packing), or with ``ranks`` (hpZ) the chunk an ``autoshard::chunk`` copied,
+    all-gathered over the ``ranks`` of ``group``. Returns (new nodes, the send buffer)."""
     fqns, N = [s.fqn for s in specs], group_size(specs)
+    sent_over = ranks or N
     hosted = [s.device == "host" for s in specs]
     users = {
         u
@@ -299,8 +343,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         else:
             flat = shards[0]
-        buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
-        return _AG(flat, N, group, out=buf), flat
+        buf = torch.empty((sent_over * flat.numel(),), dtype=flat.dtype, device=flat.device)
+        return _AG(flat, sent_over, group, out=buf), flat
 
     def unpack(buf):
         # each rank's shards sit side by side in its slice of the buffer, so a parameter's
@@ -317,7 +361,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             off += lay.local_numel
         return fulls
 
-    key = ("ag", N, group, dtype, str(device), tuple(hosted), tuple(lay.shape for lay in lays))
+    key = ("ag", N, sent_over, group, dtype, str(device), tuple(hosted),
+           tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK,
                      copy_kind=meta.H2D)
     sources = [phs[f] for f in fqns] if held is None else [held]

@@ -63,6 +63,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from autoshard.config import reshard_group_size
 from autoshard.graph import clone_graph
 from autoshard.plans import _fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
@@ -78,6 +79,20 @@ OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COLLECT_EVERY = 8
 # which units free their gathered parameters after the forward (Config.reshard_after_forward)
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
+
+
+def reshard_label(reshard) -> str:
+    """How a plan reshards after the forward: ``RESHARD``'s label, or for an int k (hpZ)
+    "every unit, to groups of k"."""
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        return f"every unit, to groups of {reshard}"
+    return RESHARD[reshard]
+
+
+def shard_size(ctx) -> int:
+    """The ranks of the shard dimension (the mesh's last) the captured parameters name."""
+    params = ctx.captured.params
+    return params[0].mesh_shape[-1] if params else 1
 
 
 def recompute_choices(setting, blocks: list) -> list:
@@ -237,7 +252,8 @@ class Planner:
 
         config, ctx = self.config, self.ctx
         setting = ("search" if config.strategy == "auto" and strategy == "zero3"
-                   else "auto" if config.strategy == "auto" else config.reshard_after_forward)
+                   else "auto" if config.strategy == "auto" else reshard_group_size(
+                       config.reshard_after_forward, shard_size(ctx)))
         if config.strategy == "auto":
             specs = [dataclasses.replace(p, replica=strategy == "zero1" and p.sharded)
                      for p in ctx.captured.params]
@@ -268,7 +284,7 @@ class Planner:
             model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
             host_state_bytes=state["host"], recompute=ctx.recompute, candidates=candidates,
             offload=ctx.offload, offload_params=ctx.offload_params,
-            reshard=(RESHARD[ctx.reshard_after_forward]
+            reshard=(reshard_label(ctx.reshard_after_forward)
                      if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
             strategy=strategy, mesh_shape=mesh_shape, grad_sync=ctx.grad_sync)
         plan.predicted["local_grad_bytes"] = self.options.get("local_grad_bytes", 0)
@@ -595,7 +611,7 @@ class _Placement:
         pred = low.prediction
         self.search.consider(low, self.row(
             ch.label, offload_params=low.ctx.offload_params if self.ctx.offload else None,
-            units=len(low.ctx.units), reshard=RESHARD[reshard], step_s=pred.total,
+            units=len(low.ctx.units), reshard=reshard_label(reshard), step_s=pred.total,
             peak_bytes=pred.peak_bytes, fits=pred.peak_bytes <= self.budget, note=""))
         return low
 
