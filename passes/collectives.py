@@ -365,6 +365,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
            tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK,
                      copy_kind=meta.H2D)
+    if ranks:  # hpZ: the group differs from the shard dimension's; the plan shows its size
+        tag = _grouped(tag, ("ag", 0, ranks))
     sources = [phs[f] for f in fqns] if held is None else [held]
     (handle, sent), n1 = splice(gm, issue, sources, first, tag,
                                 key=key + ("issue", held is None))
@@ -399,6 +401,7 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
     hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
     scatter = steps[0][0] == "rs"
+    mesh = tuple(specs[0].mesh_shape)
 
     def issue(*gs):
         cols = []
@@ -436,11 +439,13 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
         wait_kind = meta.RS_WAIT if step[0] == "rs" else meta.AR_WAIT
         if k == 0:
             tag = _comm_tags(unit, meta.BWD, kinds, meta.RS_PACK)
-            handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step), key=key + (0,))
+            handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step, mesh),
+                                 key=key + (0,))
         else:
             handle, n1 = splice(gm, lambda x, s=step: _collective(x, s, groups, scaling[0]),
                                 [waited],
-                                before, _grouped(_comm_tags(unit, meta.BWD, kinds, None), step),
+                                before,
+                                _grouped(_comm_tags(unit, meta.BWD, kinds, None), step, mesh),
                                 key=key + (k,))
         waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(wait_kind, unit, meta.BWD),
                             key=("wait",))
@@ -460,13 +465,18 @@ def _collective(flat, step, groups, op="avg"):
     return _AR(flat, op, groups[dim])
 
 
-def _grouped(tag, step):
-    """``tag`` plus, on an all-reduce issue, its group size (``meta.GROUP``)."""
+def _grouped(tag, step, mesh_shape=()):
+    """``tag`` plus, on an all-reduce issue (or an hpZ all-gather's), its group size
+    (``meta.GROUP``) and, over a dimension before the mesh's last, the distance between its
+    ranks (``meta.STRIDE``: the product of the later dimensions' sizes)."""
+    stride = math.prod(mesh_shape[step[1] + 1:]) if mesh_shape else 1
 
     def out(n):
         t = tag(n)
-        if t[meta.COMM] == meta.AR_ISSUE:
+        if t[meta.COMM] in (meta.AR_ISSUE, meta.AG_ISSUE):
             t[meta.GROUP] = step[2]
+            if stride > 1:
+                t[meta.STRIDE] = stride
         return t
 
     return out
