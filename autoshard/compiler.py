@@ -16,7 +16,7 @@ import torch
 
 from autoshard import depth, meta
 from autoshard.capture import capture
-from autoshard.config import offloads, reshard_group_size
+from autoshard.config import offloads, reshard_group_size, reshard_group_sizes
 from autoshard.cost import get_profile
 from autoshard.errors import AutoshardError
 from autoshard.passes import PassContext, plan_step_pass, run_passes
@@ -82,6 +82,17 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
                               config=config, reshard_groups=reshard_groups, aliases=aliases, progress=progress,
                               grad_sync=grad_sync, accumulated=accumulated, placed=placed)
     return cap, ctx, plan
+
+
+def reshard_sizes(config, mesh_shape, device) -> tuple:
+    """The hpZ group sizes a plan of ``config`` may use on a mesh of ``mesh_shape``
+    (``autoshard.config.reshard_group_sizes``; "search" under strategy "auto"), for the
+    runtime to make their groups before planning (``runtime.dist.reshard_groups``)."""
+    if config.strategy not in ("zero3", "auto"):
+        return ()
+    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
+    setting = "search" if config.strategy == "auto" else config.reshard_after_forward
+    return reshard_group_sizes(setting, tuple(mesh_shape)[-1], profile.ranks_per_node)
 
 
 def plan_captured(cap, model, *, group_name, device, config, aliases=None, progress=None,
