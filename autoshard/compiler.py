@@ -26,8 +26,9 @@ from autoshard.spec import param_specs
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 reshard_groups=None, aliases=None, progress=None, from_shallow=False, grad_sync=True,
-                 accumulated=False, traced_hooks=frozenset(), lifted=(), placed=None):
+                 reshard_groups=None, aliases=None, progress=None, from_shallow=False,
+                 grad_sync=True, accumulated=False, traced_hooks=frozenset(), lifted=(),
+                 placed=None):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
     ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
@@ -79,8 +80,9 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
     ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
-                              config=config, reshard_groups=reshard_groups, aliases=aliases, progress=progress,
-                              grad_sync=grad_sync, accumulated=accumulated, placed=placed)
+                              config=config, reshard_groups=reshard_groups, aliases=aliases,
+                              progress=progress, grad_sync=grad_sync,
+                              accumulated=accumulated, placed=placed)
     return cap, ctx, plan
 
 

@@ -129,7 +129,8 @@ def _system(name, system, world, args):
             opt.zero_grad()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"system": system, "strategy": sharded.plan.strategy, "sent": sent.bytes,
-            "calls": sent.calls, "across": sent.across if k else None, "stored": stored, "P": params,
+            "calls": sent.calls, "across": sent.across if k else None, "stored": stored,
+            "P": params,
             "predicted_sent": sharded.plan.predicted["sent_bytes"],
             "mesh": tuple(mesh.shape)}
 

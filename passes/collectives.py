@@ -82,11 +82,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
     and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
     the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
-    with no copy from the host and no packing; that of a unit resharded to groups of k
-    (``Unit.group``, hpZ) sends the ``autoshard::chunk`` (tagged ``meta.AG_CHUNK``) that
-    copied this rank's 1/k of the forward's gathered buffer after its last forward read,
-    over this rank's group of k (``reshard_group``), and the chunk is freed after its wait; ``ctx.offload_params`` chooses those among
-    ``offloaded_units``),
+    with no copy from the host and no packing, ``ctx.offload_params`` choosing those among
+    ``offloaded_units``; that of a unit resharded to groups of k (``Unit.group``, hpZ) sends
+    the ``autoshard::chunk`` (tagged ``meta.AG_CHUNK``) that copied this rank's 1/k of the
+    forward's gathered buffer after its last forward read, over this rank's group of k
+    (``reshard_group``), and the chunk is freed after its wait),
     its gradients reduced after the last of them is complete, as ``ParamSpec.reduction``
     says (a reduce_scatter+wait over the shard dimension, an all_reduce+wait over each
     replicated one; none with ``ctx.grad_sync`` off: full local gradients are returned),
@@ -156,10 +156,15 @@ def _insert_gathers(gm, ctx, pos, roots: dict, specs: dict, phs: dict, group: st
                                     sub if hpz else group, unit.keep, dtype, device, held,
                                     ranks=k if hpz else None)
                 held = sent if unit.held else None
-                if k and region == meta.FWD and new:
+                if k and region == meta.FWD and new and _read_in_backward(group_fqns, phs):
                     held = _insert_chunk(gm, unit.index, new, k, sub)
                     new = new + [held]
                 roots.update((r, unit.index) for r in _freed_roots(new))
+
+
+def _read_in_backward(fqns, phs: dict) -> bool:
+    """Whether the backward reads any of the parameters ``fqns`` (through no gather yet)."""
+    return any(meta.is_backward(u) and not meta.is_comm(u) for f in fqns for u in phs[f].users)
 
 
 def reshard_group(ctx, k: int) -> str:
