@@ -185,3 +185,15 @@ def test_hpz_group_size_must_divide_the_shard_size():
                                          "dimension's size 3"):
         autoshard.plan(GPT(seq=32), INPUTS, world_size=3,
                        config=autoshard.Config(reshard_after_forward=2))
+
+
+def test_hpz_on_a_hybrid_mesh_gathers_within_each_replica():
+    """On a 2 x 4 (replicate x shard) mesh, k = 2 divides the shard size 4: the backward
+    all-gathers run over 2 ranks, the reduce-scatter over the shard dimension's 4, the
+    all-reduce over the 2 replicas (verified: Config(verify=True))."""
+    plan = autoshard.plan(GPT(seq=32), INPUTS, world_size=(2, 4), config=autoshard.Config(
+        policy="module", reshard_after_forward=2, verify=True))
+    assert plan.reshard == "every unit, to groups of 2" and plan.mesh_shape == [2, 4]
+    ops = {(e.region, e.op, e.ranks) for e in plan.schedule if e.op not in ("wait", "free")}
+    assert ops == {("fwd", "all_gather", 0), ("bwd", "all_gather", 2),
+                   ("bwd", "reduce_scatter", 0), ("bwd", "all_reduce", 0)}
