@@ -146,8 +146,7 @@ class Candidate:
     ``{block path: mode}``, None for none), the unit candidate (an index into
     ``autoshard.passes.auto.tries``, 0 for a fixed policy), which units reshard after the
     forward (``RESHARD``'s keys, or an int k: every unit to groups of k, hpZ) and, offloaded,
-    the fraction of resharded units copying
-    their shards in again for the backward."""
+    the fraction of resharded units copying their shards in again for the backward."""
 
     strategy: str
     offload: float
