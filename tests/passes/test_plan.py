@@ -178,6 +178,15 @@ def test_hpz_sends_its_backward_all_gathers_within_the_group():
     plan = _plan4(reshard_after_forward=2)
     total = sum(u.bytes for u in plan.units)
     assert plan.predicted["sent_bytes"] == total * 3 // 4 + total // 2 + total * 3 // 4
+    # the simulator prices each all-gather by its own group: 2 ranks in the backward
+    from autoshard.cost import collective_time, get_profile
+
+    cpu = get_profile("cpu")
+    issues = [e for e in plan.schedule if e.op == "all_gather"]
+    comms = [ev for ev in plan.events if ev[0] == "comm" and "all_gather" in ev[1]]
+    assert len(comms) == len(issues) == 2 * len(plan.units)
+    for e, ev in zip(issues, comms):
+        assert ev[3] == collective_time(e.bytes, e.ranks or 4, cpu)
 
 
 def test_hpz_group_size_must_divide_the_shard_size():
