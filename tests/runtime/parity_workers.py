@@ -178,9 +178,10 @@ def _blocks(model):
     return list(inner.layers) if inner is not None and hasattr(inner, "layers") else []
 
 
-def fsdp2_worker(rank, world, name, mp=False, mesh=None, reshard=True, steps=STEPS):
+def fsdp2_worker(rank, world, name, mp=False, mesh=None, reshard=None, steps=STEPS):
     """The same training under FSDP2: fully_shard per block, then the root (on ``mesh``:
-    a 2-D one is FSDP2's HSDP), each with ``reshard_after_forward=reshard``."""
+    a 2-D one is FSDP2's HSDP), each with ``reshard_after_forward=reshard`` (None: FSDP2's
+    default)."""
     from torch.distributed.fsdp import fully_shard
 
     model = build(name)
