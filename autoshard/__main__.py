@@ -50,6 +50,18 @@ def _plan(args) -> int:
     return 0
 
 
+def _reshard(args):
+    """--reshard-after-forward as Config takes it: true/false, auto/search, or an int k."""
+    value = args.reshard_after_forward
+    named = {"true": True, "false": False, "auto": "auto", "search": "search"}
+    if value.lower() in named:
+        return named[value.lower()]
+    if not value.isdigit():
+        raise ValueError(f"--reshard-after-forward {value} is not accepted; use true, false, "
+                         "auto, search or an int k dividing the shard size (hpZ)")
+    return int(value)
+
+
 def _plan_config(args) -> tuple:
     """The plan's Config and world size (a pair under --replicate) from the arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -65,7 +77,7 @@ def _plan_config(args) -> tuple:
     config = Config(policy=args.policy, memory_budget=args.memory_budget,
                     device_profile=args.device_profile, mp_policy=_mp_policy(args),
                     recompute=RECOMPUTE[args.recompute], offload_policy=offload,
-                    strategy=args.strategy)
+                    strategy=args.strategy, reshard_after_forward=_reshard(args))
     world = (args.world_size if args.replicate == 1
              else (args.replicate, args.world_size // args.replicate))
     return config, world
@@ -237,6 +249,9 @@ def _add_plan(sub) -> None:
                     "FRACTION)); default: all)")
     pl.add_argument("--strategy", choices=list(STRATEGIES), default="zero3",
                     help="Config.strategy")
+    pl.add_argument("--reshard-after-forward", default="auto", metavar="WHICH",
+                    help="Config.reshard_after_forward: true, false, auto, search, or an int "
+                         "k (hpZ: groups of k ranks)")
     pl.add_argument("--replicate", type=int, default=1, metavar="R",
                     help="hybrid sharding: R replica groups of world-size / R ranks")
     pl.add_argument("--trace", help="write a Chrome/Perfetto trace here (default: none)")

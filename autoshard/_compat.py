@@ -398,6 +398,14 @@ def group_alive(group) -> bool:
     return group in distributed_c10d._world.pg_map
 
 
+def group_rank(name: str) -> int:
+    """This rank's position in the process group named ``name`` (the names the c10d
+    functional collectives take)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._resolve_process_group(name).rank()
+
+
 def drop_destroyed_groups(mesh) -> None:
     """Let a DeviceMesh drop its references to the process groups destroyed since it was made
     (it keeps each of its groups for torch.compile, in ``_pg_registry``), so that a destroyed

@@ -132,7 +132,8 @@ class _State:
         Config (the passes run again: an export's joint graph at another world size)."""
         ctx, plan = compiler.plan_captured(cap, model, group_name=_dist.group_name(self.mesh),
                                            device=self.device, config=self.config,
-                                           aliases=self.aliases)
+                                           aliases=self.aliases,
+                                           reshard_groups=_reshard_groups(self))
         return _program(self, cap, ctx, plan)
 
 
@@ -458,11 +459,17 @@ def _user_class_name(module) -> str:
     return _class_name(module)
 
 
+def _reshard_groups(st: _State) -> dict:
+    """This rank's hpZ group of each size a plan of ``st.config`` may use, by size."""
+    sizes = compiler.reshard_sizes(st.config, tuple(st.mesh.shape), st.device)
+    return _dist.reshard_groups(st.mesh, sizes)
+
+
 def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
     cap, ctx, plan = compiler.compile_step(
         model, st.orig_forward, args, kwargs, world_size=tuple(st.mesh.shape),
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
-        aliases=st.aliases, grad_sync=st.grad_sync,
+        reshard_groups=_reshard_groups(st), aliases=st.aliases, grad_sync=st.grad_sync,
         accumulated=bool(st.pending) and st.grad_sync, traced_hooks=st.traced_hooks,
         placed=st.placed["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),

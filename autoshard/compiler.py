@@ -16,7 +16,7 @@ import torch
 
 from autoshard import depth, meta
 from autoshard.capture import capture
-from autoshard.config import offloads
+from autoshard.config import offloads, reshard_group_size, reshard_group_sizes
 from autoshard.cost import get_profile
 from autoshard.errors import AutoshardError
 from autoshard.passes import PassContext, plan_step_pass, run_passes
@@ -26,15 +26,18 @@ from autoshard.spec import param_specs
 
 
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
-                 aliases=None, progress=None, from_shallow=False, grad_sync=True,
-                 accumulated=False, traced_hooks=frozenset(), lifted=(), placed=None):
+                 reshard_groups=None, aliases=None, progress=None, from_shallow=False,
+                 grad_sync=True, accumulated=False, traced_hooks=frozenset(), lifted=(),
+                 placed=None):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
     ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
     sharding). ``grad_sync`` False: gradients come out full and unreduced
     (``ShardedModule.set_requires_gradient_sync``); ``accumulated``: the backward takes what
     such steps accumulated and reduces it with its own gradients.
-    ``traced_hooks``, ``lifted``: see ``autoshard.capture.capture``.
+    ``traced_hooks``, ``lifted``: see ``autoshard.capture.capture``. ``reshard_groups``:
+    the process group names of this rank's hpZ groups by size
+    (``autoshard.runtime.dist.reshard_groups``); None when planning only.
     ``from_shallow``: build a deep stack of identical blocks from a few traced ones
     (``autoshard.depth``) instead of tracing them all. ``placed``: the fraction of the state
     an earlier plan put in host memory (the parameters are stored so already, marked
@@ -50,6 +53,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     mesh_shape = tuple(world_size) if isinstance(world_size, (tuple, list)) else (world_size,)
     if isinstance(group_name, str) and len(mesh_shape) > 1:  # planning only: a name per dim
         group_name = tuple(f"{group_name}:{d}" for d in range(len(mesh_shape)))
+    reshard_group_size(config.reshard_after_forward, mesh_shape[-1])  # refuses a bad k early
     strategy = "zero3" if config.strategy == "auto" else config.strategy
     specs = param_specs(model, mp, mesh_shape=mesh_shape, offload=offloads(config),
                         strategy=strategy, grad_divide=config.gradient_divide_factor,
@@ -76,13 +80,25 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     say(f"captured {len(cap.gm.graph.nodes)} nodes")
     cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
     ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
-                              config=config, aliases=aliases, progress=progress,
-                              grad_sync=grad_sync, accumulated=accumulated, placed=placed)
+                              config=config, reshard_groups=reshard_groups, aliases=aliases,
+                              progress=progress, grad_sync=grad_sync,
+                              accumulated=accumulated, placed=placed)
     return cap, ctx, plan
 
 
+def reshard_sizes(config, mesh_shape, device) -> tuple:
+    """The hpZ group sizes a plan of ``config`` may use on a mesh of ``mesh_shape``
+    (``autoshard.config.reshard_group_sizes``; "search" under strategy "auto"), for the
+    runtime to make their groups before planning (``runtime.dist.reshard_groups``)."""
+    if config.strategy not in ("zero3", "auto"):
+        return ()
+    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
+    setting = "search" if config.strategy == "auto" else config.reshard_after_forward
+    return reshard_group_sizes(setting, tuple(mesh_shape)[-1], profile.ranks_per_node)
+
+
 def plan_captured(cap, model, *, group_name, device, config, aliases=None, progress=None,
-                  grad_sync=True, accumulated=False, placed=None):
+                  grad_sync=True, accumulated=False, placed=None, reshard_groups=None):
     """The planner on a captured step (``compile_step`` after capture; also what a loaded
     export runs on its stored joint graph at another world size), over the mesh its
     ``ParamSpec``s name. ``model`` gives the module structure and the buffers. The planner
@@ -100,7 +116,7 @@ def plan_captured(cap, model, *, group_name, device, config, aliases=None, progr
     local_grads = (sum(p.gathered_bytes() for p in cap.params if p.requires_grad)
                    if not grad_sync or accumulated else 0)
     ctx = PassContext(
-        captured=cap, group_name=group_name, model=model,
+        captured=cap, group_name=group_name, model=model, reshard_groups=reshard_groups,
         fqn_aliases=aliases if aliases is not None else fqn_aliases(model),
         profile=profile, memory_budget=config.memory_budget or profile.memory,
         grad_sync=grad_sync, accumulated=accumulated)

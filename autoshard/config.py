@@ -253,9 +253,14 @@ class Config:
         - ``False``: keep every unit gathered from forward to backward;
         - "auto" (default): keep only the unit gathered last in forward, whose backward
           gather would come right after its forward use (FSDP2 keeps its root the same way);
-        - "search": the planner's choice per candidate between "auto" and ``False``, the
-          latter where it is faster and surely within the budget (``plan.reshard`` says
-          which).
+        - an int ``k`` (hpZ, FSDP2's ``reshard_after_forward=k``): after its forward use each
+          unit keeps this rank's 1/k of its gathered parameters, the chunk of its position in
+          its group of ``k`` consecutive ranks of the shard dimension, and the backward
+          all-gathers within that group only (``k`` must divide the shard dimension's size;
+          1 means ``True``, the shard size ``False``);
+        - "search": the planner's choice per candidate between "auto", ``False`` and one
+          hpZ group size (``passes/plan.py`` says which), the fastest where it is surely
+          within the budget (``plan.reshard`` says which).
     partial_mesh: the 1-D mesh covers only some of the ranks on purpose (for example one
         pipeline stage); the ranks outside it train their own copy, and nothing keeps those
         in step. False (default): such a mesh is refused, since replicas across meshes would
@@ -354,7 +359,7 @@ class Config:
     memory_budget: Union[int, str, None] = None
     device_profile: Union[str, DeviceProfile, None] = None
     optimizer: str = "adamw"
-    reshard_after_forward: Union[bool, str] = "auto"
+    reshard_after_forward: Union[bool, int, str] = "auto"
     bucket: Union[bool, Bucket, None] = None
     prefetch: Union[bool, Prefetch] = True
     recompute: Union[bool, str, dict] = True
@@ -425,8 +430,11 @@ class Config:
                     ", Module(classes=..., pattern=...), Size(min_numel=...), or pass "
                     "explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
-        _one_of("reshard_after_forward", self.reshard_after_forward,
-                (True, False, "auto", "search"))
+        raf = self.reshard_after_forward
+        if not isinstance(raf, int) or isinstance(raf, bool) or raf < 1:
+            _one_of("reshard_after_forward", raf, (True, False, "auto", "search"),
+                    ", or an int k >= 1 dividing the shard dimension's size (hpZ: groups of k "
+                    "ranks)")
         from autoshard.spec import STRATEGIES
 
         _one_of("strategy", self.strategy, STRATEGIES)
@@ -702,6 +710,36 @@ def _recompute_blocks(modes: dict) -> None:
             raise ValueError(f"Config.recompute: {path!r}: {mode!r} is not accepted; map "
                              "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut' or "
                              "'block'")
+
+
+def reshard_group_size(setting, shard_size: int):
+    """``Config.reshard_after_forward`` on a shard dimension of ``shard_size`` ranks: an int
+    ``k`` becomes ``True`` (k = 1), ``False`` (k = the shard size) or stays ``k``; other
+    settings are returned as they are. ``ValueError`` naming the value and the shard size
+    when ``k`` does not divide it."""
+    if isinstance(setting, bool) or not isinstance(setting, int):
+        return setting
+    if setting < 1 or shard_size % setting:
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise ValueError(
+            f"Config.reshard_after_forward={setting} must divide the shard dimension's size "
+            f"{shard_size} (hpZ groups of k consecutive ranks of it); accepted: "
+            f"{', '.join(map(str, divisors))}, True, False, 'auto' or 'search'")
+    return True if setting == 1 else False if setting == shard_size else setting
+
+
+def reshard_group_sizes(setting, shard_size: int, ranks_per_node: int = 0) -> tuple:
+    """The hpZ group sizes a plan under ``setting`` may use on a shard dimension of
+    ``shard_size`` ranks: an int's own (if neither 1 nor the shard size); for "search",
+    every divisor ``k`` with ``1 < k < shard_size`` (and ``k <= ranks_per_node`` when that
+    is known, so the backward all-gather stays within a node); none otherwise."""
+    k = reshard_group_size(setting, shard_size)
+    if not isinstance(k, bool) and isinstance(k, int):
+        return (k,)
+    if setting != "search":
+        return ()
+    return tuple(d for d in range(2, shard_size) if shard_size % d == 0
+                 and (ranks_per_node <= 0 or d <= ranks_per_node))
 
 
 def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:

@@ -8,7 +8,9 @@ Plain data and small functions, so a plan can be costed for any device on any ma
   bytes (views move nothing).
 - Collectives: ring all-gather / reduce-scatter of a buffer of ``S`` bytes over ``N`` ranks
   takes ``(N - 1) * alpha + (N - 1) / N * S * beta``; the fraction ``comm_overlap`` of it
-  can run while the rank computes, the rest holds compute up.
+  can run while the rank computes, the rest holds compute up. Each collective is priced by
+  its own group: one whose ranks span more than one node (``ranks_per_node``) moves at the
+  inter-node rate ``inter_beta`` (the ring's slowest link), one within a node at ``beta``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class DeviceProfile:
     # bytes/s each way between host and device memory (an offloaded shard's copies); 0: the
     # host is the device, and such a copy costs what any copy does
     host_bandwidth: float = 0.0
+    # ranks per node, sharing the link ``beta`` prices; a collective whose group spans more
+    # than one node moves at ``inter_beta``. 0: every rank on that one link
+    ranks_per_node: int = 0
+    # seconds per byte between nodes, per rank (its network card); 0: the same as ``beta``
+    inter_beta: float = 0.0
     source: str = ""
 
     def __post_init__(self):
@@ -81,32 +88,39 @@ _PROFILE_NUMBERS = {
     "comm_overlap": (lambda v: 0 <= v <= 1, "a fraction of a collective's time from 0 to 1"),
     "host_bandwidth": (lambda v: 0 <= v <= _BIG,
                        "a finite number of bytes/s, 0 or more (0: the host is the device)"),
+    "ranks_per_node": (lambda v: 0 <= v <= INT64_MAX and v == int(v),
+                       "a whole number of ranks per node, 0 or more (0: all on one link)"),
+    "inter_beta": (lambda v: 0 <= v <= _BIG,
+                   "a finite number of seconds per byte between nodes, 0 or more (0: beta)"),
 }
 
 GiB = 2**30
 
 
 def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
-                nvlink: float, pcie: tuple, host: float) -> DeviceProfile:
+                nvlink: float, pcie: tuple, host: float, nic_gbit: int) -> DeviceProfile:
     """An 80 GB NVIDIA SXM GPU from its datasheet: ``tflops`` dense BF16, ``hbm`` bytes/s of
     memory (``hbm_note`` says which), ``nvlink`` bytes/s each way, a host link of PCIe
     (generation, GB/s each way) of which ``host`` bytes/s are reached; NCCL's ~10 us per
-    ring step as alpha, half the matmul peak reached."""
+    ring step as alpha, half the matmul peak reached; 8 GPUs per node (an HGX board), each
+    with an InfiniBand card of ``nic_gbit`` Gb/s between nodes."""
     gen, link = pcie
     source = (f"NVIDIA {datasheet} datasheet: {tflops} TFLOP/s dense BF16, {hbm / 1e12:g} TB/s "
               f"{hbm_note}, NVLink {2 * nvlink / 1e9:g} GB/s total ({nvlink / 1e9:g} GB/s each "
               f"way); alpha: NCCL's ~10 us per ring step; host link PCIe Gen{gen} x16, {link} "
-              f"GB/s each way, ~{host / 1e9:g} GB/s reached")
+              f"GB/s each way, ~{host / 1e9:g} GB/s reached; 8 GPUs per node (HGX), between "
+              f"nodes one {nic_gbit} Gb/s InfiniBand card per GPU ({nic_gbit / 8:g} GB/s)")
     return DeviceProfile(name, matmul_flops=tflops * 1e12, mem_bandwidth=hbm, alpha=10e-6,
                          beta=1 / nvlink, memory=80 * 10**9, efficiency=0.5,
-                         host_bandwidth=host, source=source)
+                         host_bandwidth=host, ranks_per_node=8,
+                         inter_beta=8 / (nic_gbit * 1e9), source=source)
 
 
 PROFILES = {
     "h100": _nvidia_sxm("h100", "H100 SXM5", tflops=989, hbm=3.35e12, hbm_note="HBM3, 80 GB",
-                        nvlink=450e9, pcie=(5, 64), host=50e9),
+                        nvlink=450e9, pcie=(5, 64), host=50e9, nic_gbit=400),
     "a100": _nvidia_sxm("a100", "A100 SXM4 80GB", tflops=312, hbm=2.039e12, hbm_note="HBM2e",
-                        nvlink=300e9, pcie=(4, 32), host=25e9),
+                        nvlink=300e9, pcie=(4, 32), host=25e9, nic_gbit=200),
     "cpu": DeviceProfile(
         "cpu", matmul_flops=100e9, mem_bandwidth=24e9, alpha=250e-6, beta=1 / 1.4e9,
         memory=24 * GiB, efficiency=0.9, collective_scratch=1.0, comm_overlap=0.1,
@@ -129,13 +143,26 @@ def get_profile(profile) -> DeviceProfile:
 
 
 def collective_time(nbytes: int, world_size: int, profile: DeviceProfile,
-                    rounds: int = 1) -> float:
-    """Ring all-gather or reduce-scatter of an ``nbytes`` (full) buffer; ``rounds=2``: a ring
-    all-reduce (a reduce-scatter, then an all-gather)."""
+                    rounds: int = 1, stride: int = 1) -> float:
+    """Ring all-gather or reduce-scatter of an ``nbytes`` (full) buffer over a group of
+    ``world_size`` ranks ``stride`` apart (1: consecutive ranks, as the shard dimension's and
+    an hpZ group's; a replicate dimension's: the shard size); ``rounds=2``: a ring all-reduce
+    (a reduce-scatter, then an all-gather). A group spanning more than one node
+    (``spans_nodes``) moves at ``inter_beta``, one within a node at ``beta``."""
     if world_size <= 1:
         return profile.alpha
     n = world_size
-    return rounds * ((n - 1) * profile.alpha + (n - 1) / n * nbytes * profile.beta)
+    beta = (profile.inter_beta or profile.beta) if spans_nodes(n, stride, profile) else (
+        profile.beta)
+    return rounds * ((n - 1) * profile.alpha + (n - 1) / n * nbytes * beta)
+
+
+def spans_nodes(world_size: int, stride: int, profile: DeviceProfile) -> bool:
+    """Whether a group of ``world_size`` ranks ``stride`` apart, starting at a multiple of
+    its extent (as mesh groups do), reaches past one node of ``profile.ranks_per_node``
+    ranks; never when that is 0 (unknown: one link)."""
+    rpn = profile.ranks_per_node
+    return rpn > 0 and world_size > 1 and (world_size - 1) * stride >= rpn
 
 
 def ring_rounds(kind: str) -> int:
@@ -206,6 +233,8 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0
+    if meta.tag(node, meta.COMM) == meta.AG_CHUNK:  # reads and writes its chunk only
+        return 2 * tensor_bytes(node.meta.get("val")) / profile.mem_bandwidth
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as a CPU and a compiled program run it; on a GPU the executor
         # runs it on a copy stream (runtime.streams) and this is an upper bound

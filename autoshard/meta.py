@@ -58,6 +58,12 @@ RS_UNPACK = "rs_unpack"
 AR_ISSUE = "all_reduce"
 AR_WAIT = "ar_wait"
 GROUP = "group"  # on an all-reduce issue: its group size (the op names only the group)
+# on a collective issue: the distance between consecutive ranks of its group (1: the shard
+# dimension's consecutive ranks; a replicate dimension's: the shard size); absent means 1
+STRIDE = "stride"
+# hpZ (Config.reshard_after_forward=k): after a unit's last forward use, this rank's 1/k of
+# its gathered buffer (autoshard::chunk), held to the backward, all-gathered within its group
+AG_CHUNK = "ag_chunk"
 FREE = "free"
 # offloaded parameters (ParamSpec.device == "host"): the shard copied to the device before it
 # is packed for its all-gather, and the gradient shard copied back to the host after unpacking

@@ -51,6 +51,9 @@ class UnitInfo:
     # the fraction of its elements whose shards, gradient shards and optimizer state are in
     # host memory (Plan.offload)
     hosted: float = 0.0
+    # hpZ: resharded after the forward to groups of this many ranks (0: to the whole shard
+    # dimension, or kept)
+    group: int = 0
 
 
 @dataclasses.dataclass
@@ -69,6 +72,9 @@ class ScheduleEntry:
     after: str
     module: str
     serves: str = ""
+    # the ranks of the collective's group where it is not the shard dimension (an hpZ
+    # all-gather's group of k); 0: the shard dimension's (or, for an all-reduce, its own)
+    ranks: int = 0
 
 
 @dataclasses.dataclass
@@ -154,7 +160,8 @@ class Plan:
 
     def units_table(self) -> str:
         rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
-                 "kept" if u.kept else "resharded, shards held" if u.held else "resharded")
+                 "kept" if u.kept else "resharded, shards held" if u.held
+                 else f"resharded to groups of {u.group}" if u.group else "resharded")
                 + ((_home(u.hosted),) if self.offload else ())
                 for u in self.units]
         return _fit(rows, ["unit", "name", "params", "numel", "bytes", "after forward"]
@@ -168,7 +175,8 @@ class Plan:
         names = {u.index: u.name for u in self.units}
         if ops is None:
             ops = {e.op for e in self.schedule} - (set() if frees else {"free"})
-        rows = [(i, e.region, f"{e.unit}:{names.get(e.unit, '?')}", e.op, _fmt_bytes(e.bytes),
+        rows = [(i, e.region, f"{e.unit}:{names.get(e.unit, '?')}",
+                 f"{e.op} ({e.ranks} ranks)" if e.ranks else e.op, _fmt_bytes(e.bytes),
                  _where(e),
                  e.serves or "-")
                 for i, e in enumerate(self.schedule) if e.op in ops]
@@ -386,6 +394,7 @@ def read_schedule(graphs) -> list:
                         after=prev.name if prev is not None else "(start)",
                         module=where[prev] if prev is not None else "",
                         serves=serves.get(n, ""),
+                        ranks=meta.tag(n, meta.GROUP, 0) if kind == meta.AG_ISSUE else 0,
                     )
                 )
             elif _is_compute(n):
@@ -584,7 +593,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
         host = sum(_numel(specs[f].shape) for f in u.fqns if specs[f].device == "host")
         infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held,
-                              host / numel if numel else 0.0))
+                              host / numel if numel else 0.0, u.group))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1],
                 offload=offload, offload_params=offload_params if offload else None,

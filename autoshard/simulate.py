@@ -108,7 +108,8 @@ class _Sim:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
             world = meta.group_size(n)
             rounds = ring_rounds(kind)
-            dur = collective_time(size, world, self.profile, rounds)
+            dur = collective_time(size, world, self.profile, rounds,
+                                  meta.tag(n, meta.STRIDE, 1))
             start = max(self.tc, self.tq)
             self.tq = self.pending[n] = start + dur
             held = dur * (1 - self.profile.comm_overlap)  # what compute cannot run beside

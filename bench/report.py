@@ -133,7 +133,10 @@ STRATEGIES_INTRO = (
     "optimizer state, ZeRO-1's replicas), for every `Config.strategy` and hybrid sharding "
     "on a 2 x 2 mesh, gpt-small at world size 4, against the textbook formulas (see "
     "bench/strategies.py and docs/strategies.md). `-reshard`: every unit resharded after "
-    "the forward; by default the unit gathered last is kept and not gathered twice.")
+    "the forward; by default the unit gathered last is kept and not gathered twice. "
+    "`-hpz2`: every unit resharded after the forward to groups of 2 ranks "
+    "(`reshard_after_forward=2`); across groups: the bytes for ranks outside the rank's "
+    "group of 2 (counted as bench/strategies.py says).")
 
 
 def strategies_section() -> list:

@@ -21,6 +21,17 @@ rank 0:
   step and are freed at its end). "-reshard": every unit resharded after the forward (by
   default the unit gathered last in the forward is kept for the backward and is not
   gathered twice, which sends less than the formula).
+- hpZ, "zero3-hpzK" (``reshard_after_forward=K``): every unit resharded after the forward to
+  groups of K consecutive ranks, so the backward all-gathers within the group. Textbook:
+  P(N-1)/N forward all-gather, P(K-1)/K backward all-gather, P(N-1)/N reduce-scatter, in all
+  2P(N-1)/N + P(K-1)/K (N = 4, K = 2: 2P, against ZeRO-3's 2.25P); stored 4P/N as ZeRO-3
+  (the chunks, P/K, live from forward to backward only).
+- across: of the bytes sent, those for ranks outside this rank's K-group (hpZ rows only). A
+  collective over the K-group sends none across. A collective over a group of n ranks
+  (the shard dimension) is counted by where its bytes must arrive, whatever the algorithm
+  routes: each rank's 1/n of an all-gather (or of a reduce-scatter's result) reaches the
+  n - K ranks outside its group, so of S (n-1)/n sent, S (n-K)/n count as across (an
+  all-reduce twice that). Textbook: 2P(N-K)/N; the backward all-gather adds nothing.
 """
 
 from __future__ import annotations
@@ -39,16 +50,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.compare import MODELS, VOCAB, _loss
 
-SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "zero3-reshard", "auto", "hsdp", "hsdp-reshard")
+SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "zero3-reshard", "zero3-hpz2", "auto", "hsdp",
+           "hsdp-reshard")
 _F = torch.ops._c10d_functional
 
 
 class _Sent(TorchDispatchMode):
     """Bytes sent per rank by the c10d functional collectives called inside it."""
 
-    def __init__(self, sizes: dict):
+    def __init__(self, sizes: dict, k: int = 0):
+        """``sizes``: group name -> its ranks; ``k``: the hpZ group size (0: none), for the
+        bytes sent across groups (the module docstring says how they are counted)."""
         super().__init__()
-        self.sizes, self.bytes, self.calls = sizes, 0, 0
+        self.sizes, self.k, self.bytes, self.calls, self.across = sizes, k, 0, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -62,8 +76,11 @@ class _Sent(TorchDispatchMode):
 
     def _add(self, t, group, rounds):
         n = self.sizes[group]
+        nbytes = t.numel() * t.element_size()
         self.calls += 1
-        self.bytes += rounds * t.numel() * t.element_size() * (n - 1) // n
+        self.bytes += rounds * nbytes * (n - 1) // n
+        if self.k and n > self.k:  # a K-group's own collective sends nothing across
+            self.across += rounds * nbytes * (n - self.k) // n
 
 
 def _stored(model, opt) -> int:
@@ -90,7 +107,12 @@ def _system(name, system, world, args):
             if hybrid else init_device_mesh("cpu", (world,)))
     sizes = {mesh.get_group(d).group_name: mesh.size(d) for d in range(mesh.ndim)}
     strategy = "zero3" if hybrid else system.partition("-")[0]
-    reshard = True if system.endswith("-reshard") else "auto"
+    k = _hpz(system)
+    reshard = True if system.endswith("-reshard") else k or "auto"
+    if k:
+        from autoshard.runtime.dist import reshard_groups
+
+        sizes.update({g: k for g in reshard_groups(mesh, (k,)).values()})
     sharded = autoshard(model, mesh=mesh,
                         config=Config(strategy=strategy, reshard_after_forward=reshard))
     opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
@@ -98,7 +120,7 @@ def _system(name, system, world, args):
     x = torch.randint(0, VOCAB, (args.batch, args.seq + 1), generator=gen)
     for step in range(args.steps):
         last = step == args.steps - 1
-        sent = _Sent(sizes)
+        sent = _Sent(sizes, k)
         with sent if last else contextlib.nullcontext():
             loss = _loss(sharded(x[:, :-1]), x[:, 1:])
             loss.backward()
@@ -107,13 +129,29 @@ def _system(name, system, world, args):
             opt.zero_grad()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"system": system, "strategy": sharded.plan.strategy, "sent": sent.bytes,
-            "calls": sent.calls, "stored": stored, "P": params,
+            "calls": sent.calls, "across": sent.across if k else None, "stored": stored,
+            "P": params,
             "predicted_sent": sharded.plan.predicted["sent_bytes"],
             "mesh": tuple(mesh.shape)}
 
 
+def _hpz(system: str) -> int:
+    """K of a "zero3-hpzK" system; 0 for the others."""
+    head, _, k = system.partition("-hpz")
+    return int(k) if k else 0
+
+
 def textbook(system, P, mesh) -> tuple:
-    """(sent, stored) per rank per step, fp32 AdamW, for P parameter bytes."""
+    """(sent, stored, sent across K-groups or None) per rank per step, fp32 AdamW, for P
+    parameter bytes."""
+    k = _hpz(system)
+    if k:
+        n = mesh[0]
+        return 2 * P * (n - 1) / n + P * (k - 1) / k, 4 * P / n, 2 * P * (n - k) / n
+    return _textbook(system, P, mesh) + (None,)
+
+
+def _textbook(system, P, mesh) -> tuple:
     system = system.partition("-")[0]
     if system == "hsdp":
         r, s = mesh
@@ -145,14 +183,17 @@ def table(rows) -> str:
     out = []
     for r in rows:
         kind = r["strategy"] if r["system"] == "auto" else r["system"]
-        sent, stored = textbook(kind, r["P"], r["mesh"])
+        sent, stored, across = textbook(kind, r["P"], r["mesh"])
         name = "auto -> " + r["strategy"] if r["system"] == "auto" else r["system"]
         if r["system"].startswith("hsdp"):
             name = r["system"].replace("hsdp", f"hsdp {r['mesh'][0]}x{r['mesh'][1]}")
-        out.append((name, r["sent"], round(sent), f"{r['sent'] / sent:.3f}", r["calls"],
-                    r["stored"], round(stored), f"{r['stored'] / stored:.3f}"))
+        cross = (r["across"], round(across), f"{r['across'] / across:.3f}") if across else (
+            "-", "-", "-")
+        out.append((name, r["sent"], round(sent), f"{r['sent'] / sent:.3f}", *cross,
+                    r["calls"], r["stored"], round(stored), f"{r['stored'] / stored:.3f}"))
     return tabulate(out, headers=["strategy", "sent B/rank/step", "textbook", "ratio",
-                                  "collectives", "stored B/rank", "textbook", "ratio"],
+                                  "across groups", "textbook", "ratio", "collectives",
+                                  "stored B/rank", "textbook", "ratio"],
                     tablefmt="github")
 
 

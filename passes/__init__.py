@@ -41,7 +41,10 @@ class PassContext:
     group_name: Any
     model: Any = None  # the nn.Module, for module-structure policies
     fqn_aliases: dict = dataclasses.field(default_factory=dict)  # any name -> canonical FQN
-    reshard_after_forward: Any = "auto"  # True, False or "auto" (Config's)
+    reshard_after_forward: Any = "auto"  # True, False, "auto" or an int k (Config's)
+    # hpZ: group size k -> the process group name of this rank's group of k consecutive
+    # ranks of the shard dimension (runtime.dist.reshard_groups); empty when planning only
+    reshard_groups: Any = None
     # whether gradients are reduced over the mesh this step; False: they come out full and
     # local, for the runtime to accumulate (ShardedModule.set_requires_gradient_sync)
     grad_sync: bool = True

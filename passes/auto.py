@@ -30,7 +30,7 @@ import math
 
 import torch.fx as fx
 
-from autoshard.cost import collective_time
+from autoshard.cost import collective_time, spans_nodes
 from autoshard.spec import group_size
 
 MAX_TRIES = 6  # full pipelines tried for graphs over BIG_GRAPH nodes; smaller ones try all
@@ -72,6 +72,7 @@ class _Segments:
         inner loop."""
         n, p = self.world, self.profile
         fixed, slope = ((n - 1) * p.alpha, (n - 1) / n) if n > 1 else (p.alpha, 0.0)
+        beta = (p.inter_beta or p.beta) if spans_nodes(n, 1, p) else p.beta
         terms = [(times, sums[i], sums) for d in self.dtypes
                  for times, sums in ((2, self.ag[d]), (1, self.rs[d])) if sums[-1]]
         out = []
@@ -80,7 +81,7 @@ class _Segments:
             for times, end, sums in terms:
                 x = end - sums[j]
                 if x:
-                    c += times * (fixed + slope * x * p.beta)
+                    c += times * (fixed + slope * x * beta)
             out.append(c)
         return out
 

@@ -82,8 +82,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModu
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
     and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
     the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
-    with no copy from the host and no packing; ``ctx.offload_params`` chooses those among
-    ``offloaded_units``),
+    with no copy from the host and no packing, ``ctx.offload_params`` choosing those among
+    ``offloaded_units``; that of a unit resharded to groups of k (``Unit.group``, hpZ) sends
+    the ``autoshard::chunk`` (tagged ``meta.AG_CHUNK``) that copied this rank's 1/k of the
+    forward's gathered buffer after its last forward read, over this rank's group of k
+    (``reshard_group``), and the chunk is freed after its wait),
     its gradients reduced after the last of them is complete, as ``ParamSpec.reduction``
     says (a reduce_scatter+wait over the shard dimension, an all_reduce+wait over each
     replicated one; none with ``ctx.grad_sync`` off: full local gradients are returned),
@@ -142,14 +145,57 @@ def _insert_gathers(gm, ctx, pos, roots: dict, specs: dict, phs: dict, group: st
     backward unless ``Unit.keep``); what they allocate joins ``roots``, to be freed."""
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if specs[f].gathers]
+        k = unit.group if not unit.keep else 0
+        sub = reshard_group(ctx, k) if k else None
         for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
             held = None  # the forward's send buffer, when the unit holds it for the backward
             for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
+                hpz = k and region == meta.BWD and held is not None
                 new, sent = _gather(gm, pos, unit.index, region,
-                                    [specs[f] for f in group_fqns], phs, group, unit.keep,
-                                    dtype, device, held)
+                                    [specs[f] for f in group_fqns], phs,
+                                    sub if hpz else group, unit.keep, dtype, device, held,
+                                    ranks=k if hpz else None)
                 held = sent if unit.held else None
+                if k and region == meta.FWD and new and _read_in_backward(group_fqns, phs):
+                    held = _insert_chunk(gm, unit.index, new, k, sub)
+                    new = new + [held]
                 roots.update((r, unit.index) for r in _freed_roots(new))
+
+
+def _read_in_backward(fqns, phs: dict) -> bool:
+    """Whether the backward reads any of the parameters ``fqns`` (through no gather yet)."""
+    return any(meta.is_backward(u) and not meta.is_comm(u) for f in fqns for u in phs[f].users)
+
+
+def reshard_group(ctx, k: int) -> str:
+    """The process group name of this rank's group of ``k`` consecutive ranks of the shard
+    dimension (``PassContext.reshard_groups``); for planning without one, a name derived
+    from the shard dimension's."""
+    names = ctx.reshard_groups or {}
+    if k in names:
+        return names[k]
+    return f"{group_names(ctx)[-1]}:groups_of_{k}"
+
+
+def _insert_chunk(gm, unit: int, new: list, k: int, sub: str) -> fx.Node:
+    """hpZ: after the last forward read of the gathered buffer a forward gather made
+    (``new``), a copy of this rank's 1/k of it (``autoshard::chunk``) for the backward's
+    all-gather within its group of ``k``; the buffer is freed after it as before."""
+    from autoshard.runtime.ops import chunk_op
+
+    waited = next(n for n in new if meta.tag(n, meta.COMM) == meta.AG_WAIT)
+    pos = positions(gm.graph)
+    last = waited
+    for a in alias_closure(alias_base(waited)):
+        for u in a.users:
+            if meta.is_forward(u) and not meta.is_free(u) and pos[u] > pos[last]:
+                last = u
+    with gm.graph.inserting_after(last):
+        chunk = gm.graph.call_function(chunk_op, (waited, k, sub))
+    v = waited.meta["val"]
+    chunk.meta["val"] = fake_empty(v.fake_mode, (v.numel() // k,), v.dtype, v.device)
+    meta.tags(chunk).update(_plain_tags(meta.AG_CHUNK, unit, meta.FWD))
+    return chunk
 
 
 def _insert_reductions(gm, ctx, pos, roots: dict, specs: dict, groups: list) -> None:
@@ -257,7 +303,7 @@ def _cast_unsharded(gm, ph, storage_dtype):
 def offloaded_units(units, specs: dict) -> list:
     """The units resharded after the forward whose shards are in host memory: each copies
     them in again for the backward's all-gather or holds the forward's copy."""
-    return [u for u in units if not u.keep and any(
+    return [u for u in units if not u.keep and not u.group and any(
         specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
 
 
@@ -270,12 +316,15 @@ def _choose_held(units, specs, fraction: float) -> None:
         u.held = i >= again
 
 
-def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None):
+def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=None,
+            ranks=None):
     """all-gather the parameters ``specs`` describe (shards cast to ``dtype``, their compute
     dtype; an offloaded shard first copied from the host to ``device``) before their first
     use in ``region``; ``held``: the send buffer an earlier gather packed, sent again as it is
-    (no copy, no packing). Returns (new nodes, the send buffer)."""
+    (no copy, no packing), or with ``ranks`` (hpZ) the chunk an ``autoshard::chunk`` copied,
+    all-gathered over the ``ranks`` of ``group``. Returns (new nodes, the send buffer)."""
     fqns, N = [s.fqn for s in specs], group_size(specs)
+    sent_over = ranks or N
     hosted = [s.device == "host" for s in specs]
     users = {
         u
@@ -299,8 +348,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         else:
             flat = shards[0]
-        buf = torch.empty((N * flat.numel(),), dtype=flat.dtype, device=flat.device)
-        return _AG(flat, N, group, out=buf), flat
+        buf = torch.empty((sent_over * flat.numel(),), dtype=flat.dtype, device=flat.device)
+        return _AG(flat, sent_over, group, out=buf), flat
 
     def unpack(buf):
         # each rank's shards sit side by side in its slice of the buffer, so a parameter's
@@ -317,9 +366,12 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             off += lay.local_numel
         return fulls
 
-    key = ("ag", N, group, dtype, str(device), tuple(hosted), tuple(lay.shape for lay in lays))
+    key = ("ag", N, sent_over, group, dtype, str(device), tuple(hosted),
+           tuple(lay.shape for lay in lays))
     tag = _comm_tags(unit, region, {_AG: meta.AG_ISSUE, _EMPTY: meta.AG_BUFFER}, meta.AG_PACK,
                      copy_kind=meta.H2D)
+    if ranks:  # hpZ: the group differs from the shard dimension's; the plan shows its size
+        tag = _grouped(tag, ("ag", 0, ranks))
     sources = [phs[f] for f in fqns] if held is None else [held]
     (handle, sent), n1 = splice(gm, issue, sources, first, tag,
                                 key=key + ("issue", held is None))
@@ -354,6 +406,7 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
     hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
     scatter = steps[0][0] == "rs"
+    mesh = tuple(specs[0].mesh_shape)
 
     def issue(*gs):
         cols = []
@@ -391,11 +444,13 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
         wait_kind = meta.RS_WAIT if step[0] == "rs" else meta.AR_WAIT
         if k == 0:
             tag = _comm_tags(unit, meta.BWD, kinds, meta.RS_PACK)
-            handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step), key=key + (0,))
+            handle, n1 = splice(gm, issue, grads, before, _grouped(tag, step, mesh),
+                                 key=key + (0,))
         else:
             handle, n1 = splice(gm, lambda x, s=step: _collective(x, s, groups, scaling[0]),
                                 [waited],
-                                before, _grouped(_comm_tags(unit, meta.BWD, kinds, None), step),
+                                before,
+                                _grouped(_comm_tags(unit, meta.BWD, kinds, None), step, mesh),
                                 key=key + (k,))
         waited, n2 = splice(gm, _WAIT, [handle], before, _plain_tags(wait_kind, unit, meta.BWD),
                             key=("wait",))
@@ -415,13 +470,18 @@ def _collective(flat, step, groups, op="avg"):
     return _AR(flat, op, groups[dim])
 
 
-def _grouped(tag, step):
-    """``tag`` plus, on an all-reduce issue, its group size (``meta.GROUP``)."""
+def _grouped(tag, step, mesh_shape=()):
+    """``tag`` plus, on an all-reduce issue (or an hpZ all-gather's), its group size
+    (``meta.GROUP``) and, over a dimension before the mesh's last, the distance between its
+    ranks (``meta.STRIDE``: the product of the later dimensions' sizes)."""
+    stride = math.prod(mesh_shape[step[1] + 1:]) if mesh_shape else 1
 
     def out(n):
         t = tag(n)
-        if t[meta.COMM] == meta.AR_ISSUE:
+        if t[meta.COMM] in (meta.AR_ISSUE, meta.AG_ISSUE):
             t[meta.GROUP] = step[2]
+            if stride > 1:
+                t[meta.STRIDE] = stride
         return t
 
     return out

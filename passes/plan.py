@@ -36,8 +36,13 @@ Resharding ("auto"): every unit but the one gathered last in forward frees its p
 the forward and gathers them again in the backward. With ``reshard_after_forward="search"``, a
 candidate that fits with communication exposed is tried once more with every unit kept from
 forward to backward (no backward all-gathers) when that surely fits: its peak plus every
-resharded unit's gathered bytes is within the budget. Offload: the whole search runs on the
-device first and, with no ``Config.offload_policy``, only if nothing fits, again with all of
+resharded unit's gathered bytes is within the budget; when that does not fit, once with every
+unit resharded to groups of k ranks (hpZ, ``reshard_after_forward=k``) for the least divisor
+k of the shard size (1 < k < shard size, and k <= the profile's ``ranks_per_node`` when it
+is known) whose bound, the peak plus 1/k of every resharded unit's gathered bytes, fits. One
+k only, to bound planning time: under the cost model a smaller group's backward all-gather is
+never slower, so the least k that fits is the fastest hpZ plan. Offload: the whole search runs
+on the device first and, with no ``Config.offload_policy``, only if nothing fits, again with all of
 the sharded state in host memory; if a plan fits then, again for the least of
 ``OFFLOAD_STATE`` that fits, by bisection (the state of the last parameters first,
 ``autoshard.spec.hosted``; peaks fall as more is offloaded). A fraction is not searched when
@@ -63,6 +68,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from autoshard.config import reshard_group_size, reshard_group_sizes
 from autoshard.graph import clone_graph
 from autoshard.plans import _fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
@@ -78,6 +84,20 @@ OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COLLECT_EVERY = 8
 # which units free their gathered parameters after the forward (Config.reshard_after_forward)
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
+
+
+def reshard_label(reshard) -> str:
+    """How a plan reshards after the forward: ``RESHARD``'s label, or for an int k (hpZ)
+    "every unit, to groups of k"."""
+    if isinstance(reshard, int) and not isinstance(reshard, bool):
+        return f"every unit, to groups of {reshard}"
+    return RESHARD[reshard]
+
+
+def shard_size(ctx) -> int:
+    """The ranks of the shard dimension (the mesh's last) the captured parameters name."""
+    params = ctx.captured.params
+    return params[0].mesh_shape[-1] if params else 1
 
 
 def recompute_choices(setting, blocks: list) -> list:
@@ -125,8 +145,8 @@ class Candidate:
     sharded state in host memory, the recomputation (its label and the recompute pass's
     ``{block path: mode}``, None for none), the unit candidate (an index into
     ``autoshard.passes.auto.tries``, 0 for a fixed policy), which units reshard after the
-    forward (``RESHARD``'s keys) and, offloaded, the fraction of resharded units copying
-    their shards in again for the backward."""
+    forward (``RESHARD``'s keys, or an int k: every unit to groups of k, hpZ) and, offloaded,
+    the fraction of resharded units copying their shards in again for the backward."""
 
     strategy: str
     offload: float
@@ -237,7 +257,8 @@ class Planner:
 
         config, ctx = self.config, self.ctx
         setting = ("search" if config.strategy == "auto" and strategy == "zero3"
-                   else "auto" if config.strategy == "auto" else config.reshard_after_forward)
+                   else "auto" if config.strategy == "auto" else reshard_group_size(
+                       config.reshard_after_forward, shard_size(ctx)))
         if config.strategy == "auto":
             specs = [dataclasses.replace(p, replica=strategy == "zero1" and p.sharded)
                      for p in ctx.captured.params]
@@ -268,7 +289,7 @@ class Planner:
             model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
             host_state_bytes=state["host"], recompute=ctx.recompute, candidates=candidates,
             offload=ctx.offload, offload_params=ctx.offload_params,
-            reshard=(RESHARD[ctx.reshard_after_forward]
+            reshard=(reshard_label(ctx.reshard_after_forward)
                      if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
             strategy=strategy, mesh_shape=mesh_shape, grad_sync=ctx.grad_sync)
         plan.predicted["local_grad_bytes"] = self.options.get("local_grad_bytes", 0)
@@ -556,7 +577,8 @@ class _Placement:
         so the last is tried (if it does not fit, none does), then the least that fits
         between, by bisection. A plan that fits with communication exposed is tried again
         with every unit kept from forward to backward (``reshard_after_forward="search"``)
-        when its bound (the peak plus every resharded unit held) surely fits."""
+        when its bound (the peak plus every resharded unit held) surely fits, else resharded
+        to the least group that surely fits (``reshard_less``)."""
         from autoshard.passes.collectives import offloaded_units
 
         ch.tried.add(k)
@@ -578,13 +600,34 @@ class _Placement:
                         low, hi = got, mid
                     else:
                         lo = mid + 1
+        if fits and self.search.setting == "search" and low.prediction.exposed_comm > 0:
+            self.reshard_less(ch, k, low)
+        return fits
+
+    def reshard_less(self, ch: _Choice, k: int, low: Lowered) -> None:
+        """``reshard_after_forward="search"``: candidate ``k`` (``low``, which fits with
+        communication exposed) again with every unit kept from forward to backward when its
+        bound (the peak plus every resharded unit's gathered bytes) surely fits; else with
+        every unit resharded to groups of g (hpZ) for the least g (of
+        ``reshard_group_sizes``: the divisors of the shard size within a node) whose bound
+        (the peak plus 1/g of every resharded unit's gathered bytes, the chunks held) surely
+        fits. One more plan per candidate at most: keeping is never slower than hpZ (no
+        backward all-gather at all), and a smaller group's backward all-gather never slower
+        than a larger's (fewer ring steps, a link within a node), so the least that fits is
+        the fastest of them."""
         pred = low.prediction
         held = sum(self.specs[f].gathered_bytes() for u in low.ctx.units if not u.keep
                    for f in u.fqns)
-        if (fits and self.search.setting == "search" and pred.exposed_comm > 0
-                and 0 < held and pred.peak_bytes + held <= self.budget):
+        if held <= 0:
+            return
+        if pred.peak_bytes + held <= self.budget:
             self.evaluate(ch, k, False, low.ctx.offload_params)
-        return fits
+            return
+        sizes = reshard_group_sizes("search", shard_size(self.ctx),
+                                    self.ctx.profile.ranks_per_node if self.ctx.profile else 0)
+        fitting = [g for g in sizes if pred.peak_bytes + held // g <= self.budget]
+        if fitting:
+            self.evaluate(ch, k, fitting[0], low.ctx.offload_params)
 
     def evaluate(self, ch: _Choice, k: int, reshard, params) -> Lowered:
         """Unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``, lowered,
@@ -595,7 +638,7 @@ class _Placement:
         pred = low.prediction
         self.search.consider(low, self.row(
             ch.label, offload_params=low.ctx.offload_params if self.ctx.offload else None,
-            units=len(low.ctx.units), reshard=RESHARD[reshard], step_s=pred.total,
+            units=len(low.ctx.units), reshard=reshard_label(reshard), step_s=pred.total,
             peak_bytes=pred.peak_bytes, fits=pred.peak_bytes <= self.budget, note=""))
         return low
 

@@ -24,6 +24,10 @@ class Unit:
     # its shards, in host memory, are copied to the device once for the forward's all-gather
     # and held there for the backward's (set by insert_collectives from ctx.offload_params)
     held: bool = False
+    # hpZ (Config.reshard_after_forward=k): resharded after the forward to groups of ``group``
+    # ranks (this rank keeps 1/group of the gathered buffer; the backward all-gathers within
+    # the group); 0: resharded to the whole shard dimension, or kept
+    group: int = 0
 
 
 def repeated_blocks(model: torch.nn.Module) -> list:
@@ -140,7 +144,7 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     module paths covering its parameters (``span_names``); units are numbered in order of
     first use in the graph; ``Unit.keep`` follows ``ctx.reshard_after_forward`` (True: none
     kept, False: all, "auto": the unit read last in forward, which the backward would gather
-    again first).
+    again first; an int k: none kept, each resharded to groups of k, ``Unit.group``).
     Never changes the graph's nodes.
     """
     phs = _first_use_order(gm)
@@ -205,6 +209,10 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
 
 def _choose_kept(gm, mode, units: list, by_fqn) -> None:
     if mode is True:
+        return
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        for u in units:
+            u.group = mode
         return
     if mode is False:
         for u in units:

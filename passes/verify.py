@@ -43,7 +43,12 @@ def verify(gm: fx.GraphModule, ctx) -> None:
          order), each with the reduce op its ``ParamSpec.scaling`` says, or, with
          ``ctx.grad_sync`` off, not at all (returned full and local);
       1 holds for gathered parameters (``ParamSpec.gathers``); the others are read whole.
-      5. with a prefetch bound, the gathered bytes in flight never exceed it.
+      5. with a prefetch bound, the gathered bytes in flight never exceed it;
+      6. hpZ (``Unit.group`` k): what crosses forward -> backward for such a unit is only its
+         ``autoshard::chunk`` of k, copied in the forward out of the unit's own forward
+         gathered buffer, read in the backward by nothing but the unit's all-gathers over k
+         ranks, and freed; every backward all-gather of the unit sends such a chunk; no
+         other unit has a chunk.
     """
     graph = gm.graph
     pos = positions(graph)
@@ -66,6 +71,7 @@ def verify(gm: fx.GraphModule, ctx) -> None:
     _check_gathers(gm, specs)
     _check_frees(gm, pos)
     _check_crossing(gm, ctx)
+    _check_chunks(gm, ctx)
     _check_reductions(gm, pos, specs, ctx.grad_sync)
     if ctx.prefetch_cap is not None:
         _check_inflight(gm, ctx.prefetch_cap)
@@ -133,6 +139,40 @@ def _check_crossing(gm, ctx):
                     f"backward node {n.name} reads {a.name}, a gathered parameter (or view) "
                     "from the forward; it must be re-gathered in backward"
                 )
+
+
+def _check_chunks(gm, ctx):
+    groups = {u.index: u.group for u in ctx.units or () if not u.keep and u.group}
+    freed = {a for f in gm.graph.nodes if meta.is_free(f) for a in f.args[0]}
+    for c in gm.graph.nodes:
+        unit = meta.tag(c, meta.UNIT)
+        if meta.tag(c, meta.COMM) == meta.AG_ISSUE and meta.is_backward(c) and unit in groups:
+            sent = alias_base(c.args[0])
+            if meta.tag(sent, meta.COMM) != meta.AG_CHUNK or meta.group_size(c) != groups[unit]:
+                _fail(f"backward all-gather {c.name} of unit {unit}, resharded to groups of "
+                      f"{groups[unit]}, must send its chunk over {groups[unit]} ranks; it "
+                      f"sends {sent.name} over {meta.group_size(c)}")
+        if meta.tag(c, meta.COMM) != meta.AG_CHUNK:
+            continue
+        k = groups.get(unit, 0)
+        if not k or c.args[1] != k:
+            _fail(f"{c.name} copies a chunk of 1/{c.args[1]} for unit {unit}, which is "
+                  f"resharded after the forward to {f'groups of {k}' if k else 'no group'}")
+        src = c.args[0]
+        if (not meta.is_forward(c) or not meta.is_forward(src)
+                or meta.tag(alias_base(src), meta.COMM) not in meta.GATHERED
+                or meta.tag(alias_base(src), meta.UNIT) != unit):
+            _fail(f"{c.name} must copy, in the forward, out of unit {unit}'s forward gathered "
+                  f"buffer; it reads {src.name}")
+        for u in c.users:
+            if meta.is_free(u):
+                continue
+            if not (meta.tag(u, meta.COMM) == meta.AG_ISSUE and meta.is_backward(u)
+                    and meta.tag(u, meta.UNIT) == unit and meta.group_size(u) == k):
+                _fail(f"{u.name} reads chunk {c.name} of unit {unit}; only the unit's backward "
+                      f"all-gather over its group of {k} may")
+        if c not in freed:
+            _fail(f"chunk {c.name} of unit {unit} is never freed")
 
 
 def _check_reductions(gm, pos, specs, sync: bool):

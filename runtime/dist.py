@@ -27,6 +27,9 @@ _made_groups: list = []  # weakref.ref to each group
 _agreements = weakref.WeakSet()
 _meshes = weakref.WeakValueDictionary()  # id(mesh) -> mesh (a mesh hashes by value)
 _at_exit = False
+# hpZ groups autoshard created: (the mesh's ranks, k) -> this rank's group of k, destroyed
+# by release_at_exit
+_reshard: dict = {}
 
 
 def default_mesh(timeout_s: float = 300) -> DeviceMesh:
@@ -114,6 +117,10 @@ def release_at_exit() -> None:
         own, agreement._own = agreement._own, None
         if own is not None and _compat.group_alive(own):
             _destroy(own)
+    for key, group in list(_reshard.items()):
+        del _reshard[key]
+        if _compat.group_alive(group):
+            _destroy(group)
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is not None and any(r() is world for r in _made_groups):
         _destroy(None)
@@ -177,6 +184,29 @@ def group_name(mesh: DeviceMesh):
     if mesh.ndim == 1:
         return mesh.get_group().group_name
     return tuple(mesh.get_group(d).group_name for d in range(mesh.ndim))
+
+
+def reshard_groups(mesh: DeviceMesh, sizes) -> dict:
+    """hpZ: for each group size k in ``sizes`` (each dividing the shard dimension's size),
+    the name of this rank's group of k consecutive ranks of the mesh's shard dimension, as
+    FSDP2 lays out its post-forward mesh (``mesh.mesh.view(-1, k)``: on a 2-D mesh, within
+    each replica). Each group is made once per mesh and k (then reused) by the ranks in it
+    alone (``use_local_synchronization``: ranks outside the mesh, or in other groups, take no
+    part), every rank asking for the sizes in the same order; they are destroyed at exit."""
+    names = {}
+    if not sizes:
+        return names
+    ranks = mesh.mesh.flatten().tolist()
+    me = dist.get_rank()
+    for k in sorted(sizes):
+        key = (tuple(ranks), k, mesh.device_type)
+        group = _reshard.get(key)
+        if group is None or not _compat.group_alive(group):
+            row = next(r for r in mesh.mesh.reshape(-1, k).tolist() if me in r)
+            group = _reshard[key] = dist.new_group(row, use_local_synchronization=True)
+            track()
+        names[k] = group.group_name
+    return names
 
 
 def shard_rank(mesh: DeviceMesh) -> int:

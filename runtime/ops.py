@@ -1,5 +1,5 @@
-"""Graph ops autoshard adds to torch: ``autoshard::free``, ``autoshard::pack`` and
-``autoshard::grouped_mm``.
+"""Graph ops autoshard adds to torch: ``autoshard::free``, ``autoshard::pack``,
+``autoshard::chunk`` and ``autoshard::grouped_mm``.
 
 ``free`` releases the storage of its tensors at once (``untyped_storage().resize_(0)``), the
 way FSDP frees unsharded parameters, so memory savings never wait on reference counts. It is
@@ -55,6 +55,33 @@ _lib.impl("pack", _pack_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("autoshard::pack", _pack_impl, lib=_lib)
 
 pack_op = torch.ops.autoshard.pack.default
+
+
+# --- autoshard::chunk ----------------------------------------------------------------------
+#
+# hpZ (``Config.reshard_after_forward=k``): this rank's 1/k of a unit's gathered buffer, the
+# chunk of its position in its group of k ranks, copied out so the buffer can be freed after
+# the forward; the backward all-gathers the chunks within the group. The position is the
+# rank's in the process group named ``group``, looked up when the op runs, so the graph is
+# the same on every rank.
+
+_lib.define("chunk(Tensor buf, int k, str group) -> Tensor")
+
+
+def _chunk_impl(buf, k, group):
+    from autoshard._compat import group_rank
+
+    return buf.view(k, -1)[group_rank(group)].clone()
+
+
+def _chunk_fake(buf, k, group):
+    return buf.new_empty((buf.numel() // k,))
+
+
+_lib.impl("chunk", _chunk_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("autoshard::chunk", _chunk_fake, lib=_lib)
+
+chunk_op = torch.ops.autoshard.chunk.default
 
 
 # --- autoshard::grouped_mm -----------------------------------------------------------------

@@ -73,6 +73,9 @@ SMALL = ("autoshard.examples.gpt_shapes:gpt_small", "--batch", "2", "--seq", "16
     (["--memory-budget", "banana"], "Config.memory_budget: cannot read 'banana' as a size"),
     (["--memory-budget", "1KiB", "--quiet"],
      "no plan fits the memory budget of 1.00 KiB per rank"),
+    (["--world-size", "6", "--reshard-after-forward", "4", "--quiet"],
+     "Config.reshard_after_forward=4 must divide the shard dimension's size 6"),
+    (["--reshard-after-forward", "two"], "--reshard-after-forward two is not accepted"),
 ])
 def test_plan_mistakes_are_one_line(args, message):
     _one_error_line(_cli("plan", *SMALL, *args), "plan", message)

@@ -64,7 +64,7 @@ BAD = [
      "at most"),
     ({"policy": Built("Size(min_numel=True)")}, ValueError,
      "Config.policy.min_numel must be a positive int"),
-    ({"reshard_after_forward": 1}, ValueError, "Config.reshard_after_forward=1 is not accepted"),
+    ({"reshard_after_forward": 0}, ValueError, "Config.reshard_after_forward=0 is not accepted"),
     ({"bucket": "yes"}, TypeError, "Config.bucket must be True, False, Bucket(bytes=...) or "
                                    "None (on for the per-parameter policy only), got 'yes'"),
     ({"bucket": Built("Bucket(bytes=-5)")}, ValueError, "Config.bucket.bytes=-5 must be positive"),

@@ -28,6 +28,24 @@ def test_ring_collective_time():
     assert collective_time(8 * 2**20, 8, p) == 7 * p.alpha + 7 / 8 * 8 * 2**20 * p.beta
 
 
+def test_a_group_spanning_nodes_moves_at_the_inter_node_rate():
+    """h100: 8 GPUs per node; a ring over 16 consecutive ranks, or over 2 ranks 8 apart (a
+    replicate dimension), crosses nodes and moves at ``inter_beta``; a ring over 8 ranks, or
+    2 ranks 4 apart, stays within one; an hpZ group of k within a node costs
+    (k-1)/k * S * beta. The CPU profile (ranks_per_node 0) prices every group at beta."""
+    p, S = PROFILES["h100"], 8 * 2**20
+    assert p.ranks_per_node == 8 and p.inter_beta == 1 / 50e9 and "400 Gb/s" in p.source
+    assert collective_time(S, 16, p) == 15 * p.alpha + 15 / 16 * S * p.inter_beta
+    assert collective_time(S, 2, p, stride=8) == p.alpha + S / 2 * p.inter_beta
+    assert collective_time(S, 8, p) == 7 * p.alpha + 7 / 8 * S * p.beta
+    assert collective_time(S, 2, p, stride=4) == p.alpha + S / 2 * p.beta
+    assert collective_time(S, 2, p) == p.alpha + S / 2 * p.beta  # hpZ, k = 2
+    cpu = PROFILES["cpu"]
+    assert collective_time(S, 16, cpu) == 15 * cpu.alpha + 15 / 16 * S * cpu.beta
+    same = dataclasses.replace(p, inter_beta=0.0)  # 0: the same as beta
+    assert collective_time(S, 16, same) == 15 * p.alpha + 15 / 16 * S * p.beta
+
+
 def test_profiles_cite_their_sources():
     for p in PROFILES.values():
         assert p.source and p.matmul_flops > 0 and p.memory > 0
@@ -37,7 +55,8 @@ NONSENSE = [("matmul_flops", 0), ("mem_bandwidth", -1.0), ("mem_bandwidth", floa
             ("alpha", float("nan")), ("beta", -1e-9), ("memory", 0), ("memory", 2**63),
             ("efficiency", 0.0), ("efficiency", 1.5), ("comm_overlap", -0.1),
             ("comm_overlap", 2.0), ("collective_scratch", float("inf")),
-            ("host_bandwidth", -1), ("matmul_flops", 10**400), ("memory", True)]
+            ("host_bandwidth", -1), ("matmul_flops", 10**400), ("memory", True),
+            ("ranks_per_node", -1), ("ranks_per_node", 2.5), ("inter_beta", float("nan"))]
 
 
 @pytest.mark.parametrize("field,value", NONSENSE, ids=[f"{f}={v!r}"[:40] for f, v in NONSENSE])

@@ -142,3 +142,67 @@ def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     # paused it
     ran = sum(c["step_s"] is not None for c in plan.candidates)
     assert ran > 1 and len(states) == ran and not any(states)
+
+
+def _plan4(**config):
+    return autoshard.plan(GPT(seq=32), INPUTS, world_size=4,
+                          config=autoshard.Config(policy="module", recompute=True, **config))
+
+
+def test_resharding_search_tries_hpz_where_keeping_every_unit_does_not_fit():
+    """Under "search", a plan whose keep-everything bound (peak plus every resharded unit)
+    exceeds the budget is tried once more resharded to groups of 2 of the 4 ranks when the
+    peak plus half those bytes fits; hpZ's backward all-gathers over 2 ranks are faster."""
+    auto = _plan4(reshard_after_forward="auto")
+    held = sum(u.bytes for u in auto.units if not u.kept)
+    budget = auto.predicted["peak_bytes"] + held * 3 // 4  # hpZ's bound fits, keeping's not
+    plan = _plan4(reshard_after_forward="search", memory_budget=budget)
+    assert [c["reshard"] for c in plan.candidates] == ["all but the last",
+                                                       "every unit, to groups of 2"]
+    assert plan.reshard == "every unit, to groups of 2" and plan.predicted["peak_bytes"] <= budget
+    assert [u.group for u in plan.units] == [2] * len(plan.units)
+    assert plan.predicted["step_s"] < auto.predicted["step_s"]
+    assert "all_gather (2 ranks)" in plan.schedule_table()
+    assert "resharded to groups of 2" in plan.units_table()
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert [u.group for u in again.units] == [2] * len(plan.units)
+    # a budget below hpZ's bound: no third plan
+    tight = _plan4(reshard_after_forward="search",
+                   memory_budget=auto.predicted["peak_bytes"] + held // 2 - 1)
+    assert [c["reshard"] for c in tight.candidates] == ["all but the last"]
+
+
+def test_hpz_sends_its_backward_all_gathers_within_the_group():
+    """The plan's bytes sent per rank: P(N-1)/N forward all-gather, P(k-1)/k backward,
+    P(N-1)/N reduce-scatter (N = 4, k = 2, P the gathered bytes of every unit)."""
+    plan = _plan4(reshard_after_forward=2)
+    total = sum(u.bytes for u in plan.units)
+    assert plan.predicted["sent_bytes"] == total * 3 // 4 + total // 2 + total * 3 // 4
+    # the simulator prices each all-gather by its own group: 2 ranks in the backward
+    from autoshard.cost import collective_time, get_profile
+
+    cpu = get_profile("cpu")
+    issues = [e for e in plan.schedule if e.op == "all_gather"]
+    comms = [ev for ev in plan.events if ev[0] == "comm" and "all_gather" in ev[1]]
+    assert len(comms) == len(issues) == 2 * len(plan.units)
+    for e, ev in zip(issues, comms):
+        assert ev[3] == collective_time(e.bytes, e.ranks or 4, cpu)
+
+
+def test_hpz_group_size_must_divide_the_shard_size():
+    with pytest.raises(ValueError, match="reshard_after_forward=2 must divide the shard "
+                                         "dimension's size 3"):
+        autoshard.plan(GPT(seq=32), INPUTS, world_size=3,
+                       config=autoshard.Config(reshard_after_forward=2))
+
+
+def test_hpz_on_a_hybrid_mesh_gathers_within_each_replica():
+    """On a 2 x 4 (replicate x shard) mesh, k = 2 divides the shard size 4: the backward
+    all-gathers run over 2 ranks, the reduce-scatter over the shard dimension's 4, the
+    all-reduce over the 2 replicas (verified: Config(verify=True))."""
+    plan = autoshard.plan(GPT(seq=32), INPUTS, world_size=(2, 4), config=autoshard.Config(
+        policy="module", reshard_after_forward=2, verify=True))
+    assert plan.reshard == "every unit, to groups of 2" and plan.mesh_shape == [2, 4]
+    ops = {(e.region, e.op, e.ranks) for e in plan.schedule if e.op not in ("wait", "free")}
+    assert ops == {("fwd", "all_gather", 0), ("bwd", "all_gather", 2),
+                   ("bwd", "reduce_scatter", 0), ("bwd", "all_reduce", 0)}

@@ -151,3 +151,61 @@ def test_runner_rejects_a_reorder_only_pass_that_adds_nodes():
     reorder_nodes_pass.reorder_only = True
     with pytest.raises(AssertionError, match="reorder-only"):
         run_passes(gm, ctx, [(reorder_nodes_pass, {})])
+
+
+def _hpz():
+    """A GPT at world size 4 with every unit resharded to groups of 2 (hpZ)."""
+    gm, ctx = captured(GPT(), torch.randint(0, 96, (2, 16)), world_size=4,
+                       reshard_after_forward=2)
+    return run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
+
+
+def test_hpz_graph_verifies_and_only_chunks_cross():
+    gm, ctx = _hpz()
+    verify(gm, ctx)
+    chunks = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_CHUNK]
+    assert len(chunks) == len(ctx.units) == 3
+    for c in chunks:  # 1/2 of the unit's gathered buffer, sent by its backward all-gather
+        assert c.meta["val"].numel() * 2 == c.args[0].meta["val"].numel()
+        (issue,) = [u for u in c.users if not meta.is_free(u)]
+        assert meta.is_backward(issue) and meta.group_size(issue) == 2
+        assert issue.args[2] == "test:groups_of_2"
+    fwd_groups = {n.args[2] for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_ISSUE
+                  and meta.is_forward(n)}
+    assert fwd_groups == {"test"}
+
+
+def test_hpz_chunk_used_after_its_free_is_caught():
+    gm, ctx = _hpz()
+    chunk = _first(gm, meta.AG_CHUNK)
+    free = next(u for u in chunk.users if meta.is_free(u))
+    chunk.append(free)  # freed in the forward, before the backward all-gather reads it
+    with pytest.raises(VerificationError, match="after it is freed"):
+        verify(gm, ctx)
+
+
+def test_hpz_backward_reading_the_chunk_directly_is_caught():
+    gm, ctx = _hpz()
+    chunk = _first(gm, meta.AG_CHUNK)
+    bwd_user = next(n for n in gm.graph.nodes if meta.is_backward(n) and not meta.is_comm(n)
+                    and n.op == "call_function" and n.args)
+    with gm.graph.inserting_before(bwd_user):
+        extra = gm.graph.call_function(torch.ops.aten.clone.default, (chunk,))
+    meta.tags(extra)[meta.REGION] = meta.BWD
+    with pytest.raises(VerificationError, match="only the unit's backward all-gather"):
+        verify(gm, ctx)
+
+
+def test_hpz_backward_gathering_over_the_whole_dimension_is_caught():
+    gm, ctx = _hpz()
+    issue = next(u for u in _first(gm, meta.AG_CHUNK).users if not meta.is_free(u))
+    issue.update_arg(1, 4)  # over the shard dimension's 4 ranks instead of the group's 2
+    with pytest.raises(VerificationError, match="group of 2"):
+        verify(gm, ctx)
+
+
+def test_hpz_chunk_for_a_unit_without_a_group_is_caught():
+    gm, ctx = _hpz()
+    ctx.units[0].group = 0  # the plan says unit 0 reshards to the whole dimension
+    with pytest.raises(VerificationError, match="unit 0"):
+        verify(gm, ctx)

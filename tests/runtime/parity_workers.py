@@ -178,19 +178,22 @@ def _blocks(model):
     return list(inner.layers) if inner is not None and hasattr(inner, "layers") else []
 
 
-def fsdp2_worker(rank, world, name, mp=False, mesh=None):
+def fsdp2_worker(rank, world, name, mp=False, mesh=None, reshard=None, steps=STEPS):
     """The same training under FSDP2: fully_shard per block, then the root (on ``mesh``:
-    a 2-D one is FSDP2's HSDP)."""
+    a 2-D one is FSDP2's HSDP), each with ``reshard_after_forward=reshard`` (None: FSDP2's
+    default)."""
     from torch.distributed.fsdp import fully_shard
 
     model = build(name)
     for blk in _blocks(model):
-        fully_shard(blk, mesh=mesh, **({"mp_policy": mp_policy(root=False)} if mp else {}))
-    fully_shard(model, mesh=mesh, **({"mp_policy": mp_policy()} if mp else {}))
+        fully_shard(blk, mesh=mesh, reshard_after_forward=reshard,
+                    **({"mp_policy": mp_policy(root=False)} if mp else {}))
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard,
+                **({"mp_policy": mp_policy()} if mp else {}))
     loss_fn = CASES[name][3]
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = batches(name, step)
         loss = loss_fn(call(name, model, x.chunk(world)[rank]), y.chunk(world)[rank])
         losses.append(train_step(loss, opt, world))

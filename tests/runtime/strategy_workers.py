@@ -130,6 +130,35 @@ def hsdp_worker(rank, world, names=("gpt", "hf_llama")):
     losses, plans = _train(sharded, "gpt", rank, world, steps=3, accumulate=ACCUMULATE)
     out[("accumulate", "hsdp")] = _result(sharded, losses, rank, plans)
     out["fsdp2"] = fsdp2_worker(rank, world, "gpt", mesh=mesh)
+    out["hpz"] = hpz_worker(rank, world, mesh)
+    return out
+
+
+HPZ_STEPS = 3
+
+
+def hpz_worker(rank, world, hybrid_mesh):
+    """hpZ (reshard_after_forward=2): the GPT on a 1-D mesh of ``world`` ranks, and under
+    FSDP2's ``reshard_after_forward=2``; on the 2 x 2 mesh (shard size 2) 2 is False's
+    meaning, 1 True's, and 4 is refused."""
+    out = {}
+    sharded = autoshard(build("gpt"), config=Config(policy="module", reshard_after_forward=2,
+                                                    verify=True))
+    losses, _ = _train(sharded, "gpt", rank, world, steps=HPZ_STEPS)
+    out["1d"] = dict(_result(sharded, losses, rank), reshard=sharded.plan.reshard,
+                     groups=[u.group for u in sharded.plan.units],
+                     ranks=sorted({e.ranks for e in sharded.plan.schedule
+                                   if e.op == "all_gather" and e.region == "bwd"}))
+    out["fsdp2"] = fsdp2_worker(rank, world, "gpt", reshard=2, steps=HPZ_STEPS)
+    x = batches("gpt", 0)[0].chunk(world)[rank]
+    for k in (2, 1, 4):
+        sharded = autoshard(build("gpt"), mesh=hybrid_mesh,
+                            config=Config(policy="module", reshard_after_forward=k))
+        try:
+            call("gpt", sharded, x)
+            out[("hsdp", k)] = sharded.plan.reshard
+        except ValueError as e:
+            out[("hsdp", k)] = str(e)
     return out
 
 

@@ -110,10 +110,18 @@ def test_a_faked_world_runs_a_step_for_its_memory():
         "x = torch.randint(0, 96, (2, 16))\n"
         "gpt_loss(m(x), x).backward()\n"
         "w = m.blocks[0].fc.weight\n"
-        "print(w.shape[0], w.to_local().shape[0], m.plan.predicted['peak_bytes'] > 0)\n")
+        "print(w.shape[0], w.to_local().shape[0], m.plan.predicted['peak_bytes'] > 0)\n"
+        # hpZ on the faked world: its groups of 4 are made and the step runs
+        "from autoshard import Config\n"
+        "h = autoshard(GPT(vocab=96, dim=32, heads=4, layers=2, seq=16),\n"
+        "              config=Config(reshard_after_forward=4))\n"
+        "gpt_loss(h(x), x).backward()\n"
+        "print(sorted({e.ranks for e in h.plan.schedule if e.region == 'bwd'}))\n")
     root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
     env = {**__import__("os").environ, "PYTHONPATH": root}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["128", "16", "True"]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2].split() == ["128", "16", "True"]
+    assert lines[-1] == "[0, 4]"  # the backward all-gathers over 4 of the 8 ranks

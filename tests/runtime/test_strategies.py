@@ -1,6 +1,8 @@
 """Config.strategy (DDP, ZeRO-1/2/3, auto), hybrid sharding and gradient accumulation without
 sync (gloo, fp32), against unsharded eager training in one process with the same init, data
-and AdamW, and hybrid sharding against FSDP2's HSDP on the same 2 x 2 mesh.
+and AdamW, and hybrid sharding against FSDP2's HSDP on the same 2 x 2 mesh. hpZ
+(``reshard_after_forward=2``) on a 1-D mesh of 4 against eager and against FSDP2's
+``fully_shard(reshard_after_forward=2)``, which runs on gloo (3 steps: the same tolerances).
 
 Tolerances: max |Δloss| <= 1e-5 over 10 steps (3 with accumulation), max |Δparam| <= 1e-5
 after them, as the parity tests.
@@ -11,8 +13,8 @@ import torch
 
 from harness import run_ranks
 from parity_workers import reference
-from strategy_workers import (ACCUMULATE, NAMES, STRATEGIES, hsdp_worker, strategy_worker,
-                              submesh_worker)
+from strategy_workers import (ACCUMULATE, HPZ_STEPS, NAMES, STRATEGIES, hsdp_worker,
+                              strategy_worker, submesh_worker)
 
 TOL = 1e-5
 
@@ -125,3 +127,29 @@ def test_meshes_autoshard_refuses():
     assert "covers 2 of the 4 ranks" in msgs[0] and "partial_mesh=True" in msgs[0]
     assert msgs[1].startswith("Sharded")
     assert "('replicate', 'shard')" in msgs[2]
+
+
+def test_hpz_matches_eager_and_fsdp2(hybrid):
+    """Every unit resharded to groups of 2 of the 4 ranks after the forward: the backward
+    all-gathers run over 2 ranks, and training matches eager and FSDP2's int reshard."""
+    world, results = hybrid
+    torch.set_num_threads(1)
+    ref_losses, ref_state = reference("gpt", world, HPZ_STEPS)
+    got = results[0]["hpz"]["1d"]
+    _close(got, ref_losses, ref_state, "hpZ k=2")
+    _close(results[0]["hpz"]["fsdp2"], ref_losses, ref_state, "FSDP2 reshard_after_forward=2")
+    fsdp = results[0]["hpz"]["fsdp2"]
+    dloss = max(abs(a - b) for a, b in zip(fsdp["losses"], got["losses"]))
+    assert dloss <= TOL, f"max |Δloss| vs FSDP2 int reshard {dloss:.3g}"
+    assert got["reshard"] == "every unit, to groups of 2"
+    assert got["groups"] == [2, 2, 2] and got["ranks"] == [2]
+
+
+def test_hpz_on_a_2x2_mesh_is_validated(hybrid):
+    """On HSDP's 2 x 2 mesh the shard size is 2: k=2 is False's meaning (nothing resharded),
+    k=1 True's, and 4 does not divide 2; so no 4-rank HSDP case exercises hpZ proper."""
+    world, results = hybrid
+    hsdp = {k[1]: v for k, v in results[0]["hpz"].items() if isinstance(k, tuple)}
+    assert hsdp[2] == "none" and hsdp[1] == "every unit"
+    assert ("Config.reshard_after_forward=4 must divide the shard dimension's size 2" in hsdp[4]
+            and "accepted: 1, 2, True, False" in hsdp[4])
