@@ -448,6 +448,16 @@ def _groups(mesh) -> list:
     return [names] if isinstance(names, str) else list(names)
 
 
+def _reshard_groups_of(fwd) -> dict:
+    """hpZ (``Config.reshard_after_forward=k``): ``{group name: k}`` of the groups of k ranks
+    the graphs' chunks and backward all-gathers name (this rank's own; each rank has its
+    own group, so a load maps each name to the loading rank's group of the same k)."""
+    from autoshard.runtime.ops import chunk_op
+
+    return {n.args[2]: n.args[1] for n in fwd.graph.nodes
+            if n.op == "call_function" and n.target is chunk_op}
+
+
 def _program_files(key: str, prog, groups: list) -> dict:
     """A program's files as data: the graphs' documents and constants, program.json
     (``groups``: the group names of the mesh dimensions, which the graphs' collectives
@@ -461,6 +471,7 @@ def _program_files(key: str, prog, groups: list) -> dict:
     call, training, grad = prog.described
     docs["program"] = {
         "key": key, "call": call, "training": training, "grad": grad, "groups": groups,
+        "reshard_groups": _reshard_groups_of(split.fwd),
         "captured": _captured_doc(cap),
         "split": {"fwd_roles": split.fwd_roles, "bwd_roles": split.bwd_roles,
                   "saved": split.saved, "n_tangents": split.n_tangents},
@@ -695,6 +706,12 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     mesh, device, config = st.placement()
     # before version 3 the export's mesh was 1-D: every collective on its one group
     regroup = dict(zip(doc.get("groups", [None]), _groups(mesh)))
+    hpz = doc.get("reshard_groups", {})  # format 3 before hpZ has none
+    if same and hpz:
+        from autoshard.runtime import dist as _dist
+
+        here = _dist.reshard_groups(mesh, sorted(set(hpz.values())))
+        regroup.update({name: here[k] for name, k in hpz.items()})
 
     def graph(name, **kw):
         return graphio.load_graph(_read_json(os.path.join(folder, f"{name}.json")),
@@ -728,17 +745,19 @@ def _regrouped(gm, regroup: dict, folder: str):
     """``gm`` with each collective's process group replaced by this process's group of the
     same mesh dimension (``regroup``: stored name -> name here; the key None: every one)."""
     from autoshard._compat import OpOverload
+    from autoshard.runtime.ops import chunk_op
 
     for n in gm.graph.nodes:
         t = n.target
         if not (n.op == "call_function" and isinstance(t, OpOverload)
-                and t.namespace == "_c10d_functional"):
+                and (t.namespace == "_c10d_functional" or t is chunk_op)):
             continue
         names = [a.name for a in t._schema.arguments]
-        at = names.index("group_name") if "group_name" in names else None
+        key = "group" if t is chunk_op else "group_name"
+        at = names.index(key) if key in names else None
         if at is None:
             continue
-        old = n.args[at] if at < len(n.args) else n.kwargs.get("group_name")
+        old = n.args[at] if at < len(n.args) else n.kwargs.get(key)
         new = regroup.get(old, regroup.get(None))
         if new is None:
             raise AutoshardError(
@@ -748,7 +767,7 @@ def _regrouped(gm, regroup: dict, folder: str):
         if at < len(n.args):
             n.args = n.args[:at] + (new,) + n.args[at + 1:]
         else:
-            n.kwargs = dict(n.kwargs, group_name=new)
+            n.kwargs = {**n.kwargs, key: new}
     gm.recompile()
     return gm
 

@@ -16,7 +16,10 @@ from autoshard.models import GPT, gpt_loss
 
 # case -> (Config.strategy, mesh shape at export)
 CASES = {"zero1": ("zero1", (4,)), "ddp": ("ddp", (4,)), "auto": ("auto", (4,)),
-         "hsdp": ("zero3", (2, 2)), "hsdp_zero1": ("zero1", (2, 2))}
+         "hsdp": ("zero3", (2, 2)), "hsdp_zero1": ("zero1", (2, 2)), "hpz": ("zero3", (4,))}
+# other Config fields of a case: hpZ, each unit resharded to groups of 2 of the 4 ranks (the
+# export names rank 0's group; each loading rank maps it to its own)
+OPTIONS = {"hpz": {"reshard_after_forward": 2}}
 # what the load runs: each case, and the DDP export rewritten as format version 2 wrote it
 LOADED = {**CASES, "ddp_v2": CASES["ddp"]}
 GLOBAL, SEQ, VOCAB = 4, 8, 64
@@ -57,7 +60,8 @@ def probe(model, rank, world) -> dict:
             "grads": grads, "strategy": prog.plan.strategy,
             "replicas": sorted(s.fqn for s in prog.captured.params if s.replica),
             "placements": sorted({str(p.placements) for p in model.parameters()}),
-            "mesh_shape": list(model._autoshard.mesh.shape)}
+            "mesh_shape": list(model._autoshard.mesh.shape),
+            "reshard_to": sorted({u.group for u in prog.plan.units})}
 
 
 def export_cases(rank, world, root):
@@ -67,7 +71,8 @@ def export_cases(rank, world, root):
     for name, (strategy, shape) in CASES.items():
         torch.manual_seed(0)
         model = autoshard.autoshard(GPT(vocab=VOCAB, layers=2), mesh=_mesh(shape),
-                                    config=Config(strategy=strategy))
+                                    config=Config(strategy=strategy,
+                                                  **OPTIONS.get(name, {})))
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         x, y = _data(0, world, rank)
         gpt_loss(model(x), y).backward()

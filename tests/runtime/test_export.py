@@ -310,6 +310,8 @@ def test_every_strategy_and_a_2d_mesh_load_on_their_mesh_bit_for_bit(strategies,
     assert got["mesh_shape"] == ref["mesh_shape"] == list(shape)
     if len(shape) == 2:  # the graphs' collectives were moved onto this process's groups
         assert got["groups"] != ref["groups"] and len(got["groups"]) == 2
+    # hpZ: the chunks and backward all-gathers run on each loading rank's own group of 2
+    assert got["reshard_to"] == ref["reshard_to"] == ([2] if name == "hpz" else [0])
 
 
 @pytest.mark.parametrize("name", export_workers.LOADED)
