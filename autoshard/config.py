@@ -305,8 +305,23 @@ class Config:
           forward again;
         - "auto": a plan decision per repeated block among these three, the fastest that
           fits ``memory_budget`` (the plan lists the candidates);
-        - {block path: "keep" | "min-cut" | "block"}: per block, as
-          ``plan.pinned_recompute()`` gives it (blocks not named: the min cut).
+        - {block path: "keep" | "min-cut" | "block" | "offload"}: per block, as
+          ``plan.pinned_recompute()`` gives it (blocks not named: the min cut; "offload":
+          the min cut, its saved activations kept in host memory, see
+          ``offload_activations``).
+    offload_activations: whether saved activations may wait for the backward in host
+        memory: copied to the host after their last forward read and back before their
+        first backward read (graph nodes that prefetch moves, run beside the compute on a
+        GPU), per repeated block (its min cut's saved set), the first blocks in forward order
+        first:
+        - None (default): a plan choice beside recomputation, on a device profile with a
+          host link (``DeviceProfile.host_bandwidth`` > 0): the first 1/4, 1/2, 3/4 or all
+          of the blocks offloaded (the fastest plan that fits wins; with ``recompute=True``
+          tried, as whole-block recomputation is, only when the min cut fits nowhere). Never
+          where the host is the device (a CPU): it would save nothing;
+        - True: every repeated block's saved activations are offloaded (with the min cut;
+          needs ``recompute`` True or "auto");
+        - False: never.
     offload_policy: where the sharded state lives:
         - ``torch.distributed.fsdp.CPUOffloadPolicy()``: every sharded parameter, its
           gradient shard and its optimizer state in host memory, as FSDP2 does: each shard is
@@ -358,6 +373,7 @@ class Config:
     bucket: Union[bool, Bucket, None] = None
     prefetch: Union[bool, Prefetch] = True
     recompute: Union[bool, str, dict] = True
+    offload_activations: Optional[bool] = None
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: Optional[MixedPrecisionPolicy] = None
@@ -453,7 +469,15 @@ class Config:
             self._set("recompute", types.MappingProxyType(dict(self.recompute)))
         else:
             _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
-                    " or {block path: 'keep' | 'min-cut' | 'block'}")
+                    " or {block path: 'keep' | 'min-cut' | 'block' | 'offload'}")
+        _one_of("offload_activations", self.offload_activations, (None, True, False))
+        if self.offload_activations and not (self.recompute is True
+                                             or self.recompute == "auto"):
+            raise ValueError(
+                f"Config(offload_activations=True) offloads the activations the min cut saves "
+                f"in each block; recompute={self.recompute!r} leaves no such choice. Use "
+                "recompute=True or 'auto', or name the blocks to offload in a recompute dict "
+                "({path: 'offload'})")
 
     def _check_numbers(self) -> None:
         """The budget, the timeout and the divide factor: in range, normalised."""
@@ -698,10 +722,10 @@ def offloads(config) -> float:
 
 def _recompute_blocks(modes: dict) -> None:
     for path, mode in modes.items():
-        if not isinstance(path, str) or mode not in ("keep", "min-cut", "block"):
+        if not isinstance(path, str) or mode not in ("keep", "min-cut", "block", "offload"):
             raise ValueError(f"Config.recompute: {path!r}: {mode!r} is not accepted; map "
-                             "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut' or "
-                             "'block'")
+                             "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut', "
+                             "'block' or 'offload'")
 
 
 def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:

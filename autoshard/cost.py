@@ -206,6 +206,8 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0
+    if meta.tag(node, meta.COMM) in (meta.ACT_D2H, meta.ACT_H2D) and profile.host_bandwidth:
+        return 0.0  # an offloaded activation's copy: on a copy stream (autoshard.simulate)
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as the graph runs it: copy engines do not overlap it yet
         return tensor_bytes(node.meta.get("val")) / profile.host_bandwidth

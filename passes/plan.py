@@ -80,25 +80,55 @@ COLLECT_EVERY = 8
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 
 
-def recompute_choices(setting, blocks: list) -> list:
+def recompute_choices(setting, blocks: list, offload=False) -> list:
     """``[(label, modes)]`` for ``Config.recompute``: ``modes`` is the recompute pass's
     ``{block path: mode}`` (``{}``: the min cut everywhere), or None for no recomputation.
     For True, the choices after the first are tried only when no plan fits with it
-    (``first_choices``)."""
+    (``first_choices``). ``offload`` (``offload_choice``): True adds, after the min cut,
+    the first 1/4, 1/2, 3/4 and all of the blocks with their saved activations offloaded
+    (mode "offload": ``autoshard.passes.offload``), before whole-block recomputation;
+    "force" gives one choice, every block offloaded ({"*": "offload"} with no blocks: every
+    saved activation)."""
     if setting is False:
         return [("none", None)]
     if isinstance(setting, Mapping):
         return [(_label(setting, blocks), dict(setting))]
+    if offload == "force":
+        return ([(f"offload {len(blocks)}/{len(blocks)}", {b: "offload" for b in blocks})]
+                if blocks else [("offload all", {"*": "offload"})])
     whole = [("blocks", {b: "block" for b in blocks})] if blocks else [("min-cut", {})]
     if setting == "blocks":
         return whole
     out, seen = [("none", None), ("min-cut", {})], set()
+    for frac in LADDER if offload else ():
+        k = max(1, round(frac * len(blocks)))
+        if k not in seen and blocks:
+            seen.add(k)
+            out.append((f"offload {k}/{len(blocks)}", {b: "offload" for b in blocks[:k]}))
+    seen = set()
     for frac in LADDER:
         k = max(1, round(frac * len(blocks)))
         if k not in seen and blocks:
             seen.add(k)
             out.append((f"blocks {k}/{len(blocks)}", {b: "block" for b in blocks[:k]}))
     return out[1:] if setting is True else out
+
+
+def offload_choice(config, profile):
+    """``recompute_choices``'s ``offload`` for a Config on a profile: "force" for
+    ``offload_activations=True``; for None, whether the profile has a host link (where the
+    host is the device, a copy to it frees nothing)."""
+    setting = config.offload_activations
+    if setting is None:
+        return profile is not None and profile.host_bandwidth > 0
+    return "force" if setting else False
+
+
+def offloaded_blocks(modes) -> Optional[list]:
+    """The module paths whose saved activations ``modes`` offloads ([]: none; None: every
+    saved activation)."""
+    paths = [p for p, m in (modes or {}).items() if m == "offload"]
+    return None if "*" in paths else paths
 
 
 def first_choices(setting, choices: list) -> int:
@@ -111,8 +141,10 @@ def first_choices(setting, choices: list) -> int:
 def _label(modes: dict, blocks: list) -> str:
     whole = sum(m == "block" for m in modes.values())
     kept = sum(m == "keep" for m in modes.values())
+    moved = sum(m == "offload" for m in modes.values())
     parts = [f"blocks {whole}/{len(blocks)}"] if whole else []
     parts += [f"kept {kept}/{len(blocks)}"] if kept else []
+    parts += [f"offload {moved}/{len(blocks)}"] if moved else []
     return ", ".join(parts) or "min-cut"
 
 
@@ -405,7 +437,8 @@ class _Placement:
         config = self.config = search.config
         self.verify = search.options.get("verify", False)
         blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
-        self.choices = recompute_choices(config.recompute, blocks)
+        self.choices = recompute_choices(config.recompute, blocks,
+                                         offload_choice(config, ctx.profile))
         self.searching_units = config.policy == "auto" and config.units is None
         self.big = len(search.gm.graph.nodes) > BIG_GRAPH
         self.budget = ctx.memory_budget
@@ -423,17 +456,22 @@ class _Placement:
 
     def prepare(self, i: int):
         """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
-        from autoshard.passes import recompute_activations_pass, run_passes
+        from autoshard.passes import (offload_activations_pass, recompute_activations_pass,
+                                      run_passes)
         from autoshard.simulate import activations
 
         s = self.search
         if i not in s.bases:
             base = clone_graph(s.gm)
-            if self.choices[i][1] is not None:
-                base, _ = run_passes(base, self.ctx, [(recompute_activations_pass,
-                                                       {"blocks": self.choices[i][1]})],
-                                     verify_each=self.verify)
-            s.activations[i] = activations(base)
+            modes = self.choices[i][1]
+            if modes is not None:
+                passes = [(recompute_activations_pass, {"blocks": modes})]
+                moved = offloaded_blocks(modes)
+                if moved is None or moved:
+                    passes.append((offload_activations_pass, {"blocks": moved}))
+                base, _ = run_passes(base, self.ctx, passes, verify_each=self.verify)
+            host = self.ctx.profile is not None and self.ctx.profile.host_bandwidth > 0
+            s.activations[i] = activations(base, host=host)
             s.bases[i] = base
         self.floors[i] = self.ctx.static_bytes + s.activations[i][0]
         return s.bases[i], self.floors[i]
