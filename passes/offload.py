@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard import meta
+from autoshard import _compat, meta
 from autoshard.graph import (
     _aliased_arg,
     alias_closure,
@@ -47,10 +47,11 @@ def offloadable(gm: fx.GraphModule, blocks=None) -> list:
     values a backward node reads, made by the code of ``blocks`` (module paths; None: any),
     that own their storage and whose storage is safe to drop on the device after the forward.
 
-    Left out, to stay correct: graph inputs and what parameters alone compute (the backward
-    recomputes or re-gathers those), views (their base may be live), values whose storage
-    any node writes into (through any view), values any view of which the backward or the
-    output reads, user outputs, tuples, and values with no bytes."""
+    A value the backward reads through views of it counts (the views are made again from
+    the copy back). Left out, to stay correct: graph inputs and what parameters alone
+    compute (the backward recomputes or re-gathers those), views (their base is what moves),
+    values whose storage any node writes into (through any view), user outputs and values a
+    view of which the output returns, tuples, and values with no bytes."""
     nodes = list(gm.graph.nodes)
     fwd = {n for n in nodes if meta.is_forward(n)}
     mutated = mutated_storages(nodes)
@@ -64,12 +65,9 @@ def offloadable(gm: fx.GraphModule, blocks=None) -> list:
             continue
         if _aliased_arg(n) is not None or not _in_blocks(n, blocks):
             continue
-        if not any(meta.is_backward(u) for u in n.users):
-            continue
-        views = alias_closure(n)[1:]
-        if any(u.op == "output" or meta.is_backward(u) for a in views for u in a.users):
-            continue
-        if any(u.op == "output" for u in n.users):
+        aliases = alias_closure(n)
+        users = [u for a in aliases for u in a.users]
+        if any(u.op == "output" for u in users) or not any(meta.is_backward(u) for u in users):
             continue
         out.append(n)
     return out
@@ -93,6 +91,27 @@ def _copy(graph: fx.Graph, src: fx.Node, device: torch.device, like) -> fx.Node:
     return c
 
 
+def _rewire(graph: fx.Graph, aliases: list, back: fx.Node, before: fx.Node) -> None:
+    """Backward readers of ``aliases`` (a value, then its views in graph order) read ``back``
+    instead, or views made again from it (copies of the forward's, before ``before``, tagged
+    region bwd) for the views they read."""
+    env = {aliases[0]: back}
+    needed = set()
+    for a in reversed(aliases):  # a view is needed if the backward reads it or a view of it
+        if any(meta.is_backward(u) or u in needed for u in a.users):
+            needed.add(a)
+    for a in aliases[1:]:
+        if a in needed:
+            with graph.inserting_before(before):
+                c = _compat.node_copy(graph, a, lambda v: env.get(v, v))
+            c.meta[meta.KEY] = {**meta.tags(a), meta.REGION: meta.BWD,
+                                meta.OFFLOADED: aliases[0].name}
+            env[a] = c
+    for a in aliases:
+        for u in [u for u in a.users if meta.is_backward(u) and u not in env.values()]:
+            u.replace_input_with(a, env[a])
+
+
 def offload_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     """Copy saved activations to the host after the forward and back before the backward.
 
@@ -102,8 +121,10 @@ def offload_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphMod
     every one ``offloadable`` allows; an empty list: none). Guarantees, for each value ``x``
     moved: a host copy (``ACT_D2H``, region fwd) right after the last forward read of ``x``
     or of any view of it, a free of ``x`` right after that copy, a copy back (``ACT_H2D``,
-    region bwd) right before the first backward reader, which with every other backward
-    reader now reads it, and a free of the host copy right after the copy back. Each new node
+    region bwd) right before the first backward reader of ``x`` or of a view of it; every
+    backward reader of ``x`` now reads the copy back, and every backward reader of a view
+    of ``x`` the same view made again from it (forward view nodes copied, region bwd, tagged
+    ``offloaded``); a free of the host copy right after the copy back. Each new node
     is tagged ``offloaded`` with ``x``'s name. The forward's other values and every value
     computed are as before. Does nothing when no value qualifies or with no backward.
     """
@@ -117,9 +138,13 @@ def offload_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphMod
     pos = positions(graph)
     for x in moved:
         val = x.meta["val"]
-        last = max((u for a in alias_closure(x) for u in a.users if meta.is_forward(u)),
+        # the backward's own views of x (recomputed) read x or a forward view of it
+        aliases = sorted((a for a in alias_closure(x) if meta.is_forward(a)),
+                         key=pos.__getitem__)
+        last = max((u for a in aliases for u in a.users if meta.is_forward(u)),
                    key=pos.__getitem__, default=x)
-        readers = sorted((u for u in x.users if meta.is_backward(u)), key=pos.__getitem__)
+        first = min((u for a in aliases for u in a.users if meta.is_backward(u)),
+                    key=pos.__getitem__)
         with graph.inserting_after(last):
             host = _copy(graph, x, HOST, val)
         meta.tags(host).update(_tags(meta.ACT_D2H, meta.FWD, x))
@@ -127,15 +152,14 @@ def offload_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphMod
             free = graph.call_function(free_op, ([x],))
         free.meta["val"] = None
         meta.tags(free).update(_tags(meta.FREE, meta.FWD, x))
-        with graph.inserting_before(readers[0]):
+        with graph.inserting_before(first):
             back = _copy(graph, host, val.device, val)
         meta.tags(back).update(_tags(meta.ACT_H2D, meta.BWD, x))
         with graph.inserting_after(back):
             free_host = graph.call_function(free_op, ([host],))
         free_host.meta["val"] = None
         meta.tags(free_host).update(_tags(meta.FREE, meta.BWD, x))
-        for u in readers:
-            u.replace_input_with(x, back)
+        _rewire(graph, aliases, back, first)
     if moved:
         graph.lint()
         gm.recompile()

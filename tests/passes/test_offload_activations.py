@@ -1,9 +1,12 @@
 """offload_activations: saved activations cross forward -> backward through host copies, and
 the step still computes what it did."""
 
+import dataclasses
+
 import torch
 
 from autoshard import meta
+from autoshard.graph import alias_closure
 from autoshard.models import GPT
 from autoshard.passes import (assign_units_pass, insert_collectives_pass,
                               offload_activations_pass, prefetch_pass,
@@ -37,10 +40,11 @@ def test_each_saved_activation_goes_out_after_its_forward_and_back_before_its_ba
                    and not meta.is_free(u) and u is not out)
         assert meta.is_free(out.next) and out.next.args[0] == [x]
         # the backward reads the copy back only; the host copy is freed after it
-        assert not any(meta.is_backward(u) for u in x.users)
+        assert not any(meta.is_backward(u) for a in alias_closure(x) if meta.is_forward(a)
+                       for u in a.users)
         assert meta.is_backward(back) and meta.is_free(back.next)
         assert all(meta.is_backward(u) for u in back.users)
-    assert offloaded_bytes(gm)["blocks.0"] == sum(meta.val_bytes(x) for x in moved)
+    assert sum(offloaded_bytes(gm).values()) == sum(meta.val_bytes(x) for x in moved)
     # the rest of the pipeline still proves its invariants on it
     run_passes(gm, ctx, [(assign_units_pass, {"policy": "module"}),
                          (insert_collectives_pass, {}), (prefetch_pass, {}), (split_pass, {})],
@@ -55,3 +59,53 @@ def test_no_blocks_is_no_change_and_no_backward_is_nothing_to_move():
     gm, ctx = captured(GPT(seq=16, layers=1), *INPUTS, with_grad=False)
     assert offloadable(gm) == []
     verify(gm, ctx)
+
+
+def _offloaded(profile, **prefetch):
+    from autoshard.cost import PROFILES
+
+    gm, ctx = captured(GPT(seq=16, layers=2), *INPUTS)
+    ctx = dataclasses.replace(ctx, profile=PROFILES[profile])
+    gm, ctx = run_passes(gm, ctx, [(recompute_activations_pass, {}),
+                                   (offload_activations_pass, {}),
+                                   (assign_units_pass, {"policy": "module"}),
+                                   (insert_collectives_pass, {})])
+    before = [n.name for n in gm.graph.nodes]
+    gm, ctx = run_passes(gm, ctx, [(prefetch_pass, prefetch)], verify_each=True)
+    return before, gm
+
+
+def _just_before_reader(c) -> bool:
+    """Whether no compute runs between the copy ``c`` and its first reader."""
+    n = c.next
+    while n not in c.users:
+        if not meta.is_comm(n):
+            return False
+        n = n.next
+    return True
+
+
+def test_prefetch_moves_copies_in_earlier_in_order_within_the_backward():
+    before, gm = _offloaded("h100")
+    after = [n.name for n in gm.graph.nodes]
+    nodes = {n.name: n for n in gm.graph.nodes}
+    ins = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.ACT_H2D]
+    first_bwd = min(after.index(n.name) for n in gm.graph.nodes if meta.is_backward(n))
+    moved = [c for c in ins if after.index(c.name) < before.index(c.name)]
+    assert moved  # the h100's host link is slower than its compute: copies start earlier
+    for c in ins:
+        assert after.index(c.name) > first_bwd
+        assert meta.is_free(nodes[after[after.index(c.name) + 1]])  # its host copy goes next
+    # the copies keep their order (they run one after another)
+    assert sorted(ins, key=lambda c: before.index(c.name)) == ins
+    assert not all(_just_before_reader(c) for c in moved)
+    # a bound below one copy's bytes: each copy stays right before its first reader
+    _, capped = _offloaded("h100", max_copy_bytes=1)
+    ins = [n for n in capped.graph.nodes if meta.tag(n, meta.COMM) == meta.ACT_H2D]
+    assert ins and all(_just_before_reader(c) for c in ins)
+
+
+def test_prefetch_leaves_copies_where_the_host_is_the_device():
+    _, gm = _offloaded("cpu")
+    ins = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.ACT_H2D]
+    assert ins and all(_just_before_reader(c) for c in ins)
