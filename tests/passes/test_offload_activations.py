@@ -109,3 +109,62 @@ def test_prefetch_leaves_copies_where_the_host_is_the_device():
     _, gm = _offloaded("cpu")
     ins = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.ACT_H2D]
     assert ins and all(_just_before_reader(c) for c in ins)
+
+
+def _plan(profile, budget=None, offload=None, recompute=True, layers=4, seq=256):
+    import autoshard
+
+    return autoshard.plan(GPT(seq=seq, layers=layers), (torch.randint(0, 96, (8, seq)),),
+                          world_size=8, config=autoshard.Config(
+                              policy="module", device_profile=profile, memory_budget=budget,
+                              offload_activations=offload, recompute=recompute))
+
+
+def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_budget():
+    from autoshard.cost import PROFILES
+
+    h100 = PROFILES["h100"]
+    # 1000x slower compute: recomputing a block costs more than copying its activations
+    slow = dataclasses.replace(h100, name="h100-slow-compute", matmul_flops=h100.matmul_flops
+                               / 1000, mem_bandwidth=h100.mem_bandwidth / 1000)
+    for profile, wins in ((h100, "blocks"), (slow, "offload")):
+        min_cut = _plan(profile, offload=False, layers=2)
+        budget = min_cut.predicted["peak_bytes"] - 2**20  # the min cut alone does not fit
+        plan = _plan(profile, budget, layers=2)
+        rows = plan.candidates
+        fits = [c for c in rows if c["fits"]]
+        assert not any(c["fits"] for c in rows if c["recompute"] in ("none", "min-cut"))
+        chosen = next(c for c in rows if c["chosen"])
+        assert chosen["recompute"].startswith(wins), rows
+        built = [c["step_s"] for c in fits]
+        assert chosen["step_s"] == min(built)
+        assert plan.predicted["peak_bytes"] <= budget
+        # the other way is in the table, fitting but slower, or ruled out as slower
+        other = [c for c in rows if c["recompute"].startswith(
+            "offload" if wins == "blocks" else "blocks")]
+        assert any(c["fits"] is not False for c in other)
+        if wins == "offload":
+            assert plan.offloaded_activations and "activations offloaded to host memory" in (
+                plan.summary_table())
+            assert plan.predicted["host_peak_bytes"] >= sum(plan.offloaded_activations.values())
+
+
+def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing():
+    from autoshard.passes.plan import offload_choice, recompute_choices
+    from autoshard import Config
+    from autoshard.cost import PROFILES
+
+    blocks = ["blocks.0", "blocks.1"]
+    assert offload_choice(Config(), PROFILES["cpu"]) is False
+    assert offload_choice(Config(), PROFILES["h100"]) is True
+    assert offload_choice(Config(offload_activations=False), PROFILES["h100"]) is False
+    labels = [label for label, _ in recompute_choices(True, blocks, True)]
+    assert labels == ["min-cut", "offload 1/2", "offload 2/2", "blocks 1/2", "blocks 2/2"]
+    assert recompute_choices(True, blocks, "force") == [
+        ("offload 2/2", {"blocks.0": "offload", "blocks.1": "offload"})]
+    # forced on the CPU profile: two copies more, and not a byte less at the peak
+    forced = _plan("cpu", offload=True, layers=2, seq=64)
+    plain = _plan("cpu", offload=False, layers=2, seq=64)
+    assert forced.offloaded_activations and not plain.offloaded_activations
+    assert forced.predicted["peak_bytes"] >= plain.predicted["peak_bytes"]
+    assert forced.predicted["step_s"] > plain.predicted["step_s"]
