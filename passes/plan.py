@@ -14,7 +14,12 @@ tried, with its prediction, is recorded for the plan to show.
 
 Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
 keep what eager saves, the min cut, then the first 1/4, 1/2, 3/4 and all of the repeated blocks
-recomputed whole (the rest by the min cut). Any k blocks save the same bytes, since every
+recomputed whole (the rest by the min cut). With activation offload a choice
+(``Config.offload_activations``, ``offload_choice``), the first 1/4, 1/2, 3/4 and all of the
+blocks with their min cut's saved activations in host memory come between the min cut and
+whole-block recomputation: one decision per repeated block, not per activation, so that the
+ladder stays as short as the blocks' fractions (``autoshard.passes.offload`` moves a block's
+every saved value). Any k blocks save the same bytes, since every
 block's saved activations are live when the backward starts; the first ones are taken
 (``Config.recompute="auto"``; the default, True, tries the choices after the min cut only
 when no plan of the placement fits with it). Per choice, the unit candidates of the "auto"
@@ -499,8 +504,8 @@ class _Placement:
             if slower is not None:  # each choice recomputes more than the one before
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=None, fits=None,
-                    note=f"recomputes more than {slower}, whose plans are all slower than "
-                         "the chosen one"))
+                    note=f"recomputes or offloads more than {slower}, whose plans are all "
+                         "slower than the chosen one"))
                 continue
             if i < start and i not in self.floors:
                 j = min(k for k in self.floors if k > i and self.floors[k] > self.budget)
