@@ -308,7 +308,7 @@ class Config:
         - {block path: "keep" | "min-cut" | "block" | "offload"}: per block, as
           ``plan.pinned_recompute()`` gives it (blocks not named: the min cut; "offload":
           the min cut, its saved activations kept in host memory, see
-          ``offload_activations``).
+          ``offload_activations``; ``"*": "offload"``: every saved activation offloaded).
     offload_activations: whether saved activations may wait for the backward in host
         memory: copied to the host after their last forward read and back before their
         first backward read (graph nodes that prefetch moves, run beside the compute on a
@@ -818,7 +818,7 @@ def check_names(config: Config, model) -> None:
         blocks = repeated_blocks(model)
         known = set(paths)
         for path in config.recompute:
-            if path not in known:
+            if path not in known and path != "*":  # "*": every saved activation (offload)
                 raise ValueError(
                     f"Config.recompute names block {path!r}, which is not a module of "
                     f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks

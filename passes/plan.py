@@ -93,7 +93,8 @@ def recompute_choices(setting, blocks: list, offload=False) -> list:
     the first 1/4, 1/2, 3/4 and all of the blocks with their saved activations offloaded
     (mode "offload": ``autoshard.passes.offload``), before whole-block recomputation;
     "force" gives one choice, every block offloaded ({"*": "offload"} with no blocks: every
-    saved activation)."""
+    saved activation). True also ends the ladder with every block recomputed whole and what
+    then crosses (the blocks' inputs) offloaded: the least device memory of all."""
     if setting is False:
         return [("none", None)]
     if isinstance(setting, Mapping):
@@ -116,6 +117,9 @@ def recompute_choices(setting, blocks: list, offload=False) -> list:
         if k not in seen and blocks:
             seen.add(k)
             out.append((f"blocks {k}/{len(blocks)}", {b: "block" for b in blocks[:k]}))
+    if offload and blocks:  # the least memory: every block whole, what crosses offloaded
+        out.append((f"blocks {len(blocks)}/{len(blocks)}, offload all",
+                    {**{b: "block" for b in blocks}, "*": "offload"}))
     return out[1:] if setting is True else out
 
 
@@ -146,10 +150,11 @@ def first_choices(setting, choices: list) -> int:
 def _label(modes: dict, blocks: list) -> str:
     whole = sum(m == "block" for m in modes.values())
     kept = sum(m == "keep" for m in modes.values())
-    moved = sum(m == "offload" for m in modes.values())
+    moved = sum(m == "offload" for p, m in modes.items() if p != "*")
     parts = [f"blocks {whole}/{len(blocks)}"] if whole else []
     parts += [f"kept {kept}/{len(blocks)}"] if kept else []
     parts += [f"offload {moved}/{len(blocks)}"] if moved else []
+    parts += ["offload all"] if modes.get("*") == "offload" else []
     return ", ".join(parts) or "min-cut"
 
 

@@ -159,7 +159,8 @@ def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing(
     assert offload_choice(Config(), PROFILES["h100"]) is True
     assert offload_choice(Config(offload_activations=False), PROFILES["h100"]) is False
     labels = [label for label, _ in recompute_choices(True, blocks, True)]
-    assert labels == ["min-cut", "offload 1/2", "offload 2/2", "blocks 1/2", "blocks 2/2"]
+    assert labels == ["min-cut", "offload 1/2", "offload 2/2", "blocks 1/2", "blocks 2/2",
+                      "blocks 2/2, offload all"]
     assert recompute_choices(True, blocks, "force") == [
         ("offload 2/2", {"blocks.0": "offload", "blocks.1": "offload"})]
     # forced on the CPU profile: two copies more, and not a byte less at the peak
