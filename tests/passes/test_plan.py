@@ -118,7 +118,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
     assert len(notes) == len(roomy.candidates)
     assert notes[2:] and all(n == "recomputes or offloads more than min-cut, whose plans are "
                                   "all slower than the chosen one" for n in notes[2:])
-    assert "recomputes or offloads more than min-cut" in big.candidates_table()
+    assert "recomputes or offloads" in big.candidates_table()
 
 
 def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
