@@ -46,6 +46,10 @@ class DeviceProfile:
     # bytes/s each way between host and device memory (an offloaded shard's copies); 0: the
     # host is the device, and such a copy costs what any copy does
     host_bandwidth: float = 0.0
+    # bytes of host memory per device (the machine's share per GPU) that offloaded
+    # activations may take; 0: not bounded (where the host is the device, the device's
+    # memory bounds them)
+    host_memory: int = 0
     source: str = ""
 
     def __post_init__(self):
@@ -81,9 +85,14 @@ _PROFILE_NUMBERS = {
     "comm_overlap": (lambda v: 0 <= v <= 1, "a fraction of a collective's time from 0 to 1"),
     "host_bandwidth": (lambda v: 0 <= v <= _BIG,
                        "a finite number of bytes/s, 0 or more (0: the host is the device)"),
+    "host_memory": (lambda v: 0 <= v <= INT64_MAX,
+                    "a number of bytes from 0 (not bounded) to 2**63 - 1"),
 }
 
 GiB = 2**30
+
+
+HOST_MEMORY = 250 * 10**9  # per GPU: a DGX H100 (and DGX A100 640GB) holds 2 TB for 8 GPUs
 
 
 def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
@@ -99,7 +108,8 @@ def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note:
               f"GB/s each way, ~{host / 1e9:g} GB/s reached")
     return DeviceProfile(name, matmul_flops=tflops * 1e12, mem_bandwidth=hbm, alpha=10e-6,
                          beta=1 / nvlink, memory=80 * 10**9, efficiency=0.5,
-                         host_bandwidth=host, source=source)
+                         host_bandwidth=host, host_memory=HOST_MEMORY,
+                         source=source + "; host memory: a DGX's 2 TB over its 8 GPUs")
 
 
 PROFILES = {

@@ -539,6 +539,8 @@ class _Placement:
                                          fits=False,
                                          note="activations alone exceed the budget"))
             return None
+        if self.over_host(base, label):
+            return None
         ch.compute = sum(node_time(n, self.ctx.profile) for n in base.graph.nodes)
         if s.best_fits() and ch.compute >= s.best.prediction.total:
             s.candidates.append(self.row(
@@ -548,6 +550,21 @@ class _Placement:
             return label if self.big else None
         outcomes = self.unit_candidates(ch)
         return label if self.big and all(o is None for o in outcomes) else None
+
+    def over_host(self, base, label: str) -> bool:
+        """Whether the activations ``base`` offloads, with the state on the host, exceed the
+        profile's host memory per device (recorded, not built, then)."""
+        from autoshard.passes.offload import offloaded_bytes
+
+        limit = getattr(self.ctx.profile, "host_memory", 0)
+        moved = sum(offloaded_bytes(base).values()) if limit else 0
+        if not moved or moved + self.ctx.state["host"] <= limit:
+            return False
+        self.search.candidates.append(self.row(
+            label, units=None, step_s=None, peak_bytes=None, fits=False,
+            note=f"its offloaded activations ({_fmt_bytes(moved)} per rank) exceed the host "
+                 f"memory per device ({_fmt_bytes(limit)}, DeviceProfile.host_memory)"))
+        return True
 
     def unit_candidates(self, ch: _Choice) -> list:
         """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the

@@ -147,6 +147,13 @@ def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_b
             assert plan.offloaded_activations and "activations offloaded to host memory" in (
                 plan.summary_table())
             assert plan.predicted["host_peak_bytes"] >= sum(plan.offloaded_activations.values())
+            assert any(e[0] == "copy" for e in plan.events)  # on a lane beside the compute
+            # with no host memory for them, the activations stay on the device
+            tight = _plan(dataclasses.replace(slow, host_memory=1), budget, layers=2)
+            assert next(c for c in tight.candidates if c["chosen"])["recompute"].startswith(
+                "blocks") and not tight.offloaded_activations
+            assert any("exceed the host memory per device" in c["note"]
+                       for c in tight.candidates if c["recompute"].startswith("offload"))
 
 
 def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing():
