@@ -444,6 +444,7 @@ class _Placement:
         from autoshard.passes.units import repeated_blocks
 
         self.search, self.ctx, self.reuse = search, ctx, reuse
+        self.start = len(search.candidates)  # this placement's rows come after
         config = self.config = search.config
         self.verify = search.options.get("verify", False)
         blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
@@ -528,18 +529,22 @@ class _Placement:
 
         s = self.search
         base, floor = self.prepare(i)
+        last = i == len(self.choices) - 1  # built even if it does not fit: the plan shown
+        if i and self.over_host(base, label):
+            if not last or any(c["step_s"] is not None for c in s.candidates[self.start:]):
+                return None
+            i, (label, modes) = i - 1, self.choices[i - 1]  # the same without offload
+            base, floor = self.prepare(i)
         if self.reuse is None or (self.reuse == "unfit" and s.best_fits()):
             for j in [j for j in s.bases if j <= i]:  # no later placement reads them
                 del s.bases[j]
         # and per choice, its activations and unit candidates, computed once
         ch = _Choice(label, modes, base, {"groupings": s.groupings,
                                           "activations": s.activations[i]}, floor)
-        if i != len(self.choices) - 1 and floor > self.budget:
+        if not last and floor > self.budget:
             s.candidates.append(self.row(label, units=None, step_s=None, peak_bytes=floor,
                                          fits=False,
                                          note="activations alone exceed the budget"))
-            return None
-        if self.over_host(base, label):
             return None
         ch.compute = sum(node_time(n, self.ctx.profile) for n in base.graph.nodes)
         if s.best_fits() and ch.compute >= s.best.prediction.total:
@@ -553,7 +558,9 @@ class _Placement:
 
     def over_host(self, base, label: str) -> bool:
         """Whether the activations ``base`` offloads, with the state on the host, exceed the
-        profile's host memory per device (recorded, not built, then)."""
+        profile's host memory per device (recorded, not built, then; the last choice, with
+        no plan of the placement built, gives way to the one before it, which offloads
+        nothing)."""
         from autoshard.passes.offload import offloaded_bytes
 
         limit = getattr(self.ctx.profile, "host_memory", 0)

@@ -154,6 +154,9 @@ def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_b
                 "blocks") and not tight.offloaded_activations
             assert any("exceed the host memory per device" in c["note"]
                        for c in tight.candidates if c["recompute"].startswith("offload"))
+            # nothing fits: the plan shown is the least memory without offload
+            none = _plan(dataclasses.replace(slow, host_memory=1), 2**20, layers=2)
+            assert none.recompute == "blocks 2/2" and not none.offloaded_activations
 
 
 def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing():
