@@ -1,6 +1,7 @@
-"""The largest batch that fits, with and without activation offload (predicted).
+"""The largest batch (or sequence) that fits, with and without activation offload (predicted).
 
     python -m bench.activation_offload [--models llama3_8b:8,llama3_70b:64] [--seq 8192]
+        [--vary batch|seq]
 
 Per model (``autoshard.examples.llama_shapes``) and world size, on the ``h100`` profile, the
 largest per-rank batch at sequence ``--seq`` whose plan fits the profile's memory, for three
@@ -14,7 +15,8 @@ configurations planned alike (fake tensors, no GPU):
 
 The search plans batch 1, 2, 4, ... until a plan does not fit, then bisects between the last
 that fits and the first that does not: every answer is a plan that fits beside one, a batch
-larger, that does not. Prints a table (batch, the chosen recomputation, its peak and step
+larger, that does not. ``--vary seq`` does the same for the sequence at batch 1, in steps of
+``--seq-step`` tokens. Prints a table (batch, the chosen recomputation, its peak and step
 time at that batch, planning seconds).
 """
 
@@ -62,26 +64,27 @@ def plan_at(factory, world: int, batch: int, seq: int, name: str):
     return plan, plan.unfit is None and p["peak_bytes"] <= plan.memory_budget
 
 
-def largest_batch(factory, world: int, seq: int, name: str, limit: int, say) -> tuple:
-    """``(batch, its plan, the plans made)``: the largest batch up to ``limit`` that fits
-    (0 and None when none does)."""
+def largest(plan_of, limit: int, say) -> tuple:
+    """``(k, its plan, the plans made)``: the largest ``k`` up to ``limit`` whose plan
+    ``plan_of(k)`` (``(plan, fits)``) fits, by doubling then bisection (0 and None when
+    ``k`` = 1 does not fit)."""
     made, fit, over = 0, (0, None), None
-    b = 1
-    while b <= limit:
-        plan, ok = plan_at(factory, world, b, seq, name)
+    k = 1
+    while k <= limit:
+        plan, ok = plan_of(k)
         made += 1
-        say(f"{name} batch {b}: {'fits' if ok else 'does not fit'}")
+        say(f"{k}: {'fits' if ok else 'does not fit'}")
         if not ok:
-            over = b
+            over = k
             break
-        fit = (b, plan)
-        b *= 2
+        fit = (k, plan)
+        k *= 2
     lo, hi = fit[0], over if over is not None else limit + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        plan, ok = plan_at(factory, world, mid, seq, name)
+        plan, ok = plan_of(mid)
         made += 1
-        say(f"{name} batch {mid}: {'fits' if ok else 'does not fit'}")
+        say(f"{mid}: {'fits' if ok else 'does not fit'}")
         lo, hi, fit = (mid, hi, (mid, plan)) if ok else (lo, mid, fit)
     return fit[0], fit[1], made
 
@@ -96,6 +99,10 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--limit", type=int, default=64, help="largest batch tried")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--vary", choices=("batch", "seq"), default="batch",
+                    help="batch: the largest batch at --seq; seq: the largest sequence (in "
+                         "steps of --seq-step) at batch 1")
+    ap.add_argument("--seq-step", type=int, default=1024)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
 
@@ -108,17 +115,24 @@ def main(argv=None) -> None:
         factory = getattr(llama_shapes, model)
         for name in args.configs.split(","):
             start = time.perf_counter()
-            batch, plan, made = largest_batch(factory, int(world), args.seq, name, args.limit,
-                                              say)
+
+            def plan_of(k, name=name, factory=factory, world=int(world)):
+                batch, seq = (k, args.seq) if args.vary == "batch" else (1, k * args.seq_step)
+                return plan_at(factory, world, batch, seq, name)
+
+            k, plan, made = largest(plan_of, args.limit,
+                                    lambda msg, name=name: say(f"{name} {args.vary} {msg}"))
+            batch, seq = ((k, args.seq) if args.vary == "batch" else (1, k * args.seq_step))
             spent = f"{(time.perf_counter() - start) / made:.0f} s x {made}"
             if plan is None:
-                rows.append((model, world, args.seq, name, 0, "-", "-", "-", "-", spent))
+                rows.append((model, world, seq if k else "-", name, batch if k else 0, "-",
+                             "-", "-", "-", spent))
                 continue
             p = plan.predicted
-            rows.append((model, world, args.seq, name, batch, plan.recompute,
+            rows.append((model, world, seq, name, batch, plan.recompute,
                          _fmt_bytes(sum(plan.offloaded_activations.values())),
                          _fmt_bytes(p["peak_bytes"]), f"{p['step_s'] * 1e3:.0f} ms", spent))
-    print(tabulate(rows, headers=["model", "ranks", "seq", "plan", "largest batch",
+    print(tabulate(rows, headers=["model", "ranks", "seq", "plan", "batch",
                                   "recompute at it", "offloaded/rank", "peak/rank", "step",
                                   "planning"]))
 
