@@ -489,7 +489,9 @@ class _Placement:
 
     def first_fitting_choice(self, first: int) -> int:
         """On a big graph, the first choice whose activations fit, by bisection: each
-        recomputes more than the one before, so its floor is lower."""
+        recomputes more than the one before, so its floor is lower (offload choices, whose
+        floors fall along their own ladder but not against whole-block recomputation, are
+        tried whatever it finds: ``run``)."""
         lo, hi = 0, len(self.choices) - 1
         if first < len(self.choices) and self.prepare(first - 1)[1] <= self.budget:
             hi = first - 1  # a choice always tried holds one: no fallback is built
@@ -513,7 +515,10 @@ class _Placement:
                     note=f"recomputes or offloads more than {slower}, whose plans are all "
                          "slower than the chosen one"))
                 continue
-            if i < start and i not in self.floors:
+            # an offload choice's floor (copies taken as instant) is not ordered with the
+            # recomputation choices': the bisection says nothing of it, so it is tried
+            moved = offloaded_blocks(modes)
+            if i < start and i not in self.floors and not (moved is None or moved):
                 j = min(k for k in self.floors if k > i and self.floors[k] > self.budget)
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=self.floors[j], fits=False,

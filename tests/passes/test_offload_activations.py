@@ -179,3 +179,21 @@ def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing(
     assert forced.offloaded_activations and not plain.offloaded_activations
     assert forced.predicted["peak_bytes"] >= plain.predicted["peak_bytes"]
     assert forced.predicted["step_s"] > plain.predicted["step_s"]
+
+
+def test_on_a_big_graph_the_search_finds_the_same_offload_plan(monkeypatch):
+    """Over BIG_GRAPH nodes the first choice whose activations fit is found by bisection
+    over a ladder that now holds offload choices; the plan is the one the full search
+    picks."""
+    import autoshard.passes.plan as plan_mod
+    from autoshard.cost import PROFILES
+
+    h100 = PROFILES["h100"]
+    slow = dataclasses.replace(h100, name="h100-slow-compute", matmul_flops=h100.matmul_flops
+                               / 1000, mem_bandwidth=h100.mem_bandwidth / 1000)
+    budget = _plan(slow, offload=False, layers=2).predicted["peak_bytes"] - 2**20
+    full = _plan(slow, budget, layers=2)
+    monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)
+    big = _plan(slow, budget, layers=2)
+    assert big.recompute == full.recompute and big.recompute.startswith("offload")
+    assert big.predicted == full.predicted
