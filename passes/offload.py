@@ -79,11 +79,14 @@ def _tags(kind: str, region: str, n: fx.Node) -> dict:
 
 
 def _copy(graph: fx.Graph, src: fx.Node, device: torch.device, like) -> fx.Node:
-    """``aten._to_copy(src, device=device)`` with its fake value; pinned host memory when the
-    value comes from a CUDA device (an asynchronous copy needs it)."""
+    """``aten._to_copy(src, device=device)`` with its fake value. Between a CUDA device and
+    the host the copy is asynchronous (``non_blocking``; ``_to_copy`` then puts the host
+    copy in pinned memory, which it does only so): ordered on the device's stream with
+    what reads it, and pinned host blocks are reused only once the copies that read them
+    have ended (torch's caching host allocator)."""
     kwargs = {"device": device}
-    if device.type == "cpu" and like.device.type == "cuda":
-        kwargs["pin_memory"] = True
+    if like.device.type == "cuda":
+        kwargs["non_blocking"] = True
     c = graph.call_function(_TO_COPY, (src,), kwargs)
     with like.fake_mode:
         c.meta["val"] = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype,
