@@ -310,8 +310,23 @@ class Config:
           forward again;
         - "auto": a plan decision per repeated block among these three, the fastest that
           fits ``memory_budget`` (the plan lists the candidates);
-        - {block path: "keep" | "min-cut" | "block"}: per block, as
-          ``plan.pinned_recompute()`` gives it (blocks not named: the min cut).
+        - {block path: "keep" | "min-cut" | "block" | "offload"}: per block, as
+          ``plan.pinned_recompute()`` gives it (blocks not named: the min cut; "offload":
+          the min cut, its saved activations kept in host memory, see
+          ``offload_activations``; ``"*": "offload"``: every saved activation offloaded).
+    offload_activations: whether saved activations may wait for the backward in host
+        memory: copied to the host after their last forward read and back before their
+        first backward read (graph nodes that prefetch moves, run beside the compute on a
+        GPU), per repeated block (its min cut's saved set), the first blocks in forward order
+        first:
+        - None (default): a plan choice beside recomputation, on a device profile with a
+          host link (``DeviceProfile.host_bandwidth`` > 0): the first 1/4, 1/2, 3/4 or all
+          of the blocks offloaded (the fastest plan that fits wins; with ``recompute=True``
+          tried, as whole-block recomputation is, only when the min cut fits nowhere). Never
+          where the host is the device (a CPU): it would save nothing;
+        - True: every repeated block's saved activations are offloaded (with the min cut;
+          needs ``recompute`` True or "auto");
+        - False: never.
     offload_policy: where the sharded state lives:
         - ``torch.distributed.fsdp.CPUOffloadPolicy()``: every sharded parameter, its
           gradient shard and its optimizer state in host memory, as FSDP2 does: each shard is
@@ -363,6 +378,7 @@ class Config:
     bucket: Union[bool, Bucket, None] = None
     prefetch: Union[bool, Prefetch] = True
     recompute: Union[bool, str, dict] = True
+    offload_activations: Optional[bool] = None
     verify: bool = False
     timeout: Union[float, int, datetime.timedelta] = 300
     mp_policy: Optional[MixedPrecisionPolicy] = None
@@ -461,7 +477,15 @@ class Config:
             self._set("recompute", types.MappingProxyType(dict(self.recompute)))
         else:
             _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
-                    " or {block path: 'keep' | 'min-cut' | 'block'}")
+                    " or {block path: 'keep' | 'min-cut' | 'block' | 'offload'}")
+        _one_of("offload_activations", self.offload_activations, (None, True, False))
+        if self.offload_activations and not (self.recompute is True
+                                             or self.recompute == "auto"):
+            raise ValueError(
+                f"Config(offload_activations=True) offloads the activations the min cut saves "
+                f"in each block; recompute={self.recompute!r} leaves no such choice. Use "
+                "recompute=True or 'auto', or name the blocks to offload in a recompute dict "
+                "({path: 'offload'})")
 
     def _check_numbers(self) -> None:
         """The budget, the timeout and the divide factor: in range, normalised."""
@@ -706,10 +730,10 @@ def offloads(config) -> float:
 
 def _recompute_blocks(modes: dict) -> None:
     for path, mode in modes.items():
-        if not isinstance(path, str) or mode not in ("keep", "min-cut", "block"):
+        if not isinstance(path, str) or mode not in ("keep", "min-cut", "block", "offload"):
             raise ValueError(f"Config.recompute: {path!r}: {mode!r} is not accepted; map "
-                             "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut' or "
-                             "'block'")
+                             "repeated-block paths (e.g. 'blocks.0') to 'keep', 'min-cut', "
+                             "'block' or 'offload'")
 
 
 def reshard_group_size(setting, shard_size: int):
@@ -832,7 +856,7 @@ def check_names(config: Config, model) -> None:
         blocks = repeated_blocks(model)
         known = set(paths)
         for path in config.recompute:
-            if path not in known:
+            if path not in known and path != "*":  # "*": every saved activation (offload)
                 raise ValueError(
                     f"Config.recompute names block {path!r}, which is not a module of "
                     f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks

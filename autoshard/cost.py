@@ -53,6 +53,10 @@ class DeviceProfile:
     ranks_per_node: int = 0
     # seconds per byte between nodes, per rank (its network card); 0: the same as ``beta``
     inter_beta: float = 0.0
+    # bytes of host memory per device (the machine's share per GPU) that offloaded
+    # activations may take; 0: not bounded (where the host is the device, the device's
+    # memory bounds them)
+    host_memory: int = 0
     source: str = ""
 
     def __post_init__(self):
@@ -92,9 +96,14 @@ _PROFILE_NUMBERS = {
                        "a whole number of ranks per node, 0 or more (0: all on one link)"),
     "inter_beta": (lambda v: 0 <= v <= _BIG,
                    "a finite number of seconds per byte between nodes, 0 or more (0: beta)"),
+    "host_memory": (lambda v: 0 <= v <= INT64_MAX,
+                    "a number of bytes from 0 (not bounded) to 2**63 - 1"),
 }
 
 GiB = 2**30
+
+
+HOST_MEMORY = 250 * 10**9  # per GPU: a DGX H100 (and DGX A100 640GB) holds 2 TB for 8 GPUs
 
 
 def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
@@ -113,7 +122,8 @@ def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note:
     return DeviceProfile(name, matmul_flops=tflops * 1e12, mem_bandwidth=hbm, alpha=10e-6,
                          beta=1 / nvlink, memory=80 * 10**9, efficiency=0.5,
                          host_bandwidth=host, ranks_per_node=8,
-                         inter_beta=8 / (nic_gbit * 1e9), source=source)
+                         inter_beta=8 / (nic_gbit * 1e9), host_memory=HOST_MEMORY,
+                         source=source + "; host memory: a DGX's 2 TB over its 8 GPUs")
 
 
 PROFILES = {
@@ -235,6 +245,8 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if meta.tag(node, meta.COMM) == meta.AG_CHUNK:  # reads and writes its chunk only
         return 2 * tensor_bytes(node.meta.get("val")) / profile.mem_bandwidth
+    if meta.tag(node, meta.COMM) in (meta.ACT_D2H, meta.ACT_H2D) and profile.host_bandwidth:
+        return 0.0  # an offloaded activation's copy: on a copy stream (autoshard.simulate)
     if meta.tag(node, meta.COMM) in (meta.H2D, meta.D2H) and profile.host_bandwidth:
         # on the compute stream, as a CPU and a compiled program run it; on a GPU the executor
         # runs it on a copy stream (runtime.streams) and this is an upper bound

@@ -25,6 +25,8 @@ COMM = "comm"  # communication step: see COMM_* values
 OUTPUTS = "outputs"  # on the output node: the role of each returned value
 CHECKPOINT = "checkpoint"  # forward node inside a torch.utils.checkpoint region: its id
 RECOMPUTED = "recomputed"  # on a forward node copied into backward: the original's name
+# on the copies and frees of an offloaded activation (passes/offload.py): the value's name
+OFFLOADED = "offloaded"
 
 ROLE_PARAM = "param"
 ROLE_BUFFER = "buffer"
@@ -69,10 +71,14 @@ FREE = "free"
 # is packed for its all-gather, and the gradient shard copied back to the host after unpacking
 H2D = "h2d"
 D2H = "d2h"
-# every kind whose node copies a tensor between host and device memory: on a GPU the executor
-# runs each on a copy stream of its own direction (``autoshard.runtime.streams``); a new kind
-# of copy (activations copied out and in) joins this tuple to be run there too
-COPIES = (H2D, D2H)
+# offloaded activations (passes/offload.py): a saved forward value copied to the host after
+# its last forward read, and back to the device before its first backward read
+ACT_D2H = "act_d2h"
+ACT_H2D = "act_h2d"
+# every kind whose node copies a tensor between host and device memory (offloaded shards
+# and gradient shards, offloaded activations): on a GPU the executor runs each on a copy
+# stream of its own direction (``autoshard.runtime.streams``)
+COPIES = (H2D, D2H, ACT_D2H, ACT_H2D)
 
 COLLECTIVE_ISSUES = (AG_ISSUE, RS_ISSUE, AR_ISSUE)
 WAITS = (AG_WAIT, RS_WAIT, AR_WAIT)

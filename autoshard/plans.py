@@ -93,8 +93,12 @@ class Plan:
     events: list = dataclasses.field(default_factory=list)  # [lane, name, start, dur, unit]
     symbolic: dict = dataclasses.field(default_factory=dict)  # {"memory": expr, "time": expr}
     recompute: str = ""  # the recomputation chosen: "none", "min-cut", "blocks k/L", ...
-    # {block path: "keep" | "min-cut" | "block"} of that choice; None: nothing recomputed
+    # {block path: "keep" | "min-cut" | "block" | "offload"} of that choice; None: nothing
+    # recomputed
     recompute_blocks: Optional[dict] = None
+    # {block (or module) path: bytes} of the saved activations copied to host memory between
+    # forward and backward (autoshard.passes.offload); {}: none
+    offloaded_activations: dict = dataclasses.field(default_factory=dict)
     # every plan the planner predicted: recompute, offload, units, step_s, peak_bytes, fits,
     # chosen
     candidates: list = dataclasses.field(default_factory=list)
@@ -200,6 +204,10 @@ class Plan:
             ("gradient reduction", self.reduction),
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
+            *([("activations offloaded to host memory",
+                f"{_fmt_bytes(sum(self.offloaded_activations.values()))} from "
+                f"{len(self.offloaded_activations)} blocks")] if self.offloaded_activations
+              else []),
             ("resharded after forward", self.reshard or "-"),
             *([("gradients accumulated locally (no sync)",
                 _fmt_bytes(p["local_grad_bytes"]))] if p.get("local_grad_bytes") else []),
@@ -216,6 +224,8 @@ class Plan:
             *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),
                ("  offload", offload_label(self.offload, self.offload_params))]
               if p.get("host_state_bytes") else []),
+            *([("host memory peak per rank", _fmt_bytes(p["host_peak_bytes"]))]
+              if self.offloaded_activations and p.get("host_peak_bytes") else []),
             ("  memory budget", _fmt_bytes(self.memory_budget)),
         ]
         for k, v in self.symbolic.items():
@@ -600,6 +610,7 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
                 reshard=reshard, strategy=strategy, mesh_shape=list(mesh_shape),
                 grad_sync=grad_sync, candidates=[dict(c) for c in candidates],
                 reduction=_reduction(specs.values()))
+    plan.offloaded_activations = _offloaded_activations(graphs[0], recompute[1])
     if profile is not None:
         plan.device = profile.to_dict()
     if prediction is not None:
@@ -620,6 +631,22 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         plan.memory_timeline = [[t, b, g, where.get((g, n), "")] for t, b, g, n in p.timeline]
         plan.events = p.events
     return plan
+
+
+def _offloaded_activations(fwd, modes) -> dict:
+    """``Plan.offloaded_activations`` of a forward graph: its copies to the host, by the
+    block ``modes`` offloads that made them (else by module path)."""
+    from autoshard.passes.offload import offloaded_bytes
+
+    if fwd is None:
+        return {}
+    blocks = sorted((p for p, m in (modes or {}).items() if m == "offload"), key=len,
+                    reverse=True)
+    out: dict = {}
+    for path, nbytes in offloaded_bytes(fwd).items():
+        key = next((b for b in blocks if path == b or path.startswith(b + ".")), path)
+        out[key] = out.get(key, 0) + nbytes
+    return out
 
 
 def _reduction(specs) -> str:

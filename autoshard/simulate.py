@@ -9,6 +9,13 @@ it: values die after their last use, as the generated code drops them. The forwa
 tensors live until their last use in the (boxed) backward; its user outputs until the end of
 the step; the gradient shards it returns stay. An offloaded parameter's shard, gradient shard
 and optimizer state are host memory and not counted; its copy to the device is, until packed.
+
+Offloaded activations (``autoshard.passes.offload``): where the host is not the device
+(``DeviceProfile.host_bandwidth`` > 0) each copy runs on a copy lane of its own (a side
+stream) at that bandwidth, one after another, beside the compute; a node reading a copy
+waits for it (exposed time), and a free of a value a copy still reads takes effect when the
+copy ends. The host copy is host memory. Where the host is the device, a copy is a compute
+node like any other and its output device memory: offload then saves nothing.
 """
 
 from __future__ import annotations
@@ -96,15 +103,40 @@ class _Sim:
         self.held_inputs = {}  # collective issue -> storage of its input, held until the wait
         self.comm = self.sent = 0
         self.peak, self.peak_at = static_bytes, "start"
+        # offloaded activations: the copy lane's clock, when each copy's value is ready,
+        # until when a copy reads its source, and the storages copies hold: (end, storage)
+        self.th, self.ready, self.reading, self.later = 0.0, {}, {}, []
+        self.host_copies = profile.host_bandwidth > 0
 
     def close_group(self):
         if self.group is not None and self.group[3] > 0:
             self.events.append(self.group)
         self.group = None
 
+    def copy(self, n: fx.Node, kind) -> None:
+        """An offloaded activation's copy on the copy lane, after the one before it."""
+        size = _size(n)
+        start = max(self.tc, self.th)
+        self.th = self.ready[n] = self.reading[n.args[0]] = start + size / (
+            self.profile.host_bandwidth)
+        self.events.append(["copy", f"{kind} {meta.tag(n, meta.OFFLOADED)}", start,
+                            self.th - start, None])
+
+    def wait_ready(self, n: fx.Node) -> None:
+        """Hold compute until every offload copy ``n`` reads has ended."""
+        end = max((self.ready.get(a, 0.0) for a in n.all_input_nodes), default=0.0)
+        if end > self.tc:
+            self.exposed += end - self.tc
+            self.close_group()
+            self.tc = end
+
     def step_time(self, n: fx.Node, gname: str, kind):
         """Advance the clocks over ``n``; ``kind``: its ``meta.COMM`` tag."""
-        if kind in meta.COLLECTIVE_ISSUES:
+        if self.ready and kind != meta.FREE:
+            self.wait_ready(n)
+        if kind in (meta.ACT_D2H, meta.ACT_H2D) and self.host_copies:
+            self.copy(n, kind)
+        elif kind in meta.COLLECTIVE_ISSUES:
             size = _size(n) if kind == meta.AG_ISSUE else _size(n.args[0])
             world = meta.group_size(n)
             rounds = ring_rounds(kind)
@@ -166,19 +198,28 @@ class _Sim:
             self.step_time(n, gname, kind)
             while self.scratch and self.scratch[0][0] <= self.tc:
                 mem.release(self.scratch.pop(0)[1])
+            if self.later:
+                self.free_later()
             if kind in meta.COLLECTIVE_ISSUES and sids.get(n.args[0]) is not None:
                 self.held_inputs[n] = sids[n.args[0]]  # the backend holds its input
                 mem.acquire(self.held_inputs[n], 0)
             elif kind in meta.WAITS and n.args[0] in self.held_inputs:
                 mem.release(self.held_inputs.pop(n.args[0]))
+            if (kind in (meta.ACT_D2H, meta.ACT_H2D) and self.host_copies
+                    and sids.get(n.args[0]) is not None):  # the copy holds what it reads
+                mem.acquire(sids[n.args[0]], 0)
+                self.later.append((self.ready[n], sids[n.args[0]]))
             if kind == meta.FREE:
                 for t in n.args[0]:
-                    mem.free(sids[t])
+                    # a copy still reading it holds it: it goes when the copy ends
+                    if self.reading.get(t, 0.0) <= self.tc:
+                        mem.free(sids[t])
             elif isinstance(n.meta.get("val"), torch.Tensor):
                 src = _aliased_arg(n)
                 sids[n] = sids.get(src) if src is not None else (None if n in uncounted else n)
                 if sids[n] is not None:  # a gradient shard copied out lands in host memory
-                    mem.acquire(sids[n], _size(n), host=kind == meta.D2H)
+                    mem.acquire(sids[n], _size(n), host=kind == meta.D2H or (
+                        kind == meta.ACT_D2H and self.host_copies))
             self.timeline.append([self.tc, mem.total, gname, n.name])
             if mem.total > self.peak:
                 self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
@@ -200,6 +241,13 @@ class _Sim:
             if sids.get(n) is not None:
                 mem.release(sids[n])
         return held
+
+    def free_later(self) -> None:
+        """Release what the copies ended by now held."""
+        done = [x for x in self.later if x[0] <= self.tc]
+        for _, sid in done:
+            self.mem.release(sid)
+        self.later = [x for x in self.later if x[0] > self.tc]
 
     def prediction(self) -> Prediction:
         return Prediction(
@@ -269,16 +317,20 @@ def _simulate(fwd_nodes, fwd_out, bwd, profile, static_bytes, n_user_outputs, ho
     return sim.prediction()
 
 
-def activations(joint: fx.GraphModule) -> tuple:
+def activations(joint: fx.GraphModule, host: bool = False) -> tuple:
     """``(peak, live)``: the peak bytes of everything but the parameters over the joint graph
     (before collectives: what a step holds besides the model state and the gathered units)
     and, per node name, the activation bytes live while the node runs (its output included).
     Values computed from parameters alone are not counted: the step recomputes them where the
     backward reads them (``autoshard.passes.collectives``), so what is counted is live in any
-    plan."""
+    plan. ``host``: whether offloaded activations' host copies are host memory (a profile
+    with a host link), their copies then taken as instant (the least the device holds)."""
+    from autoshard.cost import _BIG
     from autoshard.graph import param_derived
 
-    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1), 0)  # counts bytes, not time
+    # counts bytes, not time
+    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1, host_bandwidth=_BIG if host else 0),
+               0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:
         if meta.is_tangent(n):

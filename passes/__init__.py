@@ -25,6 +25,7 @@ from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
 from autoshard.passes.bucket import bucket_units_pass  # noqa: F401
 from autoshard.passes.prefetch import prefetch_pass  # noqa: F401
 from autoshard.passes.remat import recompute_activations_pass  # noqa: F401
+from autoshard.passes.offload import offload_activations_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
 from autoshard.passes.plan import plan_step_pass  # noqa: F401,E402
@@ -88,9 +89,10 @@ def _op_counts(gm: fx.GraphModule) -> collections.Counter:
 
 # The pipeline's order: a list given to the runner keeps it (passes not named here, such as
 # the planner, run anywhere). Recomputation first: it decides the activation memory the unit
-# choice works with; the split last: it partitions what the others built.
-ORDER = ("recompute_activations_pass", "assign_units_pass", "bucket_units_pass",
-         "insert_collectives_pass", "prefetch_pass", "split_pass")
+# choice works with; offload next: it moves what recomputation leaves saved; the split last:
+# it partitions what the others built.
+ORDER = ("recompute_activations_pass", "offload_activations_pass", "assign_units_pass",
+         "bucket_units_pass", "insert_collectives_pass", "prefetch_pass", "split_pass")
 # what a pass reads from the context, and the pass that provides it: checked before it runs
 NEEDS = {"bucket_units_pass": ("units",), "insert_collectives_pass": ("units",),
          "prefetch_pass": ("collectives_inserted",)}

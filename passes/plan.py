@@ -14,7 +14,12 @@ tried, with its prediction, is recorded for the plan to show.
 
 Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
 keep what eager saves, the min cut, then the first 1/4, 1/2, 3/4 and all of the repeated blocks
-recomputed whole (the rest by the min cut). Any k blocks save the same bytes, since every
+recomputed whole (the rest by the min cut). With activation offload a choice
+(``Config.offload_activations``, ``offload_choice``), the first 1/4, 1/2, 3/4 and all of the
+blocks with their min cut's saved activations in host memory come between the min cut and
+whole-block recomputation: one decision per repeated block, not per activation, so that the
+ladder stays as short as the blocks' fractions (``autoshard.passes.offload`` moves a block's
+every saved value). Any k blocks save the same bytes, since every
 block's saved activations are live when the backward starts; the first ones are taken
 (``Config.recompute="auto"``; the default, True, tries the choices after the min cut only
 when no plan of the placement fits with it). Per choice, the unit candidates of the "auto"
@@ -100,25 +105,59 @@ def shard_size(ctx) -> int:
     return params[0].mesh_shape[-1] if params else 1
 
 
-def recompute_choices(setting, blocks: list) -> list:
+def recompute_choices(setting, blocks: list, offload=False) -> list:
     """``[(label, modes)]`` for ``Config.recompute``: ``modes`` is the recompute pass's
     ``{block path: mode}`` (``{}``: the min cut everywhere), or None for no recomputation.
     For True, the choices after the first are tried only when no plan fits with it
-    (``first_choices``)."""
+    (``first_choices``). ``offload`` (``offload_choice``): True adds, after the min cut,
+    the first 1/4, 1/2, 3/4 and all of the blocks with their saved activations offloaded
+    (mode "offload": ``autoshard.passes.offload``), before whole-block recomputation;
+    "force" gives one choice, every block offloaded ({"*": "offload"} with no blocks: every
+    saved activation). True also ends the ladder with every block recomputed whole and what
+    then crosses (the blocks' inputs) offloaded: the least device memory of all."""
     if setting is False:
         return [("none", None)]
     if isinstance(setting, Mapping):
         return [(_label(setting, blocks), dict(setting))]
+    if offload == "force":
+        return ([(f"offload {len(blocks)}/{len(blocks)}", {b: "offload" for b in blocks})]
+                if blocks else [("offload all", {"*": "offload"})])
     whole = [("blocks", {b: "block" for b in blocks})] if blocks else [("min-cut", {})]
     if setting == "blocks":
         return whole
     out, seen = [("none", None), ("min-cut", {})], set()
+    for frac in LADDER if offload else ():
+        k = max(1, round(frac * len(blocks)))
+        if k not in seen and blocks:
+            seen.add(k)
+            out.append((f"offload {k}/{len(blocks)}", {b: "offload" for b in blocks[:k]}))
+    seen = set()
     for frac in LADDER:
         k = max(1, round(frac * len(blocks)))
         if k not in seen and blocks:
             seen.add(k)
             out.append((f"blocks {k}/{len(blocks)}", {b: "block" for b in blocks[:k]}))
+    if offload and blocks:  # the least memory: every block whole, what crosses offloaded
+        out.append((f"blocks {len(blocks)}/{len(blocks)}, offload all",
+                    {**{b: "block" for b in blocks}, "*": "offload"}))
     return out[1:] if setting is True else out
+
+
+def offload_choice(config, profile):
+    """``recompute_choices``'s ``offload`` for a Config on a profile: "force" for
+    ``offload_activations=True``; for None, whether the profile has a host link (where the
+    host is the device, a copy to it frees nothing)."""
+    setting = config.offload_activations
+    if setting is None:
+        return profile is not None and profile.host_bandwidth > 0
+    return "force" if setting else False
+
+
+def offloaded_blocks(modes) -> Optional[list]:
+    """The module paths whose saved activations ``modes`` offloads ([]: none; None: every
+    saved activation)."""
+    paths = [p for p, m in (modes or {}).items() if m == "offload"]
+    return None if "*" in paths else paths
 
 
 def first_choices(setting, choices: list) -> int:
@@ -131,8 +170,11 @@ def first_choices(setting, choices: list) -> int:
 def _label(modes: dict, blocks: list) -> str:
     whole = sum(m == "block" for m in modes.values())
     kept = sum(m == "keep" for m in modes.values())
+    moved = sum(m == "offload" for p, m in modes.items() if p != "*")
     parts = [f"blocks {whole}/{len(blocks)}"] if whole else []
     parts += [f"kept {kept}/{len(blocks)}"] if kept else []
+    parts += [f"offload {moved}/{len(blocks)}"] if moved else []
+    parts += ["offload all"] if modes.get("*") == "offload" else []
     return ", ".join(parts) or "min-cut"
 
 
@@ -423,10 +465,12 @@ class _Placement:
         from autoshard.passes.units import repeated_blocks
 
         self.search, self.ctx, self.reuse = search, ctx, reuse
+        self.start = len(search.candidates)  # this placement's rows come after
         config = self.config = search.config
         self.verify = search.options.get("verify", False)
         blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
-        self.choices = recompute_choices(config.recompute, blocks)
+        self.choices = recompute_choices(config.recompute, blocks,
+                                         offload_choice(config, ctx.profile))
         self.searching_units = config.policy == "auto" and config.units is None
         self.big = len(search.gm.graph.nodes) > BIG_GRAPH
         self.budget = ctx.memory_budget
@@ -444,24 +488,31 @@ class _Placement:
 
     def prepare(self, i: int):
         """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
-        from autoshard.passes import recompute_activations_pass, run_passes
+        from autoshard.passes import (offload_activations_pass, recompute_activations_pass,
+                                      run_passes)
         from autoshard.simulate import activations
 
         s = self.search
         if i not in s.bases:
             base = clone_graph(s.gm)
-            if self.choices[i][1] is not None:
-                base, _ = run_passes(base, self.ctx, [(recompute_activations_pass,
-                                                       {"blocks": self.choices[i][1]})],
-                                     verify_each=self.verify)
-            s.activations[i] = activations(base)
+            modes = self.choices[i][1]
+            if modes is not None:
+                passes = [(recompute_activations_pass, {"blocks": modes})]
+                moved = offloaded_blocks(modes)
+                if moved is None or moved:
+                    passes.append((offload_activations_pass, {"blocks": moved}))
+                base, _ = run_passes(base, self.ctx, passes, verify_each=self.verify)
+            host = self.ctx.profile is not None and self.ctx.profile.host_bandwidth > 0
+            s.activations[i] = activations(base, host=host)
             s.bases[i] = base
         self.floors[i] = self.ctx.static_bytes + s.activations[i][0]
         return s.bases[i], self.floors[i]
 
     def first_fitting_choice(self, first: int) -> int:
         """On a big graph, the first choice whose activations fit, by bisection: each
-        recomputes more than the one before, so its floor is lower."""
+        recomputes more than the one before, so its floor is lower (offload choices, whose
+        floors fall along their own ladder but not against whole-block recomputation, are
+        tried whatever it finds: ``run``)."""
         lo, hi = 0, len(self.choices) - 1
         if first < len(self.choices) and self.prepare(first - 1)[1] <= self.budget:
             hi = first - 1  # a choice always tried holds one: no fallback is built
@@ -482,10 +533,13 @@ class _Placement:
             if slower is not None:  # each choice recomputes more than the one before
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=None, fits=None,
-                    note=f"recomputes more than {slower}, whose plans are all slower than "
-                         "the chosen one"))
+                    note=f"recomputes or offloads more than {slower}, whose plans are all "
+                         "slower than the chosen one"))
                 continue
-            if i < start and i not in self.floors:
+            # an offload choice's floor (copies taken as instant) is not ordered with the
+            # recomputation choices': the bisection says nothing of it, so it is tried
+            moved = offloaded_blocks(modes)
+            if i < start and i not in self.floors and not (moved is None or moved):
                 j = min(k for k in self.floors if k > i and self.floors[k] > self.budget)
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=self.floors[j], fits=False,
@@ -501,13 +555,19 @@ class _Placement:
 
         s = self.search
         base, floor = self.prepare(i)
+        last = i == len(self.choices) - 1  # built even if it does not fit: the plan shown
+        if i and self.over_host(base, label):
+            if not last or any(c["step_s"] is not None for c in s.candidates[self.start:]):
+                return None
+            i, (label, modes) = i - 1, self.choices[i - 1]  # the same without offload
+            base, floor = self.prepare(i)
         if self.reuse is None or (self.reuse == "unfit" and s.best_fits()):
             for j in [j for j in s.bases if j <= i]:  # no later placement reads them
                 del s.bases[j]
         # and per choice, its activations and unit candidates, computed once
         ch = _Choice(label, modes, base, {"groupings": s.groupings,
                                           "activations": s.activations[i]}, floor)
-        if i != len(self.choices) - 1 and floor > self.budget:
+        if not last and floor > self.budget:
             s.candidates.append(self.row(label, units=None, step_s=None, peak_bytes=floor,
                                          fits=False,
                                          note="activations alone exceed the budget"))
@@ -521,6 +581,23 @@ class _Placement:
             return label if self.big else None
         outcomes = self.unit_candidates(ch)
         return label if self.big and all(o is None for o in outcomes) else None
+
+    def over_host(self, base, label: str) -> bool:
+        """Whether the activations ``base`` offloads, with the state on the host, exceed the
+        profile's host memory per device (recorded, not built, then; the last choice, with
+        no plan of the placement built, gives way to the one before it, which offloads
+        nothing)."""
+        from autoshard.passes.offload import offloaded_bytes
+
+        limit = getattr(self.ctx.profile, "host_memory", 0)
+        moved = sum(offloaded_bytes(base).values()) if limit else 0
+        if not moved or moved + self.ctx.state["host"] <= limit:
+            return False
+        self.search.candidates.append(self.row(
+            label, units=None, step_s=None, peak_bytes=None, fits=False,
+            note=f"its offloaded activations ({_fmt_bytes(moved)} per rank) exceed the host "
+                 f"memory per device ({_fmt_bytes(limit)}, DeviceProfile.host_memory)"))
+        return True
 
     def unit_candidates(self, ch: _Choice) -> list:
         """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the

@@ -64,7 +64,9 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     Needs: the tags insert_collectives writes; ``ctx.profile`` for compute times.
     Options: ``max_inflight_bytes`` — bound on the gathered bytes of units whose all-gather is
     issued and whose gathered parameters are not yet all freed (default: no bound beyond
-    ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2).
+    ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2);
+    ``max_copy_bytes`` — bound on the offloaded activations copied back and not yet read
+    (``_prefetch_copies``; default: none but the compute that covers each copy).
     Guarantees: the same nodes in an order every rank computes alike; every wait still
     precedes every use; within a region, the all-gather of unit k is issued right after the
     wait of unit k-d, with d >= 1 the smallest depth whose compute in between covers the
@@ -128,8 +130,46 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
         first_pack = _issue_block(rs[k + 1])[0]
         for n in block:
             first_pack.prepend(n)
+    _prefetch_copies(gm, profile, options.get("max_copy_bytes"))
     gm.recompile()
     return gm, {"prefetch_cap": cap}
+
+
+def _prefetch_copies(gm: fx.GraphModule, profile, cap) -> None:
+    """Move each offloaded activation's copy back to the device (with the free of its host
+    copy) earlier in the backward: to after the latest compute node from which the compute up
+    to its reader covers the copy's time at ``profile.host_bandwidth``; never before the
+    backward starts nor before the copy placed ahead of it (the copies run in order), and
+    with ``cap``, never where the bytes copied in and not yet read would exceed it. Nothing
+    moves without a host link (the host is the device: an early copy only takes memory)."""
+    if profile is None or not profile.host_bandwidth:
+        return
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    copies = [n for n in nodes if meta.tag(n, meta.COMM) == meta.ACT_H2D]
+    if not copies:
+        return
+    times = [0.0]
+    for n in nodes:
+        times.append(times[-1] + (0.0 if meta.is_comm(n) else node_time(n, profile)))
+    spans, floor = [], min(pos[n] for n in nodes if meta.is_backward(n))
+    for c in copies:
+        reader = min((pos[u] for u in c.users if not meta.is_free(u)), default=pos[c])
+        need, size = meta.val_bytes(c) / profile.host_bandwidth, meta.val_bytes(c)
+        p, at = pos[c] - 1, pos[c]
+        while p > floor and times[reader] - times[p + 1] < need:
+            if cap is not None and size + sum(s for a, r, s in spans if a <= p < r) > cap:
+                break
+            if not meta.is_comm(nodes[p]) and meta.is_backward(nodes[p]):
+                at = p + 0.5
+            p -= 1
+        if at != pos[c]:
+            anchor = nodes[int(at)]
+            block = [c, c.next] if meta.is_free(c.next) else [c]
+            for n in reversed(block):
+                anchor.append(n)
+        spans.append((at, reader, size))
+        floor = int(at) if at != pos[c] else pos[c]
 
 
 prefetch_pass.reorder_only = True

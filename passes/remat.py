@@ -68,7 +68,8 @@ def _enters_region(n: fx.Node, region) -> bool:
     return any(region(u) not in (None, own) for u in n.users)
 
 
-MODES = ("keep", "min-cut", "block")
+# "offload": the min cut, its saved values then moved to the host (autoshard.passes.offload)
+MODES = ("keep", "min-cut", "block", "offload")
 
 
 def _regions(modes: dict):

@@ -75,6 +75,10 @@ BAD = [
     ({"prefetch": "no"}, TypeError, "Config.prefetch must be True, False or Prefetch(depth=..., "
                                     "bytes=...), got 'no'"),
     ({"prefetch": None}, TypeError, "Config.prefetch must be True, False or Prefetch("),
+    ({"offload_activations": "yes"}, ValueError,
+     "Config.offload_activations='yes' is not accepted; use one of None, True, False"),
+    ({"offload_activations": True, "recompute": "blocks"}, ValueError,
+     "Config(offload_activations=True) offloads the activations the min cut saves"),
     ({"recompute": 1}, ValueError, "Config.recompute=1 is not accepted; use one of True, "
                                    "False, 'blocks', 'auto'"),
     ({"prefetch": Built("Prefetch(bytes=0)")}, ValueError,

@@ -56,7 +56,8 @@ NONSENSE = [("matmul_flops", 0), ("mem_bandwidth", -1.0), ("mem_bandwidth", floa
             ("efficiency", 0.0), ("efficiency", 1.5), ("comm_overlap", -0.1),
             ("comm_overlap", 2.0), ("collective_scratch", float("inf")),
             ("host_bandwidth", -1), ("matmul_flops", 10**400), ("memory", True),
-            ("ranks_per_node", -1), ("ranks_per_node", 2.5), ("inter_beta", float("nan"))]
+            ("ranks_per_node", -1), ("ranks_per_node", 2.5), ("inter_beta", float("nan")),
+            ("host_memory", -1)]
 
 
 @pytest.mark.parametrize("field,value", NONSENSE, ids=[f"{f}={v!r}"[:40] for f, v in NONSENSE])

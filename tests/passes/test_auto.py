@@ -64,9 +64,11 @@ def test_no_plan_fits_names_the_smallest_budget_that_would():
         with pytest.raises(AutoshardError, match=r"needs ([\d.]+ \w+)") as e:
             _plan(model, inputs, memory_budget=100_000, offload_policy=offload)
         assert smallest in str(e.value)
-        # every block recomputed whole and, offloaded, every shard copied in for each
-        # all-gather: the least device memory
-        finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute="blocks",
+        # every block recomputed whole, what crosses then in host memory (activation
+        # offload), and, the state offloaded, every shard copied in for each all-gather: the
+        # least device memory
+        whole = {**{f"blocks.{i}": "block" for i in range(4)}, "*": "offload"}
+        finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute=whole,
                        offload_policy=Offload(params=1.0) if offload is None else offload)
         assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
         # and that budget is enough
