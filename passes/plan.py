@@ -49,6 +49,13 @@ on the device); if that does not fit, with all of them, then with the least of
 ``OFFLOAD_PARAMS`` between that fits, by bisection (for one grouping, fewer copies is faster
 and takes more memory).
 
+Memory against FSDP2 (``Config.prefer="memory"``, the default): before the search, FSDP2's
+plan for the model is lowered and predicted once (``Planner._fsdp2``); among the plans that
+fit, those predicted within ``PEAK_TARGET`` of its peak and ``STEP_CAP`` of its step win over
+those that are not, then the fastest (``_Search._better``; a candidate is ruled out as slower
+only once the best meets that), and ``plan.choice`` says why where the fastest plan's peak
+is over the target. "speed" keeps the fastest that fits.
+
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
                               -> simulate_joint -> (time, peak) -> keep best -> split
 """
@@ -81,8 +88,9 @@ RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 # Config(prefer="memory"): the plan taken is the fastest predicted to peak at most PEAK_TARGET
 # of FSDP2's plan's peak and to take at most STEP_CAP of its step, where one is. The cap keeps
 # the trade from going slower than FSDP2 itself: autoshard runs a plan's graphs with less
-# overhead than FSDP2's eager hooks (measured, FSDP2's step is 1.4-2.2x the prediction of its
-# plan; BENCHMARKS.md), so 1.25x its plan's prediction stays under 0.8x of its measured step
+# overhead than FSDP2's eager hooks and DTensor dispatch (on the benchmark models FSDP2's
+# measured step is 1.4x to 5x the prediction of its plan; BENCHMARKS.md), so 1.25x its plan's
+# prediction stays under FSDP2's measured step
 PEAK_TARGET, STEP_CAP = 0.85, 1.25
 
 
