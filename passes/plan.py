@@ -89,7 +89,7 @@ RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 # of FSDP2's plan's peak and to take at most STEP_CAP of its step, where one is. The cap keeps
 # the trade from going slower than FSDP2 itself: autoshard runs a plan's graphs with less
 # overhead than FSDP2's eager hooks and DTensor dispatch (on the benchmark models FSDP2's
-# measured step is 1.4x to 5x the prediction of its plan; BENCHMARKS.md), so 1.25x its plan's
+# measured step is 1.3x to 5x the prediction of its plan; BENCHMARKS.md), so 1.25x its plan's
 # prediction stays under FSDP2's measured step
 PEAK_TARGET, STEP_CAP = 0.85, 1.25
 
