@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the fields' annotations only; imported where a value is che
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
+PREFER = ("memory", "speed")  # Config.prefer
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -228,6 +229,15 @@ class Config:
         (``autoshard.cost.calibrate()`` measures one); default: "h100" on CUDA, "cpu"
         otherwise.
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
+    prefer: what the planner trades when the fastest plan is heavy:
+        - "memory" (default): the fastest plan predicted to peak at most 0.85x as high as
+          FSDP2's plan for the same model (one unit per repeated block plus the root,
+          resharded after the forward but the root, no recomputation, prefetch of one,
+          predicted once per plan) and to take at most 1.25x its step; where none is, the
+          fastest. The plan says why when the fastest plan's peak is above that
+          (``plan.choice``). Graphs too big to search whole (``autoshard.passes.auto.BIG_GRAPH``
+          nodes) are planned for speed;
+        - "speed": the fastest plan that fits ``memory_budget``, however heavy.
 
     Strategy and resharding
     -----------------------
@@ -388,6 +398,7 @@ class Config:
     compile: bool = False
     gradient_divide_factor: Optional[float] = None
     force_sum_reduction_for_comms: bool = False
+    prefer: str = "memory"
 
     def __post_init__(self):
         """Check every field once, in this order, normalising what it stores."""
@@ -446,6 +457,7 @@ class Config:
                     ", Module(classes=..., pattern=...), Size(min_numel=...), or pass "
                     "explicit units=[[fqn, ...], ...]")
         _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
+        _one_of("prefer", self.prefer, PREFER)
         raf = self.reshard_after_forward
         if not isinstance(raf, int) or isinstance(raf, bool) or raf < 1:
             _one_of("reshard_after_forward", raf, (True, False, "auto", "search"),

@@ -120,6 +120,9 @@ class Plan:
     # why nothing fits the budget, and what would (the planner's; None when a plan fits or
     # the user fixed every choice)
     unfit: Optional[str] = None
+    # why the planner did not take the fastest plan that fits (Config(prefer="memory"): its
+    # peak is over 0.85x FSDP2's predicted peak), or took it though it is; None otherwise
+    choice: Optional[str] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -221,6 +224,11 @@ class Plan:
              if self.world_size > 1 else "none (one rank)"),
             ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} at {p['peak_at']}"),
             ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
+            *([("FSDP2's plan (predicted)",
+                f"{p['fsdp2_step_s'] * 1e3:.3f} ms, peak {_fmt_bytes(p['fsdp2_peak_bytes'])}: "
+                f"this plan's {p['step_s'] / p['fsdp2_step_s']:.2f}x, "
+                f"{p['peak_bytes'] / p['fsdp2_peak_bytes']:.2f}x")]
+              if p.get("fsdp2_peak_bytes") else []),
             *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),
                ("  offload", offload_label(self.offload, self.offload_params))]
               if p.get("host_state_bytes") else []),
@@ -364,9 +372,12 @@ class Plan:
         )
 
     def candidates_section(self) -> str:
+        """The plans considered and, where the fastest was not simply taken, why."""
         if len(self.candidates) < 2:
             return ""
-        return f"plans considered (fastest that fits is chosen):\n{self.candidates_table()}\n\n"
+        why = f"{_wrap('chosen: ' + self.choice, WIDTH)}\n\n" if self.choice else ""
+        return (f"plans considered (fastest that fits is chosen):\n{self.candidates_table()}"
+                f"\n\n{why}")
 
 
 def _fmt_bytes(n: int) -> str:

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import Prefetch
 from autoshard.models import GPT, gpt_loss, tiny_hf
+from bench import libmodels
 
 VOCAB = 256
 CLASSES = 10
@@ -60,7 +61,23 @@ MODELS = {
     "hf-t5": lambda: tiny_hf("t5", VOCAB, layers=3, hidden=128),  # encoder-decoder
     # vision transformer, 32 x 32 images in 4 x 4 patches
     "hf-vit": lambda: tiny_hf("vit", CLASSES, layers=4, hidden=128, image_size=32),
+    # libraries of their own (bench/libmodels.py): torchtitan's llama3, x-transformers'
+    # Llama-style decoder and its encoder-decoder, all width 128
+    "tt-llama3": lambda: libmodels.titan_llama3(VOCAB),
+    "x-llama": lambda: libmodels.x_llama(VOCAB),
+    "x-encdec": lambda: libmodels.XEncoderDecoder(VOCAB),
 }
+# the library a model needs beyond torch and transformers: without it the model is skipped
+REQUIRES = {"tt-llama3": "torchtitan", "x-llama": "x_transformers",
+            "x-encdec": "x_transformers"}
+
+
+def missing(name: str):
+    """The module model ``name`` needs and this environment lacks, else None."""
+    import importlib.util
+
+    need = REQUIRES.get(name)
+    return need if need and importlib.util.find_spec(need) is None else None
 
 
 def batch_for(name, batch, seq, gen):
@@ -74,11 +91,14 @@ def batch_for(name, batch, seq, gen):
     x, y = tokens[:, :-1], tokens[:, 1:]
     if name == "hf-t5":
         return {"input_ids": x, "decoder_input_ids": x}, y
+    if name == "x-encdec":
+        return {"src": x, "tgt": x}, y
     return ({"input_ids": x} if name.startswith("hf") else x), y
 
 
 BLOCK_LISTS = ("blocks", "model.layers", "transformer.h", "encoder.block", "decoder.block",
-               "vit.layers", "vit.encoder.layer")
+               "vit.layers", "vit.encoder.layer", "layers", "attn_layers.layers",
+               "xt.encoder.attn_layers.layers", "xt.decoder.net.attn_layers.layers")
 
 
 def _blocks(model):
@@ -91,7 +111,10 @@ def _blocks(model):
                 mod = getattr(mod, part)
         except AttributeError:
             continue
-        found += list(mod)
+        for blk in (mod.values() if isinstance(mod, torch.nn.ModuleDict) else mod):
+            # x-transformers' entries are ModuleList([norms, layer, residual]), whose own
+            # forward is never called: the attention or feed-forward layer is the block
+            found.append(blk[1] if isinstance(blk, torch.nn.ModuleList) else blk)
     if not found:
         raise ValueError("no block list found")
     return found
@@ -286,8 +309,9 @@ def _rank(rank, world, args, store, out_path):
         with ctx():
             _step(model, opt, x, y)
         count.on = False
-        overlap = {}
+        overlap, planned = {}, None
         if system_of(name) == "autoshard":  # the recorded timeline of one step
+            planned = _planned(model.plan)
             with model.record(opt, *_tensors(x), y) as rec:
                 _step(model, opt, x, y)
             overlap = rec.overlap()
@@ -298,7 +322,7 @@ def _rank(rank, world, args, store, out_path):
         rows[name] = {"ms": statistics.median(times[name]) * 1e3, "peak": peak,
                       "first_s": first[name],
                       "bytes": count.bytes, "calls": count.calls, "param_bytes": params,
-                      "overlap": overlap}
+                      "overlap": overlap, "plan": planned}
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
     if rank == 0:
@@ -307,6 +331,15 @@ def _rank(rank, world, args, store, out_path):
     # results are saved: skip the C++ teardown of gloo's and the profiler's threads, which
     # can abort at exit
     os._exit(0)
+
+
+def _planned(plan) -> dict:
+    """What the plan predicted: units, peak and step, FSDP2's plan's peak and step (absent
+    with Config(prefer="speed")) and why it was chosen (``plan.choice``)."""
+    p = plan.predicted
+    return {"units": len(plan.units), "peak": p["peak_bytes"], "step_s": p["step_s"],
+            "fsdp2_peak": p.get("fsdp2_peak_bytes"), "fsdp2_step_s": p.get("fsdp2_step_s"),
+            "choice": plan.choice}
 
 
 def _to(batch, device):
@@ -361,6 +394,10 @@ def main(argv=None):
     ap.add_argument("--trace", default=None,
                     help="write the first system's recorded step (autoshard) as a Chrome trace")
     args = ap.parse_args(argv)
+    if missing(args.model):
+        print(f"{args.model}: skipped, {missing(args.model)} is not installed "
+              "(.ci/run installs it)")
+        return {}
     per_rank = run(args)
     rows = per_rank[0]
     n = args.world_size

@@ -22,6 +22,9 @@ from bench import compare, membound, strategies
 
 
 STEP_TARGET, PEAK_TARGET = 0.7, 0.85  # x FSDP2's step time and peak memory
+# the default plan's memory: peak <= PEAK_TARGET x FSDP2's at step <= MEMORY_STEP_TARGET x
+MEMORY_STEP_TARGET = 0.8
+MEMORY_TITLE = "## The default plan's memory against FSDP2"
 
 
 def _machine() -> str:
@@ -99,6 +102,63 @@ def _least_peak_plan(model) -> dict:
             "chosen_peak": chosen["peak_bytes"], "slower": least["step_s"] / chosen["step_s"]}
 
 
+def memory_section(steps: int, reps: int) -> list:
+    """One interleaved run (autoshard's default Config, FSDP2, DDP) per model of
+    ``compare.MODELS``, the models of a missing library skipped and said so: measured step
+    and peak against FSDP2's, the targets, and the plan's own prediction against FSDP2's
+    plan (``Config.prefer``)."""
+    rows, skipped = [], []
+    for model in compare.MODELS:
+        if compare.missing(model):
+            skipped.append(f"{model} ({compare.missing(model)} is not installed)")
+            continue
+        r, peaks = _compare(model, "autoshard,fsdp2,ddp", steps, reps)
+        a, f, plan = r["autoshard"], r["fsdp2"], r["autoshard"]["plan"]
+        step, peak = a["ms"] / f["ms"], peaks["autoshard"] / peaks["fsdp2"]
+        rows.append((model, f"{a['ms']:.1f}", f"{f['ms']:.1f}", f"{step:.2f}",
+                     "yes" if step <= MEMORY_STEP_TARGET else "no",
+                     f"{peaks['autoshard'] / 2**20:.2f}", f"{peaks['fsdp2'] / 2**20:.2f}",
+                     f"{peak:.2f}", "yes" if peak <= PEAK_TARGET else "no", plan["units"],
+                     f"{plan['peak'] / 2**20:.2f}", f"{plan['fsdp2_peak'] / 2**20:.2f}",
+                     f"{f['ms'] / (plan['fsdp2_step_s'] * 1e3):.2f}", plan["choice"] or "-"))
+    return [MEMORY_TITLE, "",
+            f"`python -m bench.report --only memory --steps {steps} --reps {reps}`: per "
+            "model one `bench.compare` run of autoshard's default Config, FSDP2 (each block, "
+            "then the root) and DDP, interleaved; step: the median of every timed step of "
+            f"{reps} repetitions of {steps} steps; peak: measured as in the tables above "
+            f"(the larger rank's). Targets: peak <= {PEAK_TARGET}x FSDP2's at step <= "
+            f"{MEMORY_STEP_TARGET}x FSDP2's. `pred.`: the plan's own prediction (the default "
+            "`Config(prefer=\"memory\")` takes the fastest plan predicted within "
+            f"{PEAK_TARGET}x of FSDP2's plan's peak and 1.25x its step, docs/planning.md); "
+            "`FSDP2 measured / its plan`: FSDP2's measured step over the prediction of its "
+            "plan; `why`: the plan's reason where the fastest plan peaks above the target. "
+            "tt-llama3: torchtitan's llama3; x-llama, x-encdec: x-transformers' Llama-style "
+            "decoder and encoder-decoder (bench/libmodels.py), all width 128.", "",
+            tabulate(rows, headers=["model", "step ms", "FSDP2 ms", "step x FSDP2",
+                                    f"<= {MEMORY_STEP_TARGET}", "peak MiB", "FSDP2 MiB",
+                                    "peak x FSDP2", f"<= {PEAK_TARGET}", "units",
+                                    "pred. peak MiB", "pred. FSDP2 plan MiB",
+                                    "FSDP2 measured / its plan", "why"],
+                     tablefmt="github"), ""] + (
+        [f"Skipped: {', '.join(skipped)}.", ""] if skipped else [])
+
+
+def _splice(path: str, section: list) -> None:
+    """``section`` (its first line a ``## `` title) in place of the section of that title in
+    ``path``, or before "## Compiled graphs" where it has none."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if section[0] in lines:
+        start = lines.index(section[0])
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
+                   len(lines))
+    else:
+        start = end = next((i for i, line in enumerate(lines)
+                            if line == "## Compiled graphs"), len(lines))
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:start] + section + lines[end:]) + "\n")
+
+
 def world_one_section() -> list:
     """``bench.gpu`` on this machine's CPU for one of the models: world size 1, so nothing is
     communicated, and the step's remaining cost over eager is autoshard's own."""
@@ -169,7 +229,8 @@ def _guards(steps: int) -> list:
     """The guard check's cost per call against the step (``bench.guards``)."""
     from bench import guards
 
-    rows = [guards.measure(m, max(steps, 10), 2000) for m in compare.MODELS]
+    rows = [guards.measure(m, max(steps, 10), 2000) for m in compare.MODELS
+            if not compare.missing(m)]
     return ["## Guard check per call", "",
             "Before each call reuses a captured step, every guard capture recorded (the "
             "module tree, hooks and dtypes, the attributes, globals and closure cells the "
@@ -200,7 +261,14 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="BENCHMARKS.md")
+    ap.add_argument("--only", choices=["memory"], default=None,
+                    help="run only this section and replace it in --out, keeping the rest")
     args = ap.parse_args(argv)
+    if args.only == "memory":
+        section = memory_section(args.steps, args.reps)
+        _splice(args.out, section)
+        print("\n".join(section))
+        return
     started = time.time()
     lines = ["# Benchmarks", "",
              f"Machine: {_machine()}. World size 2, gloo, fp32, per-rank batch 8, sequence 64,"
@@ -218,7 +286,7 @@ def main(argv=None) -> None:
               "Llama (hidden 256), Mixtral (mixture of experts), T5 (encoder-decoder) and "
               "ViT (32 x 32 images) at small random configurations.", ""]
     summary, compiled, misses = [], [], []
-    for model in compare.MODELS:
+    for model in [m for m in compare.MODELS if not compare.missing(m)]:
         rows, peaks = _compare(model, "autoshard,autoshard:compiled,fsdp2,ddp", args.steps,
                                args.reps)
         n = 2
@@ -261,6 +329,7 @@ def main(argv=None) -> None:
     if misses:
         lines += ["Where the default plan misses a target, and why:", "", *misses, "",
                   *world_one_section(), ""]
+    lines += memory_section(args.steps, args.reps)
     lines += ["## Compiled graphs", "",
               "`Config(compile=True)` against the default (fx code), from the runs above: "
               "median step, speed-up, and the first step's seconds (capture, passes and plan; "

@@ -59,6 +59,13 @@ on the device); if that does not fit, with all of them, then with the least of
 ``OFFLOAD_PARAMS`` between that fits, by bisection (for one grouping, fewer copies is faster
 and takes more memory).
 
+Memory against FSDP2 (``Config.prefer="memory"``, the default): before the search, FSDP2's
+plan for the model is lowered and predicted once (``Planner._fsdp2``); among the plans that
+fit, those predicted within ``PEAK_TARGET`` of its peak and ``STEP_CAP`` of its step win over
+those that are not, then the fastest (``_Search._better``; a candidate is ruled out as slower
+only once the best meets that), and ``plan.choice`` says why where the fastest plan's peak
+is over the target. "speed" keeps the fastest that fits.
+
     captured -copy-> recompute(choice) -copy-> units(k) -> collectives -> prefetch
                               -> simulate_joint -> (time, peak) -> keep best -> split
 """
@@ -89,6 +96,13 @@ OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COLLECT_EVERY = 8
 # which units free their gathered parameters after the forward (Config.reshard_after_forward)
 RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
+# Config(prefer="memory"): the plan taken is the fastest predicted to peak at most PEAK_TARGET
+# of FSDP2's plan's peak and to take at most STEP_CAP of its step, where one is. The cap keeps
+# the trade from going slower than FSDP2 itself: autoshard runs a plan's graphs with less
+# overhead than FSDP2's eager hooks and DTensor dispatch (on the benchmark models FSDP2's
+# measured step is 1.3x to 5x the prediction of its plan; BENCHMARKS.md), so 1.25x its plan's
+# prediction stays under FSDP2's measured step
+PEAK_TARGET, STEP_CAP = 0.85, 1.25
 
 
 def reshard_label(reshard) -> str:
@@ -273,19 +287,57 @@ class Planner:
         self.config = options["config"]
 
     def run(self):
+        """``(split graph, the chosen context's fields with its "plan")``: per strategy the
+        best plan (``_Search``), then among those the fastest that fits the budget and, with
+        ``Config(prefer="memory")``, that meets the target against FSDP2's plan where one
+        does (``_meets``); the plan says why when the fastest was not taken."""
         config = self.config
+        reference = self._fsdp2()
+        target = (None if reference is None else
+                  (PEAK_TARGET * reference.peak_bytes, STEP_CAP * reference.total))
+        self.options = {**self.options, "target": target}
         strategies = STRATEGIES_SEARCHED if config.strategy == "auto" else (config.strategy,)
         outcomes = [self._strategy(s) for s in strategies]
         tried = [o for o in outcomes if o[2].unfit is None] or [outcomes[-1]]
         # none fits: zero3's says what would
         fits = [o for o in tried if o[2].predicted["peak_bytes"] <= o[2].memory_budget] or tried
-        out, best, plan = min(fits, key=lambda o: o[2].predicted["step_s"])
+        out, best, plan = min(fits, key=lambda o: (
+            not _meets(o[1].prediction, target), o[2].predicted["step_s"]))
         if len(outcomes) > 1:
             plan.candidates = [dict(c, strategy=o[2].strategy,
                                     chosen=c["chosen"] and o[2] is plan)
                                for o in tried for c in o[2].candidates]
+        if reference is not None:
+            plan.predicted["fsdp2_peak_bytes"] = reference.peak_bytes
+            plan.predicted["fsdp2_step_s"] = reference.total
+            plan.choice = _choice(plan, reference)
         chosen = {f.name: getattr(best.ctx, f.name) for f in dataclasses.fields(best.ctx)}
         return out, {**chosen, "plan": plan}
+
+    def _fsdp2(self):
+        """FSDP2's plan for this model, predicted as every candidate is (``lower``): one unit
+        per repeated block plus the root, every unit but the one read last in forward
+        resharded after it (FSDP2 keeps its root), nothing recomputed, a prefetch of one
+        unit, all of the state on the device. Its Prediction, or None where the planner
+        does not weigh memory against it: ``Config(prefer="speed")``, nothing left to the
+        search, no module tree (an exported program), parameters not sharded
+        (``strategy="ddp"``), or a graph over ``BIG_GRAPH`` nodes (planned by bisection for
+        the budget, where the extra lowering is seconds)."""
+        from autoshard.config import Prefetch
+
+        config, ctx = self.config, self.ctx
+        if (config.prefer != "memory" or not self._searched() or ctx.model is None
+                or config.strategy == "ddp" or len(self.gm.graph.nodes) > BIG_GRAPH):
+            return None
+        specs = [dataclasses.replace(p, replica=False) for p in ctx.captured.params]
+        ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs),
+                                  reshard_after_forward="auto")
+        placed = _placed(ctx, 0.0, config, self.options)
+        fsdp2 = dataclasses.replace(config, policy="module", units=None, recompute=False,
+                                    bucket=False, prefetch=Prefetch(depth=1),
+                                    reshard_after_forward="auto", strategy="zero3")
+        cand = Candidate("zero3", 0.0, "none", None, 0, "auto", 1.0)
+        return lower(self.gm, placed, cand, fsdp2, {}).prediction
 
     def _searched(self) -> bool:
         """Whether the user left a choice to the search (then a plan that does not fit is an
@@ -425,18 +477,24 @@ class _Search:
                            f"{row['units']} units, best {self.best.prediction.total * 1e3:.1f} ms")
 
     def best_fits(self) -> bool:
-        return self.best is not None and self.best.prediction.peak_bytes <= self.ctx.memory_budget
+        """Whether the best plan so far fits the budget and meets the peak target (then a
+        candidate surely slower than it cannot win, and is ruled out unbuilt)."""
+        return (self.best is not None and self.best.prediction.peak_bytes <= self.ctx.memory_budget
+                and _meets(self.best.prediction, self.options.get("target")))
 
     def _better(self, a: Lowered, b: Lowered) -> bool:
-        """Fits first, then fastest, then the least state on the host; among the unfit, the
-        least memory."""
-        budget = self.ctx.memory_budget
+        """Fits first, then (``Config(prefer="memory")``) meets the target against FSDP2's
+        plan (``options["target"]``, see ``_meets``), then fastest, then the least state on
+        the host; among the unfit, the least memory."""
+        budget, target = self.ctx.memory_budget, self.options.get("target")
         pa, pb = a.prediction, b.prediction
         a_fits, b_fits = pa.peak_bytes <= budget, pb.peak_bytes <= budget
         if a_fits != b_fits:
             return a_fits
         if not a_fits:
             return pa.peak_bytes < pb.peak_bytes
+        if _meets(pa, target) != _meets(pb, target):
+            return _meets(pa, target)
         return (pa.total, a.ctx.state["host"]) < (pb.total, b.ctx.state["host"])
 
 
@@ -765,6 +823,35 @@ def _after_step(plan, ctx) -> None:
                 plan.predicted[key] += t
             plan.predicted["comm_bytes"] += nbytes
             plan.predicted["sent_bytes"] += nbytes * (n - 1) // n
+
+
+def _meets(pred, target) -> bool:
+    """Whether a prediction meets ``target``: ``(peak bytes, step seconds)`` at most, from
+    FSDP2's plan (``PEAK_TARGET``, ``STEP_CAP``); True when there is none."""
+    return target is None or (pred.peak_bytes <= target[0] and pred.total <= target[1])
+
+
+def _choice(plan, reference) -> Optional[str]:
+    """Why the plan is not the fastest that fits, or why it is though its peak misses the
+    target; None when the fastest plan's peak is within ``PEAK_TARGET`` of FSDP2's plan's
+    (``reference``, its Prediction). Reads the plan's candidates (the chosen one marked)."""
+    rows = [c for c in plan.candidates if c["fits"] and c["step_s"] is not None]
+    chosen = next((c for c in plan.candidates if c.get("chosen")), None)
+    if not rows or chosen is None:
+        return None
+    fastest = min(rows, key=lambda c: c["step_s"])
+    peak = reference.peak_bytes
+    if fastest["peak_bytes"] <= PEAK_TARGET * peak:
+        return None
+    head = (f"the fastest plan peaks at {fastest['peak_bytes'] / peak:.2f}x FSDP2's plan's "
+            f"predicted peak ({_fmt_bytes(peak)})")
+    if chosen["step_s"] > fastest["step_s"]:
+        slower = chosen["step_s"] / fastest["step_s"] - 1
+        return (f"{head}; chose the fastest within {PEAK_TARGET}x "
+                f"({chosen['peak_bytes'] / peak:.2f}x), {100 * slower:.0f}% slower; "
+                "Config(prefer='speed') takes the fastest")
+    return (f"{head}; no plan within {PEAK_TARGET}x is predicted within {STEP_CAP}x of its "
+            f"step ({reference.total * 1e3:.3f} ms), so the fastest is chosen")
 
 
 def _unfit(plan, ctx, config) -> str:

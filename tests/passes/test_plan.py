@@ -11,8 +11,11 @@ INPUTS = (torch.randint(0, 96, (16, 32)),)
 
 
 def _plan(**config):
+    """Planned for speed: these tests pin the fastest plan that fits the budget (the default,
+    prefer="memory", is tested in test_prefer.py)."""
     return autoshard.plan(GPT(seq=32), INPUTS, world_size=2,
-                          config=autoshard.Config(policy="module", **config))
+                          config=autoshard.Config(policy="module", **{"prefer": "speed",
+                                                                      **config}))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
 
     def search():
         return autoshard.plan(GPT(seq=32), INPUTS, world_size=2, config=autoshard.Config(
-            policy="module", recompute="auto", device_profile=free))
+            policy="module", recompute="auto", device_profile=free, prefer="speed"))
 
     roomy = search()
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)

@@ -1,0 +1,77 @@
+"""Config.prefer: the default plan trades speed for memory against FSDP2's plan, says why, and
+prefer="speed" takes the fastest plan that fits."""
+
+import pytest
+import torch
+
+import autoshard
+from autoshard import Config, Prefetch
+from autoshard.models import GPT
+from autoshard.passes.plan import PEAK_TARGET, STEP_CAP
+
+# a GPT whose fastest plan (one unit) peaks just above 0.85x of FSDP2's plan's predicted peak
+MODEL = dict(vocab=96, dim=64, heads=4, layers=4, seq=32)
+INPUTS = (torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(0)),)
+
+
+def _plan(**config):
+    return autoshard.plan(GPT(**MODEL), INPUTS, world_size=2, config=Config(**config))
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {prefer: _plan(prefer=prefer) for prefer in ("memory", "speed")}
+
+
+def _chosen(plan):
+    (row,) = [c for c in plan.candidates if c["chosen"]]
+    return row
+
+
+def test_the_default_takes_the_fastest_plan_within_the_target_and_says_why(plans):
+    plan = plans["memory"]
+    ref_peak, ref_step = plan.predicted["fsdp2_peak_bytes"], plan.predicted["fsdp2_step_s"]
+    fits = [c for c in plan.candidates if c["fits"]]
+    fastest = min(fits, key=lambda c: c["step_s"])
+    assert fastest["peak_bytes"] > PEAK_TARGET * ref_peak  # the fastest misses the target
+    meeting = [c for c in fits if c["peak_bytes"] <= PEAK_TARGET * ref_peak
+               and c["step_s"] <= STEP_CAP * ref_step]
+    assert _chosen(plan) is min(meeting, key=lambda c: c["step_s"])
+    assert _chosen(plan) is not fastest
+    assert plan.predicted["peak_bytes"] <= PEAK_TARGET * ref_peak
+    slower = round(100 * (plan.predicted["step_s"] / fastest["step_s"] - 1))
+    assert plan.choice == (
+        f"the fastest plan peaks at {fastest['peak_bytes'] / ref_peak:.2f}x FSDP2's plan's "
+        f"predicted peak ({autoshard.plans._fmt_bytes(ref_peak)}); chose the fastest within "
+        f"0.85x ({plan.predicted['peak_bytes'] / ref_peak:.2f}x), {slower}% slower; "
+        "Config(prefer='speed') takes the fastest")
+    text = " ".join(str(plan).split())
+    assert f"chosen: {plan.choice}" in text and "FSDP2's plan (predicted)" in text
+    again = autoshard.Plan.from_json(plan.to_json())
+    assert again == plan and again.choice == plan.choice
+
+
+def test_prefer_speed_takes_the_fastest(plans):
+    memory, speed = plans["memory"], plans["speed"]
+    fastest = min((c for c in speed.candidates if c["fits"]), key=lambda c: c["step_s"])
+    assert _chosen(speed) is fastest
+    assert speed.predicted["step_s"] < memory.predicted["step_s"]
+    assert speed.predicted["peak_bytes"] > memory.predicted["peak_bytes"]
+    assert speed.choice is None and "fsdp2_peak_bytes" not in speed.predicted
+    # the same candidates were predicted either way
+    assert {(c["units"], c["step_s"]) for c in speed.candidates} <= {
+        (c["units"], c["step_s"]) for c in memory.candidates}
+
+
+def test_the_reference_is_fsdp2s_plan(plans):
+    """One unit per block plus the root, resharded but the root, nothing recomputed, a
+    prefetch of one: the plan the module policy makes so, predicted alike."""
+    fsdp2 = _plan(policy="module", recompute=False, prefetch=Prefetch(depth=1), prefer="speed")
+    assert len(fsdp2.units) == MODEL["layers"] + 1 and fsdp2.reshard == "all but the last"
+    assert fsdp2.predicted["peak_bytes"] == plans["memory"].predicted["fsdp2_peak_bytes"]
+    assert fsdp2.predicted["step_s"] == pytest.approx(plans["memory"].predicted["fsdp2_step_s"])
+
+
+def test_prefer_is_checked():
+    with pytest.raises(ValueError, match="Config.prefer='fast' is not accepted.*'speed'"):
+        Config(prefer="fast")
