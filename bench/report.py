@@ -18,6 +18,7 @@ import time
 import torch
 from tabulate import tabulate
 
+from autoshard.passes import plan
 from bench import compare, membound, strategies
 
 
@@ -129,7 +130,8 @@ def memory_section(steps: int, reps: int) -> list:
             f"(the larger rank's). Targets: peak <= {PEAK_TARGET}x FSDP2's at step <= "
             f"{MEMORY_STEP_TARGET}x FSDP2's. `pred.`: the plan's own prediction (the default "
             "`Config(prefer=\"memory\")` takes the fastest plan predicted within "
-            f"{PEAK_TARGET}x of FSDP2's plan's peak and 1.25x its step, docs/planning.md); "
+            f"{plan.PEAK_TARGET}x of FSDP2's plan's peak and {plan.STEP_CAP}x its step, "
+            "docs/planning.md); "
             "`FSDP2 measured / its plan`: FSDP2's measured step over the prediction of its "
             "plan; `why`: the plan's reason where the fastest plan peaks above the target. "
             "tt-llama3: torchtitan's llama3; x-llama, x-encdec: x-transformers' Llama-style "

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (.ci/run installs it)")
 
 import autoshard  # noqa: E402
-from autoshard.passes.plan import PEAK_TARGET  # noqa: E402
+from autoshard.passes.plan import PEAK_TARGET, STEP_CAP  # noqa: E402
 from torchtitan_workers import SEQ, VOCAB, build_model, import_torchtitan  # noqa: E402
 
 
@@ -28,7 +28,8 @@ def test_where_parameters_outweigh_activations_the_plan_says_why_it_keeps_the_fa
     fastest = min((c for c in plan.candidates if c["fits"]), key=lambda c: c["step_s"])
     assert fastest["chosen"] and fastest["units"] == 1
     assert plan.choice.startswith(f"the fastest plan peaks at {ratio:.2f}x FSDP2's plan's")
-    assert "no plan within 0.85x is predicted within 1.25x of its step" in plan.choice
+    assert (f"no plan within {PEAK_TARGET}x is predicted within {STEP_CAP}x of its step"
+            in plan.choice)
 
 
 def test_with_more_activations_the_default_plan_peaks_within_the_target():
