@@ -139,7 +139,8 @@ HPZ_STEPS = 3
 
 def hpz_worker(rank, world, hybrid_mesh):
     """hpZ (reshard_after_forward=2): the GPT on a 1-D mesh of ``world`` ranks, and under
-    FSDP2's ``reshard_after_forward=2``; on the 2 x 2 mesh (shard size 2) 2 is False's
+    FSDP2's ``reshard_after_forward=2``, and on a 1 x 4 ("replicate", "shard") mesh; on the
+    2 x 2 mesh (shard size 2) 2 is False's
     meaning, 1 True's, and 4 is refused."""
     out = {}
     sharded = autoshard(build("gpt"), config=Config(policy="module", reshard_after_forward=2,
@@ -150,6 +151,12 @@ def hpz_worker(rank, world, hybrid_mesh):
                      ranks=sorted({e.ranks for e in sharded.plan.schedule
                                    if e.op == "all_gather" and e.region == "bwd"}))
     out["fsdp2"] = fsdp2_worker(rank, world, "gpt", reshard=2, steps=HPZ_STEPS)
+    # the 2-D (HSDP) code path with a shard dimension hpZ can split: 1 x 4
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    sharded = autoshard(build("gpt"), mesh=mesh,
+                        config=Config(policy="module", reshard_after_forward=2, verify=True))
+    losses, _ = _train(sharded, "gpt", rank, world, steps=HPZ_STEPS)
+    out["2d"] = dict(_result(sharded, losses, rank), reshard=sharded.plan.reshard)
     x = batches("gpt", 0)[0].chunk(world)[rank]
     for k in (2, 1, 4):
         sharded = autoshard(build("gpt"), mesh=hybrid_mesh,

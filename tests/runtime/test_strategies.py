@@ -143,11 +143,14 @@ def test_hpz_matches_eager_and_fsdp2(hybrid):
     assert dloss <= TOL, f"max |Δloss| vs FSDP2 int reshard {dloss:.3g}"
     assert got["reshard"] == "every unit, to groups of 2"
     assert got["groups"] == [2, 2, 2] and got["ranks"] == [2]
+    hsdp = results[0]["hpz"]["2d"]  # a 2-D mesh of 1 x 4: the groups of 2 within the replica
+    _close(hsdp, ref_losses, ref_state, "hpZ k=2 on a 1 x 4 mesh")
+    assert hsdp["reshard"] == "every unit, to groups of 2"
 
 
 def test_hpz_on_a_2x2_mesh_is_validated(hybrid):
     """On HSDP's 2 x 2 mesh the shard size is 2: k=2 is False's meaning (nothing resharded),
-    k=1 True's, and 4 does not divide 2; so no 4-rank HSDP case exercises hpZ proper."""
+    k=1 True's, and 4 does not divide 2 (hpZ proper on a 2-D mesh: the 1 x 4 case above)."""
     world, results = hybrid
     hsdp = {k[1]: v for k, v in results[0]["hpz"].items() if isinstance(k, tuple)}
     assert hsdp[2] == "none" and hsdp[1] == "every unit"
