@@ -21,10 +21,14 @@ def _need(module: str, package: str) -> None:
                                   name=module)
 
 
-def _titan_kernels_stand_in() -> None:
-    """torchtitan's model package imports its expert-parallel MoE kernels at import time, and
-    that module imports Triton, which torch's CPU build lacks. Without Triton it is replaced
-    by a module whose every kernel raises when called: the dense llama3 never calls one."""
+def titan_kernels_stand_in() -> None:
+    """torchtitan's model package imports its expert-parallel dispatch kernels
+    (``torchtitan.distributed.minimal_async_ep.kernels``) at import time, and that module
+    imports Triton at its top, for CUDA kernels that only expert-parallel MoE layers launch.
+    Without Triton (torch's CPU build does not bring it) that module is replaced by one
+    whose every kernel raises when called: the dense llama3 model never calls one, and a
+    call would fail loudly rather than compute something else. Nothing named ``triton`` is
+    put in ``sys.modules``, so torch's own Triton detection is untouched."""
     name = "torchtitan.distributed.minimal_async_ep.kernels"
     if name in sys.modules or importlib.util.find_spec("triton") is not None:
         return
@@ -35,42 +39,46 @@ def _titan_kernels_stand_in() -> None:
             raise AttributeError(attr)
 
         def kernel(*args, **kwargs):
-            raise RuntimeError(f"{name}.{attr} needs Triton and CUDA")
+            raise RuntimeError(f"{name}.{attr} needs Triton and CUDA "
+                               "(expert-parallel MoE dispatch only)")
         return kernel
 
     mod.__getattr__ = __getattr__
     sys.modules[name] = mod
 
 
-def titan_llama3(vocab: int) -> nn.Module:
+def titan_llama3(vocab: int, *, dim: int = DIM, layers: int = LAYERS, heads: int = HEADS,
+                 kv_heads=HEADS // 2, seq: int = SEQ) -> nn.Module:
     """torchtitan's llama3 built as torchtitan builds its flavours (fused QKV, RoPE with llama
-    scaling, grouped-query attention, its ``init_weights``), at width 128, 4 layers, 4 heads
-    (2 key/value heads), SDPA attention (the flavour's FlexAttention compiles for minutes on
-    CPU). ``model.layers`` is a ModuleDict of the blocks."""
+    scaling over a table of ``seq`` positions, grouped-query attention with ``kv_heads``
+    key/value heads (None: torchtitan's default, one per head), its ``init_weights``), by
+    default at width 128, 4 layers, 4 heads (2 key/value heads), with SDPA attention (the
+    flavour's FlexAttention compiles for minutes on CPU). ``model.layers`` is a ModuleDict of
+    the blocks."""
     _need("torchtitan", "torchtitan")
-    _titan_kernels_stand_in()
+    titan_kernels_stand_in()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
     from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, Llama3Model,
                                           _build_llama3_layers, _output_linear_init)
 
-    layers = _build_llama3_layers(
-        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=HEADS // 2,
-        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=64),
-        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000,
+    blocks = _build_llama3_layers(
+        fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=kv_heads,
+        hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=64),
+        rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=seq, theta=500000,
                                 scaling="llama"),
         attn_backend="flex")
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    for block in blocks:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg = Llama3Model.Config(
-        dim=DIM, vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM,
+        dim=dim, vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
                                         param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=vocab,
-                              param_init=_output_linear_init(DIM)),
-        layers=layers)
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab,
+                              param_init=_output_linear_init(dim)),
+        layers=blocks)
     with torch.device("meta"):
         model = cfg.build()
     model.to_empty(device="cpu")

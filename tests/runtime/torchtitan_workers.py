@@ -5,11 +5,12 @@ with FSDP2 as torchtitan's ``parallelize_llama`` shards it and once with ``autos
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
 
 import torch
+
+# torchtitan's llama3 is built as the benchmark builds it (one builder, bench/libmodels.py)
+from bench.libmodels import titan_kernels_stand_in, titan_llama3
 
 STEPS = 4
 TRAINING_STEPS = 10  # the debugmodel's schedule length (warmup 2, decay 0.8 of it); 4 run
@@ -24,35 +25,9 @@ CHUNKS = 4  # the chunked loss splits each sequence in this many pieces
 LR = 8e-4
 
 
-def _kernels_stand_in():
-    """torchtitan's model package imports its expert-parallel dispatch kernels
-    (``torchtitan.distributed.minimal_async_ep.kernels``) at import time, and that module
-    imports Triton at its top, for CUDA kernels that only expert-parallel MoE layers launch.
-    Without Triton (torch's CPU build does not bring it) that module is replaced by one
-    whose every kernel raises when called: the dense llama3 model never calls one, and a
-    call would fail loudly rather than compute something else. Nothing named ``triton`` is
-    put in ``sys.modules``, so torch's own Triton detection is untouched."""
-    name = "torchtitan.distributed.minimal_async_ep.kernels"
-    if name in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-    mod = types.ModuleType(name, "stand-in: these kernels need Triton and CUDA")
-
-    def __getattr__(attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def kernel(*args, **kwargs):
-            raise RuntimeError(f"{name}.{attr} needs Triton and CUDA "
-                               "(expert-parallel MoE dispatch only)")
-        return kernel
-
-    mod.__getattr__ = __getattr__
-    sys.modules[name] = mod
-
-
 def import_torchtitan():
     """torchtitan's trainer pieces the test uses (the model is imported by build_model)."""
-    _kernels_stand_in()
+    titan_kernels_stand_in()
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.distributed import utils as dist_utils
@@ -70,36 +45,8 @@ def build_model(tt):
     vocabulary 256, RoPE table of the sequence length. Attention is torchtitan's SDPA
     backend (causal, as torchtitan's graph-trainer tests use it): the flavour's
     FlexAttention runs through ``torch.compile`` with max-autotune, minutes on CPU."""
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.common.feed_forward import compute_ffn_hidden_dim
-    from torchtitan.models.llama3 import (_EMBEDDING_INIT, _NORM_INIT, Llama3Model,
-                                          _build_llama3_layers, _output_linear_init)
-
-    layers = _build_llama3_layers(
-        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS,
-        hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=64),
-        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000,
-                                scaling="llama"),
-        attn_backend="flex")
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    cfg = Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                        param_init=_EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=_NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB,
-                              param_init=_output_linear_init(DIM)),
-        layers=layers)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cfg.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    return model
+    return titan_llama3(VOCAB, dim=DIM, layers=LAYERS, heads=HEADS, kv_heads=None, seq=SEQ)
 
 
 def batches(step, world):
