@@ -541,6 +541,9 @@ class _Placement:
                        else (1.0,))
         self.specs = {p.fqn: p for p in ctx.captured.params}
         self.floors: dict = {}  # choice -> bytes held all step plus its activations
+        # trying the fallback choices for Config(prefer="memory")'s target (``run``): each
+        # with its fastest unit candidate only
+        self.for_target = False
 
     def row(self, label, **fields) -> dict:
         """A candidate's row as the plan shows it."""
@@ -591,6 +594,10 @@ class _Placement:
         for i, (label, modes) in enumerate(self.choices):
             if i == first and self.fastest_meets(s.candidates[tried_before:]):
                 break  # the rest are fallbacks, and a plan of this placement fits without them
+            if i >= first and any(c["fits"] for c in s.candidates[tried_before:]):
+                if s.best_fits():
+                    break  # a fallback met the target: those after it recompute more
+                self.for_target = True
             if slower is not None:  # each choice recomputes more than the one before
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=None, fits=None,
@@ -612,8 +619,9 @@ class _Placement:
     def fastest_meets(self, rows: list) -> bool:
         """Whether a plan among ``rows`` fits and the fastest of those meets
         ``Config(prefer="memory")``'s target (``_meets``). If it does not, the recomputation
-        choices after the first are tried too: recomputing some blocks may meet the target
-        faster than smaller units do."""
+        choices after the first are tried too, in order, each with its fastest unit candidate
+        only, until one meets the target: recomputing some blocks may meet it faster than
+        smaller units do."""
         fit = [c for c in rows if c["fits"] and c["step_s"] is not None]
         if not fit:
             return False
@@ -686,7 +694,7 @@ class _Placement:
         ch.compute += gradient_copies(ch.base, self.specs, self.ctx.profile)
         ch.read = {meta.tag(p, meta.FQN) for p in ch.base.graph.nodes
                    if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
-        if not self.searching_units:
+        if not self.searching_units or self.for_target:
             return [self.attempt(ch, 0)]
         if not self.big:
             return [self.attempt(ch, k) for k in range(len(ch.cands))]
