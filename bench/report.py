@@ -18,7 +18,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from autoshard.passes import plan
+from autoshard.passes import plan as planner
 from bench import compare, membound, strategies
 
 
@@ -130,7 +130,7 @@ def memory_section(steps: int, reps: int) -> list:
             f"(the larger rank's). Targets: peak <= {PEAK_TARGET}x FSDP2's at step <= "
             f"{MEMORY_STEP_TARGET}x FSDP2's. `pred.`: the plan's own prediction (the default "
             "`Config(prefer=\"memory\")` takes the fastest plan predicted within "
-            f"{plan.PEAK_TARGET}x of FSDP2's plan's peak and {plan.STEP_CAP}x its step, "
+            f"{planner.PEAK_TARGET}x of FSDP2's plan's peak and {planner.STEP_CAP}x its step, "
             "docs/planning.md); "
             "`FSDP2 measured / its plan`: FSDP2's measured step over the prediction of its "
             "plan; `why`: the plan's reason where the fastest plan peaks above the target. "
