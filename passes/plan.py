@@ -594,10 +594,10 @@ class _Placement:
         for i, (label, modes) in enumerate(self.choices):
             if i == first and self.fastest_meets(s.candidates[tried_before:]):
                 break  # the rest are fallbacks, and a plan of this placement fits without them
-            if i >= first and any(c["fits"] for c in s.candidates[tried_before:]):
-                if s.best_fits():
-                    break  # a fallback met the target: those after it recompute more
-                self.for_target = True
+            if i == first and any(c["fits"] for c in s.candidates[tried_before:]):
+                self.for_target = True  # the fallbacks are tried for the target alone
+            if self.for_target and s.best_fits():
+                break  # a fallback met the target: those after it recompute more
             if slower is not None:  # each choice recomputes more than the one before
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=None, fits=None,
