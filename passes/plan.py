@@ -596,8 +596,6 @@ class _Placement:
                 break  # the rest are fallbacks, and a plan of this placement fits without them
             if i == first and any(c["fits"] for c in s.candidates[tried_before:]):
                 self.for_target = True  # the fallbacks are tried for the target alone
-            if self.for_target and s.best_fits():
-                break  # a fallback met the target: those after it recompute more
             if slower is not None:  # each choice recomputes more than the one before
                 s.candidates.append(self.row(
                     label, units=None, step_s=None, peak_bytes=None, fits=None,
@@ -614,7 +612,10 @@ class _Placement:
                     note=f"recomputes less than {self.choices[j][0]}, whose activations alone "
                          "exceed the budget"))
                 continue
+            before = len(s.candidates)
             slower = self.choice(i, label, modes)
+            if self.for_target and self.fastest_meets(s.candidates[before:]):
+                break  # a fallback met the target: those after it recompute more
 
     def fastest_meets(self, rows: list) -> bool:
         """Whether a plan among ``rows`` fits and the fastest of those meets
