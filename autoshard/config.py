@@ -231,8 +231,8 @@ class Config:
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     prefer: what the planner trades when the fastest plan is heavy:
         - "memory" (default): the fastest plan predicted to peak at most 0.82x as high as
-          FSDP2's plan (0.85x less the error of that prediction) for the same model (one unit per repeated block plus the root,
-          resharded after the forward but the root, no recomputation, prefetch of one,
+          FSDP2's plan (0.85x less the error of that prediction) for the same model (one
+          unit per repeated block plus the root, resharded after the forward but the root, no recomputation, prefetch of one,
           predicted once per plan) and to take at most 1.25x its step; where none is, the
           fastest. The plan says why when the fastest plan's peak is above that
           (``plan.choice``). Graphs too big to search whole (``autoshard.passes.auto.BIG_GRAPH``
