@@ -234,9 +234,9 @@ class Config:
           FSDP2's plan (0.85x less the error of that prediction) for the same model (one
           unit per repeated block plus the root, resharded after the forward but the root,
           no recomputation, prefetch of one, predicted once per plan) and to take at most
-          1.25x its step; where none is, the fastest. The plan says why when the fastest plan's peak is above that
-          (``plan.choice``). Graphs too big to search whole (``autoshard.passes.auto.BIG_GRAPH``
-          nodes) are planned for speed;
+          1.25x its step; where none is, the fastest. The plan says why when the fastest
+          plan's peak is above that (``plan.choice``). Graphs too big to search whole
+          (``autoshard.passes.auto.BIG_GRAPH`` nodes) are planned for speed;
         - "speed": the fastest plan that fits ``memory_budget``, however heavy.
 
     Strategy and resharding
