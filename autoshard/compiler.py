@@ -17,7 +17,7 @@ import torch
 from autoshard import depth, meta
 from autoshard.capture import capture
 from autoshard.config import offloads, reshard_group_size, reshard_group_sizes
-from autoshard.cost import get_profile
+from autoshard.cost import device_profile
 from autoshard.errors import AutoshardError
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.plans import Plan
@@ -92,7 +92,7 @@ def reshard_sizes(config, mesh_shape, device) -> tuple:
     runtime to make their groups before planning (``runtime.dist.reshard_groups``)."""
     if config.strategy not in ("zero3", "auto"):
         return ()
-    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
+    profile = device_profile(config.device_profile, device)
     setting = "search" if config.strategy == "auto" else config.reshard_after_forward
     return reshard_group_sizes(setting, tuple(mesh_shape)[-1], profile.ranks_per_node)
 
@@ -107,7 +107,7 @@ def plan_captured(cap, model, *, group_name, device, config, aliases=None, progr
     in ``cap``. Returns ``(ctx, plan)``; ``AutoshardError`` when the search finds nothing
     that fits (``plan.unfit`` says what would)."""
     say = progress or (lambda msg: None)
-    profile = get_profile(config.device_profile or ("h100" if device.type == "cuda" else "cpu"))
+    profile = device_profile(config.device_profile, device)
     inputs = sum(meta.val_bytes(n) for n in cap.gm.graph.nodes
                  if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -225,8 +225,9 @@ class Config:
         They override any policy; ``plan.pinned_units()`` gives a plan's units in this form.
     memory_budget: bytes per rank the plan may use ("80GiB", "512MB" and 1e9 are accepted);
         default: the device's memory (the device profile's ``memory``).
-    device_profile: cost-model profile name ("h100", "a100", "cpu") or a ``DeviceProfile``
-        (``autoshard.cost.calibrate()`` measures one); default: "h100" on CUDA, "cpu"
+    device_profile: cost-model profile name ("h100", "h200", "a100", "cpu") or a
+        ``DeviceProfile`` (``autoshard.cost.calibrate()`` measures one); default: on CUDA
+        "h200" for an H200, else "h100", with the memory the device reports; "cpu"
         otherwise.
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
     prefer: what the planner trades when the fastest plan is heavy:

@@ -107,8 +107,9 @@ HOST_MEMORY = 250 * 10**9  # per GPU: a DGX H100 (and DGX A100 640GB) holds 2 TB
 
 
 def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
-                nvlink: float, pcie: tuple, host: float, nic_gbit: int) -> DeviceProfile:
-    """An 80 GB NVIDIA SXM GPU from its datasheet: ``tflops`` dense BF16, ``hbm`` bytes/s of
+                nvlink: float, pcie: tuple, host: float, nic_gbit: int,
+                memory: float = 80e9) -> DeviceProfile:
+    """An NVIDIA SXM GPU of ``memory`` bytes (80 GB unless given) from its datasheet: ``tflops`` dense BF16, ``hbm`` bytes/s of
     memory (``hbm_note`` says which), ``nvlink`` bytes/s each way, a host link of PCIe
     (generation, GB/s each way) of which ``host`` bytes/s are reached; NCCL's ~10 us per
     ring step as alpha, half the matmul peak reached; 8 GPUs per node (an HGX board), each
@@ -120,7 +121,7 @@ def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note:
               f"GB/s each way, ~{host / 1e9:g} GB/s reached; 8 GPUs per node (HGX), between "
               f"nodes one {nic_gbit} Gb/s InfiniBand card per GPU ({nic_gbit / 8:g} GB/s)")
     return DeviceProfile(name, matmul_flops=tflops * 1e12, mem_bandwidth=hbm, alpha=10e-6,
-                         beta=1 / nvlink, memory=80 * 10**9, efficiency=0.5,
+                         beta=1 / nvlink, memory=int(memory), efficiency=0.5,
                          host_bandwidth=host, ranks_per_node=8,
                          inter_beta=8 / (nic_gbit * 1e9), host_memory=HOST_MEMORY,
                          source=source + "; host memory: a DGX's 2 TB over its 8 GPUs")
@@ -129,6 +130,8 @@ def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note:
 PROFILES = {
     "h100": _nvidia_sxm("h100", "H100 SXM5", tflops=989, hbm=3.35e12, hbm_note="HBM3, 80 GB",
                         nvlink=450e9, pcie=(5, 64), host=50e9, nic_gbit=400),
+    "h200": _nvidia_sxm("h200", "H200 SXM", tflops=989, hbm=4.8e12, hbm_note="HBM3e, 141 GB",
+                        nvlink=450e9, pcie=(5, 64), host=50e9, nic_gbit=400, memory=141e9),
     "a100": _nvidia_sxm("a100", "A100 SXM4 80GB", tflops=312, hbm=2.039e12, hbm_note="HBM2e",
                         nvlink=300e9, pcie=(4, 32), host=25e9, nic_gbit=200),
     "cpu": DeviceProfile(
@@ -141,6 +144,23 @@ PROFILES = {
                "of each collective's buffer read off torch.profiler's allocation events",
     ),
 }
+
+
+def device_profile(config_profile, device: torch.device) -> DeviceProfile:
+    """The profile a plan on ``device`` uses: ``Config.device_profile`` when set, else "cpu"
+    on the CPU and, on a GPU, the named profile of its kind ("h200" for an H200, "h100"
+    otherwise) with the memory this device reports, so a card with more or less memory than
+    the datasheet's is planned for the memory it has."""
+    if config_profile is not None:
+        return get_profile(config_profile)
+    if device.type != "cuda":
+        return PROFILES["cpu"]
+    name = torch.cuda.get_device_name(device)
+    base = PROFILES["h200" if "H200" in name.upper() else "h100"]
+    memory = torch.cuda.get_device_properties(device).total_memory
+    return dataclasses.replace(base, memory=memory,
+                               source=f"{base.source}; memory: {memory} bytes, as {name} "
+                               "reports")
 
 
 def get_profile(profile) -> DeviceProfile:

@@ -71,8 +71,17 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             track(group=dist.group.WORLD)
-    device_type = "cuda" if cuda and "nccl" in str(dist.get_backend()) else "cpu"
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    return init_device_mesh(mesh_device_type(), (dist.get_world_size(),))
+
+
+def mesh_device_type(group=None) -> str:
+    """Where a mesh over ``group`` (default: the world) keeps its ranks' tensors: on the GPU
+    when CUDA is there and the group moves GPU tensors (NCCL, or torch's fake process group,
+    whose collectives take any tensor and which faked worlds use to measure a GPU's memory at
+    a larger world size), else on the CPU (gloo)."""
+    backend = str(dist.get_backend(group))
+    return "cuda" if torch.cuda.is_available() and ("nccl" in backend or backend == "fake") \
+        else "cpu"
 
 
 def track(*, group=None, mesh=None, agreement=None) -> None:

@@ -30,7 +30,6 @@ def _free_fake(tensors):
 
 
 _lib.impl("free", _free_impl, "CompositeExplicitAutograd")
-_lib.impl("free", _free_fake, "Meta")
 torch.library.register_fake("autoshard::free", _free_fake, lib=_lib)
 
 free_op = torch.ops.autoshard.free.default
@@ -161,7 +160,6 @@ def _grouped_mm_fake(self, mat2, offs=None, bias=None, out_dtype=None):
 
 
 _lib.impl("grouped_mm", _grouped_mm_impl, "CompositeExplicitAutograd")
-_lib.impl("grouped_mm", _grouped_mm_fake, "Meta")
 torch.library.register_fake("autoshard::grouped_mm", _grouped_mm_fake, lib=_lib)
 
 grouped_mm_op = torch.ops.autoshard.grouped_mm.default

@@ -75,7 +75,7 @@ def test_edge_profiles_are_accepted_and_unknown_names_list_the_known():
     free = dataclasses.replace(PROFILES["cpu"], alpha=0.0, beta=0.0, efficiency=1.0,
                                comm_overlap=0.0, host_bandwidth=0.0, collective_scratch=0.0)
     assert get_profile(free) is free
-    with pytest.raises(ValueError, match="unknown device profile 'tpu'; known: h100, a100, cpu"):
+    with pytest.raises(ValueError, match="unknown device profile 'tpu'; known: h100, h200, a100, cpu"):
         get_profile("tpu")
     with pytest.raises(ValueError, match="unknown device profile"):
         get_profile(["h100"])  # not a name: no TypeError about hashing
@@ -141,3 +141,24 @@ def test_memory_plot_writes_an_image(tmp_path):
     plan = _plan()
     plan.memory_plot(tmp_path / "mem.png")
     assert (tmp_path / "mem.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_profile_takes_the_device_kind_and_its_memory(monkeypatch):
+    """On CUDA, with no profile named, an H200 is planned as an H200 and every card for the
+    memory it reports, not the datasheet's 80 GB."""
+    import types
+
+    from autoshard.cost import PROFILES, device_profile
+
+    for name, total, kind in (("NVIDIA H200", 150_000_000_000, "h200"),
+                              ("NVIDIA H100 80GB HBM3", 85_520_000_000, "h100"),
+                              ("NVIDIA L4", 23_000_000_000, "h100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None, n=name: n)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda d=None, t=total: types.SimpleNamespace(total_memory=t))
+        p = device_profile(None, torch.device("cuda", 0))
+        assert (p.name, p.memory) == (kind, total)
+        assert p.matmul_flops == PROFILES[kind].matmul_flops
+    assert device_profile("a100", torch.device("cuda", 0)) is PROFILES["a100"]
+    assert device_profile(None, torch.device("cpu")) is PROFILES["cpu"]
+    assert PROFILES["h200"].mem_bandwidth > PROFILES["h100"].mem_bandwidth
