@@ -254,8 +254,16 @@ def place(model: torch.nn.Module, specs, device: torch.device, *, pin: bool = Tr
             local = p.to_local().to("cpu", copy=True)
             if device.type == "cuda" and pin:
                 local = local.pin_memory()
-            p.data = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                        shape=p.shape, stride=p.stride())
+            host = torch.nn.Parameter(
+                DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                   shape=p.shape, stride=p.stride()),
+                requires_grad=p.requires_grad)
+        # the whole tensor is swapped, not ``p.data``: assigning ``.data`` keeps a DTensor's
+        # device (it is fixed when the wrapper is made), so a host shard would report the GPU
+        # and its host gradient could not be assigned. The object, and so every reference to
+        # it (an optimizer's), and its attributes stay.
+        host.__dict__.update(p.__dict__)
+        torch.utils.swap_tensors(p, host)
         setattr(p, ON_HOST, True)
         moved.append(spec.fqn)
     return moved
