@@ -39,6 +39,18 @@ def dtensor_like(dt, local: torch.Tensor):
     return DTensor(local, dt._spec, requires_grad=False)
 
 
+def dtensor_here(local: torch.Tensor, mesh, placements, shape, stride):
+    """A DTensor of ``local`` on ``mesh`` where ``local`` is: ``DTensor.from_local`` moves
+    its tensor to the mesh's device type, so a shard kept in host memory (CPU offload) on a
+    GPU mesh would land on the GPU again. FSDP2 builds its host shards this way too."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(mesh, tuple(placements),
+                       TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 # --- inductor, imported on first use (Config.compile) ----------------------------------------
 
 _INDUCTOR = {"inductor_config": ("torch._inductor.config", None),

@@ -54,7 +54,8 @@ GPU_TESTS = ("tests/runtime/test_compile.py", "tests/runtime/test_export.py",
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gpu_check_out", help="folder for the JSON, table, logs")
+    ap.add_argument("--out", default="gpu_check_out",
+                    help="folder for the JSON, the table and each stage's log")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for all stages")
     ap.add_argument("--only", default=None, help="comma-separated stages to run")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
@@ -109,7 +110,10 @@ def _run_stage_process(args, name: str, deadline: float) -> dict:
         except subprocess.TimeoutExpired:
             status = f"timed out after {deadline:.0f} s"
     took = time.monotonic() - t0
-    res = _read(os.path.join(args.out, f"{name}.json"))
+    own = os.path.join(args.out, f"{name}.json")
+    res = _read(own)
+    if os.path.exists(own):  # now in gpu_check.json: fewer files to carry back
+        os.remove(own)
     res.update(status=status if res.get("status", "ok") == "ok" else res["status"],
                seconds=round(took, 1))
     if status != "ok":
@@ -476,6 +480,7 @@ def stage_pytest(args, st: Stage, device) -> None:
     tests = list(GPU_TESTS) if not args.dry_run else ["tests/test_cost.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", marks, "-p", "no:cacheprovider", *tests]
     out = subprocess.run(cmd, capture_output=True, text=True)
+    print(out.stdout + out.stderr)  # the whole output, in the stage's log
     tail = (out.stdout + out.stderr).strip().splitlines()
     st.save(status="ok" if out.returncode == 0 else f"failed (pytest exit {out.returncode})",
             summary=tail[-1] if tail else "", output_tail="\n".join(tail[-40:]))

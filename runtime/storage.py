@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
+from autoshard import _compat
 from autoshard.spec import ON_HOST, param_specs
 from autoshard.runtime import optim
 from autoshard.runtime.materialize import _Materializer, _Slot, _slots, init_steps
@@ -229,8 +230,12 @@ def _shard(slot: _Slot, value, spec, mesh, rank: int, device: torch.device,
         local_t = local_t.to("cpu")
         if device.type == "cuda" and pin_memory:
             local_t = local_t.pin_memory()
-    dt = DTensor.from_local(local_t, mesh, spec.placements, run_check=False, shape=t.shape,
-                            stride=_contiguous_stride(t.shape))
+    if spec.device == "host":
+        dt = _compat.dtensor_here(local_t, mesh, spec.placements, t.shape,
+                                  _contiguous_stride(t.shape))
+    else:
+        dt = DTensor.from_local(local_t, mesh, spec.placements, run_check=False,
+                                shape=t.shape, stride=_contiguous_stride(t.shape))
     new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
     optim.mark(new)
     if spec.device == "host":
@@ -255,8 +260,7 @@ def place(model: torch.nn.Module, specs, device: torch.device, *, pin: bool = Tr
             if device.type == "cuda" and pin:
                 local = local.pin_memory()
             host = torch.nn.Parameter(
-                DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                   shape=p.shape, stride=p.stride()),
+                _compat.dtensor_here(local, p.device_mesh, p.placements, p.shape, p.stride()),
                 requires_grad=p.requires_grad)
         # the whole tensor is swapped, not ``p.data``: assigning ``.data`` keeps a DTensor's
         # device (it is fixed when the wrapper is made), so a host shard would report the GPU

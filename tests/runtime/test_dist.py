@@ -26,3 +26,40 @@ def test_fake_process_group_keeps_the_gpu():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cuda", "cpu"]
+
+
+def test_host_shards_stay_on_the_host_of_a_gpu_mesh():
+    """CPU offload on a GPU: ``storage.place`` moves a shard to host memory and the
+    parameter must stay there (``DTensor.from_local`` would move it back to the mesh's
+    device, and the host gradient could then not be assigned). A mesh of device type cuda
+    stands in for the GPU: on a machine without one, moving anything to it fails."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from autoshard import _compat
+        from autoshard.runtime import storage
+        from autoshard.spec import ON_HOST
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
+        w = torch.randn(4, 3)
+        p = torch.nn.Parameter(_compat.dtensor_here(w.clone(), mesh, [Shard(0)], w.shape,
+                                                    w.stride()))
+        p.mine = 1
+        opt = torch.optim.SGD([p], lr=0.5)
+        model = torch.nn.Module()
+        model.w = p
+        spec = type("Spec", (), {"device": "host", "fqn": "w"})()
+        assert storage.place(model, [spec], torch.device("cpu"), pin=False) == ["w"]
+        assert model.w is p and opt.param_groups[0]["params"][0] is p and p.mine == 1
+        assert getattr(p, ON_HOST) and p.device_mesh.device_type == "cuda"
+        assert p.device.type == "cpu" and p.to_local().device.type == "cpu"
+        p.grad = _compat.dtensor_like(p, torch.ones(4, 3))
+        opt.step()
+        assert torch.equal(p.to_local(), w - 0.5)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"]
