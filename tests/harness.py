@@ -70,6 +70,9 @@ def train_step(loss, opt, world: int) -> float:
     loss.backward()
     opt.step()
     opt.zero_grad()
-    t = torch.tensor([loss.item()])
+    # on the group's device: an NCCL group (a torchrun environment with GPUs) has no CPU
+    # backend
+    nccl = "nccl" in str(dist.get_backend())
+    t = torch.tensor([loss.item()], device="cuda" if nccl else "cpu")
     dist.all_reduce(t)
     return t.item() / world
