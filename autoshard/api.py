@@ -616,8 +616,9 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
 
     p = one(example_inputs, config)
     if make_inputs is not None:
+        # the recomputation pinned names each block's choice, offloading included
         pinned = dataclasses.replace(config, units=p.pinned_units(),
-                                     recompute=p.pinned_recompute())
+                                     recompute=p.pinned_recompute(), offload_activations=None)
         if progress:
             progress("fitting memory and time in batch and seq (two more traces)")
         p2 = one(make_inputs(2 * batch, seq), pinned)

@@ -240,9 +240,21 @@ def record(fn: Callable, vals: Sequence) -> fx.GraphModule:
     same dispatch level, with the same values and names; tested against make_fx) at half the
     cost, most of which is the fake tensors' own. Ops that return no tensor (``prim.device``)
     and autograd's ``detach`` of an ``out=`` argument are not recorded, as make_fx does not
-    record them."""
+    record them.
+
+    Each argument is traced as a tensor of its own: one fake tensor given twice (two nodes
+    that share a ``meta["val"]``, as nodes spliced from one cached trace do) is traced the
+    second time as a new fake tensor of the same metadata, so the graph reads each of its
+    placeholders where ``fn`` reads that argument. Tensors are mapped to nodes by identity
+    (as make_fx maps them): without this, every read of the shared value would read the last
+    placeholder given it, and the trace, cached by metadata (``splice``), would do so for
+    any later arguments too."""
     graph, env = fx.Graph(), {}
+    vals = list(vals)
     for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor) and id(v) in env:
+            vals[i] = v = _compat.fake_empty(v.fake_mode, tuple(v.shape), v.dtype, v.device,
+                                             stride=tuple(v.stride()))
         ph = graph.placeholder(f"arg{i}")
         ph.meta["val"] = v
         env[id(v)] = ph

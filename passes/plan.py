@@ -336,7 +336,10 @@ class Planner:
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs),
                                   reshard_after_forward="auto")
         placed = _placed(ctx, 0.0, config, self.options)
+        # FSDP2 recomputes nothing and offloads no activation (recompute=False refuses
+        # offload_activations=True, which the user's Config may hold)
         fsdp2 = dataclasses.replace(config, policy="module", units=None, recompute=False,
+                                    offload_activations=False,
                                     bucket=False, prefetch=Prefetch(depth=1),
                                     reshard_after_forward="auto", strategy="zero3")
         cand = Candidate("zero3", 0.0, "none", None, 0, "auto", 1.0)

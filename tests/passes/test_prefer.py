@@ -82,3 +82,17 @@ def test_the_reference_is_fsdp2s_plan(plans):
 def test_prefer_is_checked():
     with pytest.raises(ValueError, match="Config.prefer='fast' is not accepted.*'speed'"):
         Config(prefer="fast")
+
+
+def test_offload_activations_plans_with_the_reference_and_symbolically():
+    """``offload_activations=True`` with the default ``prefer``: FSDP2's reference plan
+    offloads nothing, and ``plan(make_inputs=...)`` refits with the blocks' choices pinned
+    (each block's offload named by the pinned recomputation)."""
+    def make(batch, seq):
+        return (torch.zeros(batch, seq, dtype=torch.long),)
+
+    plan = autoshard.plan(GPT(layers=2), world_size=2, config=Config(offload_activations=True),
+                          make_inputs=make, batch=2, seq=16)
+    assert plan.predicted["fsdp2_peak_bytes"] is not None
+    assert set(plan.recompute_blocks.values()) == {"offload"}
+    assert plan.symbolic is not None

@@ -99,3 +99,33 @@ def test_values_from_meta_kernels_are_the_fake_modes(monkeypatch):
     assert sum(ran) >= 10 and not all(ran)  # most ops, not the copy across devices
     monkeypatch.setattr(_compat, "fake_run", lambda *args: None)
     assert fast == _described(graph.record(_packing, vals))
+
+
+def test_a_value_given_twice_is_traced_as_two_arguments():
+    """Nodes spliced from one cached trace share their fake values; a function traced on two
+    of them must read each of its arguments where it reads it (not the last one twice), and
+    the trace, cached by metadata, must stay right for later nodes too."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autoshard import _compat
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    v = _compat.fake_empty(mode, (4,), torch.float32, torch.device("cpu"))
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    a.meta["val"] = b.meta["val"] = v  # as two outputs of one cached trace
+    g.output([a, b])
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    out = next(n for n in g.nodes if n.op == "output")
+    key = ("test_a_value_given_twice", 1)
+    graph._TRACES.pop((key, (graph._val_key(v),) * 2), None)
+    for _ in range(2):  # traced, then from the cache
+        (s,), new = graph.splice(gm, lambda x, y: [torch.cat([x, 2 * y])], [a, b], out, {},
+                                 key=key)
+        x, y = torch.arange(4.0), torch.full((4,), 10.0)
+        env = {a: x, b: y}
+        for n in new:
+            env[n] = n.target(*fx.node.map_arg(n.args, env.__getitem__),
+                              **fx.node.map_arg(n.kwargs, env.__getitem__))
+        assert torch.equal(env[s], torch.cat([x, 2 * y]))
