@@ -45,7 +45,9 @@ class _State:
     replicas: dict = dataclasses.field(default_factory=dict)
     # signature -> every program captured for it, one per guarded state (autoshard.guards)
     variants: dict = dataclasses.field(default_factory=dict)
-    traced_hooks: frozenset = frozenset()  # forward hooks that return a value (hooks.Replaces)
+    # forward hooks traced into the step: those that return a value (hooks.Replaces) and
+    # those the forward registered while captured
+    traced_hooks: frozenset = frozenset()
     lifted: dict = dataclasses.field(default_factory=dict)  # (id, name) -> float attributes
     recaptures: dict = dataclasses.field(default_factory=dict)  # guard -> captures it caused
     entry: str = "forward"  # what this state's programs run, for messages
@@ -474,6 +476,7 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         placed=st.placed["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
+    st.traced_hooks = st.traced_hooks | cap.traced_hooks  # with those the forward installed
     return _program(st, cap, ctx, plan, model)
 
 
