@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -45,7 +46,9 @@ class _State:
     replicas: dict = dataclasses.field(default_factory=dict)
     # signature -> every program captured for it, one per guarded state (autoshard.guards)
     variants: dict = dataclasses.field(default_factory=dict)
-    traced_hooks: frozenset = frozenset()  # forward hooks that return a value (hooks.Replaces)
+    # forward hooks traced into the step: those that return a value (hooks.Replaces) and
+    # those the forward registered while captured
+    traced_hooks: frozenset = frozenset()
     lifted: dict = dataclasses.field(default_factory=dict)  # (id, name) -> float attributes
     recaptures: dict = dataclasses.field(default_factory=dict)  # guard -> captures it caused
     entry: str = "forward"  # what this state's programs run, for messages
@@ -137,6 +140,11 @@ class _State:
         return _program(self, cap, ctx, plan)
 
 
+# torch.compile's keyword arguments, which torch.nn.Module.compile passes on
+_TORCH_COMPILE_ARGS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options",
+                                 "disable"})
+
+
 class ShardedModule(torch.nn.Module):
     """A model sharded by autoshard. It is the user's model (same object, same attributes,
     same state-dict keys) whose parameters are DTensor shards and whose calls run the compiled
@@ -144,6 +152,10 @@ class ShardedModule(torch.nn.Module):
 
     _autoshard: _State
 
+    # Under torch.compile the step is opaque to TorchDynamo: it is a compiled graph already
+    # (Config(compile=True) hands it to inductor), and its Python around the graph (guards,
+    # agreement, hooks) is what Dynamo must not specialise on. One graph break at the call.
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
         from autoshard.capture import tracing
 
@@ -153,13 +165,34 @@ class ShardedModule(torch.nn.Module):
 
     # --- compile -------------------------------------------------------------------------
 
-    def compile(self, *args, **kwargs) -> "ShardedModule":  # type: ignore[override]
-        """Capture and compile for these example inputs now instead of on the first call."""
+    def precompile(self, *args, **kwargs) -> "ShardedModule":
+        """Capture and compile the step for these example inputs (called as the model would
+        be) now instead of on the first call with them."""
         st = self._autoshard
         key = _signature(self, st, args, kwargs)
         if key not in st.programs:
             _compile_for(self, st, args, kwargs, key, sharded=True)
         return self
+
+    def compile(self, *args, **kwargs):
+        """``torch.nn.Module.compile``: ``torch.compile`` this module's calls, with
+        torch.compile's arguments (``backend``, ``mode``, ``fullgraph``, ...). The sharded
+        step stays opaque to TorchDynamo (``Config(compile=True)`` compiles the step itself
+        with inductor); the code around it is compiled.
+
+        Deprecated: called with example inputs (a tensor among the arguments, or a keyword
+        torch.compile does not take) it captures the step now, as ``precompile`` does,
+        with a ``DeprecationWarning``; that meaning goes in autoshard 0.3."""
+        leaves, _ = tree_flatten((args, kwargs))
+        if set(kwargs) - _TORCH_COMPILE_ARGS or any(
+                isinstance(x, torch.Tensor) or state.is_state(x) for x in leaves):
+            warnings.warn(
+                "ShardedModule.compile(*example_inputs) is deprecated and will be removed in "
+                "autoshard 0.3: use sharded.precompile(*example_inputs) to capture the step "
+                "now. sharded.compile(...) takes torch.compile's arguments, as "
+                "torch.nn.Module.compile does.", DeprecationWarning, stacklevel=2)
+            return self.precompile(*args, **kwargs)
+        return torch.nn.Module.compile(self, *args, **kwargs)
 
     def register_forward_method(self, name: str) -> None:
         """Run the method ``name`` (``encode``, ``get_text_features``: code that reads the
@@ -218,7 +251,7 @@ class ShardedModule(torch.nn.Module):
         prog = self._autoshard.last
         if prog is None:
             raise AutoshardError(
-                "nothing is compiled yet: call the model once or sharded.compile(*inputs)"
+                "nothing is compiled yet: call the model once or sharded.precompile(*inputs)"
             )
         return prog.plan
 
@@ -404,7 +437,7 @@ def _stored(module, st: _State, args, kwargs, key) -> Program:
             f"program for this call:\n  {_describe(args, kwargs, key)}\nIt holds:\n"
             f"{calls}\nCall it as one of those (the model's source, which could capture "
             "another, is not part of an export), or export again after compiling this "
-            "call (sharded.compile(*inputs)).")
+            "call (sharded.precompile(*inputs)).")
     st.programs[key] = prog
     return prog
 
@@ -433,6 +466,7 @@ def _install_entry(module, root_st: _State, name: str, fn) -> None:
         f"{root_st.entry_names.get(id(module), '?')} (called directly)"
     state: list = []
 
+    @torch.compiler.disable  # opaque to TorchDynamo, as the root's forward
     @functools.wraps(fn)
     def entry(self, *args, **kwargs):
         if tracing():
@@ -474,6 +508,7 @@ def _compile(model: torch.nn.Module, st: _State, args, kwargs) -> Program:
         placed=st.placed["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
+    st.traced_hooks = st.traced_hooks | cap.traced_hooks  # with those the forward installed
     return _program(st, cap, ctx, plan, model)
 
 

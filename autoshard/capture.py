@@ -331,7 +331,7 @@ def _fake_inputs(params: list, buffers: dict, tensors_in: list, lifted, device) 
 
 
 def _new_record() -> dict:
-    return {"taps": [], "tapped": [], "btaps": [], "hgrads": []}
+    return {"taps": [], "tapped": [], "btaps": [], "hgrads": [], "installed": set()}
 
 
 @dataclasses.dataclass
@@ -399,7 +399,7 @@ class _Joint:
         rec, model = self.rec, self.model
         with _lifting(self.lifted, lifts), _compat.reparametrize(model, values), \
                 hooks.tapping(model, self.traced_hooks, rec["taps"], rec["tapped"],
-                              rec["btaps"], rec["hgrads"]), \
+                              rec["btaps"], rec["hgrads"], rec["installed"]), \
                 _track_modules(model, self.stack), _track_checkpoints(), \
                 guards.recording(model) as reads, _traced(), _CheckDtypes():
             rec["reads"] = reads
@@ -508,7 +508,9 @@ def _captured(joint: _Joint, gm: fx.GraphModule, finputs: list, grad_mode: bool,
     )
     cap.guards = guards.build(joint.model, rec["reads"], names, hooks.signature, joint.lifted)
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
-    cap.lifted, cap.traced_hooks = list(joint.lifted), joint.traced_hooks
+    # hooks the forward registered ran in the trace; later captures trace them too
+    cap.lifted = list(joint.lifted)
+    cap.traced_hooks = joint.traced_hooks | frozenset(rec["installed"])
     cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
     cap.backward_taps = rec["btaps"] if has_backward else []
     _tag(cap, rec, grads_for)

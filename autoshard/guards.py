@@ -381,7 +381,7 @@ def refuse_unfollowable(reads: _Reads, model_name: str) -> None:
         warnings.warn("a profiler was running while the step was captured, so autoshard did "
                       "not see the code its forward ran: the globals and closure variables "
                       "that code read are not guarded (a change to them would not be "
-                      "followed). Capture outside the profiler (sharded.compile(*inputs) "
+                      "followed). Capture outside the profiler (sharded.precompile(*inputs) "
                       "first) to guard them.", stacklevel=2)
     for where in dict.fromkeys(reads.printed):
         warnings.warn(f"print() in the model's forward ({where}) ran once, while the step "

@@ -10,6 +10,17 @@ computes: the first time one does, ``replay`` raises ``Replaces`` and the caller
 again with that hook traced into the step (its tensor work then runs inside the graph on
 every call; its Python side effects ran at that capture only).
 
+A hook that belongs to the model rather than to the user is traced with the step from the
+start: the forward reads what it records, so run after the graph it would record into
+nothing (Hugging Face's output recorders, which ``output_hidden_states`` and
+``output_router_logits`` read; pruning and spectral norm's pre-hooks, which set the weight
+the forward reads). Such a hook is one the model's forward registered while it was traced
+(a lazily installed recorder; ``tapping`` reports it, and later captures trace it too), or
+one whose code is in the installed library that defines the hooked module's class
+(``is_model_hook``: a library's hook on its own module, registered by an eager call before
+``autoshard()`` as well). A user's hook (the user's code, or a library's on another's
+module) stays out of the trace.
+
 A module's full backward hooks (and backward pre-hooks) are kept out of the trace the same
 way: the module's tensor inputs and outputs pass through a view of their own while tracing,
 whose gradients (the module's share, as torch's BackwardHook gives) become extra outputs of
@@ -26,10 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 from typing import Any
 
 import torch
 import torch.nn.modules.module as _mm
+from torch.utils.hooks import RemovableHandle as _RemovableHandle
 
 from autoshard._compat import tree_flatten, tree_unflatten
 from autoshard.errors import AutoshardError
@@ -58,9 +72,36 @@ class Tap:
     n: int
 
 
+_SITE = tuple(os.sep + d + os.sep for d in ("site-packages", "dist-packages"))
+
+
+def _library(obj) -> str | None:
+    """The installed library whose code ``obj`` (a function, a callable object, a class) is:
+    its top-level package, if that is torch or lives in site-packages; else None (a script,
+    a source tree, the standard library)."""
+    name = getattr(obj, "__module__", None)
+    if not isinstance(name, str):
+        name = getattr(type(obj), "__module__", None)
+    if not isinstance(name, str):
+        return None
+    top = name.split(".", 1)[0]
+    if top == "torch":
+        return top
+    path = getattr(sys.modules.get(top), "__file__", None) or ""
+    return top if any(site in path for site in _SITE) else None
+
+
+def is_model_hook(mod, hook) -> bool:
+    """Whether ``hook`` on ``mod`` is part of the model: code of the installed library that
+    defines ``mod``'s class (its forward may read what the hook records)."""
+    lib = _library(hook)
+    return lib is not None and lib == _library(type(mod))
+
+
 def _user_hooks(mod, kind: str, traced: frozenset) -> list:
     """(hook id, hook, with kwargs) of the hooks ``replay`` runs for ``mod``: global ones
-    first, as ``nn.Module.__call__`` runs them."""
+    first, as ``nn.Module.__call__`` runs them; neither ``traced`` ones nor the model's own
+    (``is_model_hook``), which run inside the step."""
     if kind == _PRE:
         glob, own, kw = _mm._global_forward_pre_hooks, mod._forward_pre_hooks, \
             mod._forward_pre_hooks_with_kwargs
@@ -71,7 +112,7 @@ def _user_hooks(mod, kind: str, traced: frozenset) -> list:
         gkw = _mm._global_forward_hooks_with_kwargs
     out = [(hid, hook, hid in gkw, ("global", hid)) for hid, hook in glob.items()]
     out += [(hid, hook, hid in kw, (id(mod), kind, hid)) for hid, hook in own.items()]
-    return [h for h in out if h[3] not in traced]
+    return [h for h in out if h[3] not in traced and not is_model_hook(mod, h[1])]
 
 
 def signature(mod) -> tuple:
@@ -126,12 +167,13 @@ class BackwardTap:
 
 @contextlib.contextmanager
 def tapping(model, traced: frozenset, taps: list, tensors: list, backward_taps: list,
-            grads: list):
+            grads: list, installed: set | None = None):
     """Keep the user's forward and backward hooks out of the trace (except ``traced`` ones)
     and record, for each hooked module call, a ``Tap`` in ``taps`` and its tensors
     (detached) in ``tensors``; for each call of a module with backward hooks a
     ``BackwardTap`` in ``backward_taps``, whose gradients the traced backward appends to
-    ``grads``."""
+    ``grads``. The keys of the forward hooks the model registered while traced (they ran
+    in the trace) are added to ``installed``."""
     saved_global = [(d, dict(d)) for d in (_mm._global_forward_pre_hooks,
                                           _mm._global_forward_hooks)]
     moved, handles = [], []
@@ -147,6 +189,7 @@ def tapping(model, traced: frozenset, taps: list, tensors: list, backward_taps: 
         taps.append(Tap(mod, kind, spec, consts, len(ts)))
         tensors.extend(t.detach() for t in ts)
 
+    first_id = _RemovableHandle.next_id
     try:
         for d, saved in saved_global:  # ours (capture's module tracking) come after
             for hid in saved:
@@ -180,6 +223,12 @@ def tapping(model, traced: frozenset, taps: list, tensors: list, backward_taps: 
                 if ("global", hid) not in traced:
                     del d[hid]
         yield
+        if installed is not None:
+            ours = {h.id for h in handles}
+            for m in model.modules():
+                for kind, d in ((_PRE, m._forward_pre_hooks), (_FWD, m._forward_hooks)):
+                    installed.update((id(m), kind, hid) for hid in d
+                                     if hid >= first_id and hid not in ours)
     finally:
         for h in handles:
             h.remove()

@@ -48,11 +48,14 @@ class ShardLayout:
         return start, min(start + self.rows, self.shape[0])
 
 
-def placements_for(shape, mesh_ndim: int = 1, strategy: str = "zero3") -> tuple:
+def placements_for(shape, mesh_ndim: int = 1, strategy: str = "zero3", dtype=None) -> tuple:
     """FSDP's placements: dim 0 sharded over the mesh's last dimension (replicated over any
-    before it, as HSDP does); a scalar is replicated. ``strategy="ddp"``: replicated over
-    every dimension."""
-    last = Shard(0) if len(shape) > 0 and strategy != "ddp" else Replicate()
+    before it, as HSDP does); a scalar is replicated, and so is a complex vector (``dtype``):
+    optimizers step a complex parameter through ``torch.view_as_real``, which on a DTensor
+    sharded unevenly along its last dimension returns a replicated copy, so the step would
+    never reach the shard. ``strategy="ddp"``: replicated over every dimension."""
+    vector = len(shape) == 1 and dtype is not None and dtype.is_complex
+    last = Shard(0) if len(shape) > 0 and not vector and strategy != "ddp" else Replicate()
     return (Replicate(),) * (mesh_ndim - 1) + (last,)
 
 
@@ -96,7 +99,8 @@ class ParamSpec:
         self.compute_dtype = self.compute_dtype or self.dtype
         self.reduce_dtype = self.reduce_dtype or self.compute_dtype
         if self.placements is None:
-            self.placements = placements_for(self.shape, len(self.mesh_shape))
+            self.placements = placements_for(self.shape, len(self.mesh_shape),
+                                             dtype=self.dtype)
         self.placements = tuple(self.placements)
         if len(self.placements) != len(self.mesh_shape):
             raise ValueError(f"{self.fqn}: {len(self.placements)} placements for a mesh of "
@@ -321,7 +325,8 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
                                mesh_shape=tuple(mesh_shape),
-                               placements=placements_for(p.shape, len(mesh_shape), strategy),
+                               placements=placements_for(p.shape, len(mesh_shape), strategy,
+                                                         p.dtype),
                                device=("host" if fqn in host or getattr(p, ON_HOST, False)
                                        else "device"),
                                replica=strategy == "zero1" and p.ndim > 0,

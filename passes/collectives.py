@@ -42,6 +42,13 @@ def _by_dtype(fqns, key):
     return list(groups.items())
 
 
+def _real(t):
+    """What a collective moves for ``t``: a complex tensor as its real view (its last dim the
+    real and imaginary parts), flat; gloo has no complex collectives, and summing or
+    averaging the parts is summing or averaging the numbers. Other tensors as they are."""
+    return torch.view_as_real(t).reshape(-1) if t.is_complex() else t
+
+
 def _comm_tags(unit: int, region: str, kinds: dict, other_kind: str, copy_kind=None):
     """Tags for a traced issue: ``kinds`` maps an op to its kind, a copy to another device is
     ``copy_kind`` (H2D or D2H), every other node is ``other_kind`` (packing)."""
@@ -348,8 +355,9 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         else:
             flat = shards[0]
-        buf = torch.empty((sent_over * flat.numel(),), dtype=flat.dtype, device=flat.device)
-        return _AG(flat, sent_over, group, out=buf), flat
+        wire = _real(flat)
+        buf = torch.empty((sent_over * wire.numel(),), dtype=wire.dtype, device=wire.device)
+        return _AG(wire, sent_over, group, out=buf), flat
 
     def unpack(buf):
         # each rank's shards sit side by side in its slice of the buffer, so a parameter's
@@ -358,6 +366,8 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
         # by the reshape. Ops must see what eager gives them, a contiguous nn.Parameter
         # (CPU BatchNorm, for one, rounds otherwise on a strided weight), so the view is
         # copied too: ``contiguous`` copies only a view that is not contiguous already.
+        if dtype.is_complex and not buf.is_complex():  # sent as its real view (_real)
+            buf = torch.view_as_complex(buf.view(-1, 2))
         cols, off, fulls = buf.view(N, -1), 0, []
         for lay in lays:
             full = cols[:, off : off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
@@ -413,12 +423,12 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
         for g, lay in zip(gs, lays):
             g = g.to(reduce_dtype)
             if not scatter:
-                cols.append(g.reshape(-1))
+                cols.append(_real(g).reshape(-1))
                 continue
             if lay.padded_rows != lay.shape[0]:
                 pad = [0, 0] * len(lay.inner) + [0, lay.padded_rows - lay.shape[0]]
                 g = torch.nn.functional.pad(g, pad)
-            cols.append(g.reshape(steps[0][2], -1))
+            cols.append(_real(g).reshape(steps[0][2], -1))
         flat = (torch.cat(cols, dim=int(scatter)) if len(cols) > 1 else cols[0]).reshape(-1)
         if scaling[1] is not None:
             flat = flat / scaling[1]
@@ -427,6 +437,8 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
     def unpack(buf):
         if scaling[2] is not None:
             buf = buf / scaling[2]
+        if reduce_dtype.is_complex and not buf.is_complex():  # reduced as its real view
+            buf = torch.view_as_complex(buf.view(-1, 2))
         off, outs = 0, []
         for lay in lays:
             shape = lay.local_shape if scatter else lay.shape

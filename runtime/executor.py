@@ -137,8 +137,9 @@ class Program:
         return self._bwd_retained
 
     def call(self, gm, *args):
-        """Run one of the graphs; a collective that fails (a timeout, a lost peer) becomes
-        an error naming its unit, its op, the step and the peers."""
+        """Run one of the graphs; a collective that fails becomes an error naming its unit,
+        its op and the step: a timeout or a lost peer names the peers, any other failure
+        (the backend refusing the op, say) keeps its own message."""
         start = time.monotonic()
         try:
             return gm(*args)
@@ -157,13 +158,16 @@ class Program:
         op = kind.get(meta.tag(node, meta.COMM), meta.tag(node, meta.COMM))
         region = "forward" if meta.is_forward(node) else "backward"
         step = self.agreement.step if self.agreement is not None else "?"
+        where = (f"rank {self.rank}, step {step}: the {op} of unit {unit} "
+                 f"({names.get(unit, '?')}) in the {region} (graph node {node.name})")
+        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        if not is_lost_peer(exc):
+            return AutoshardError(f"{where} failed: {first}")
         peers = [r for r in range(self.world_size) if r != self.rank]
         timeout = f" {self.agreement.waited(elapsed_s, mesh=True)}" if self.agreement else ""
         return AutoshardError(
-            f"rank {self.rank}, step {step}: the {op} of unit {unit} ({names.get(unit, '?')}) "
-            f"in the {region} (graph node {node.name}) got no answer from peer ranks {peers}"
-            f"{timeout}: a rank stopped, hangs, or failed during the step.\n  "
-            f"{str(exc).splitlines()[0][:300]}")
+            f"{where} got no answer from peer ranks {peers}{timeout}: a rank stopped, hangs, "
+            f"or failed during the step.\n  {first}")
 
     @contextlib.contextmanager
     def forward_mode(self):
@@ -336,6 +340,27 @@ class _Instrumented(fx.Interpreter):
 
 def _interpret(gm: fx.GraphModule, args: list, grad_mode: Callable, on_value: Callable) -> list:
     return list(_Instrumented(gm, grad_mode, on_value).run(*args, enable_io_processing=False))
+
+
+# how backends word a collective that a peer never completed: gloo's and NCCL's timeouts,
+# a closed or reset connection, an aborted communicator
+_LOST_PEER = ("timed out", "timeout", "connection closed", "connection reset",
+              "connection refused", "broken pipe", "peer", "abort", "watchdog", "closed by",
+              "socket")
+
+
+def is_lost_peer(exc: BaseException) -> bool:
+    """Whether a collective's ``exc`` says a peer did not answer (a timeout, a lost
+    connection, an aborted communicator), rather than that the op itself failed (an
+    unsupported dtype, a bad shape), which no peer has to do with."""
+    import torch.distributed as dist
+
+    lost = tuple(getattr(dist, n) for n in ("DistNetworkError", "DistStoreError")
+                 if hasattr(dist, n))
+    if lost and isinstance(exc, lost):
+        return True
+    text = str(exc).lower()
+    return any(w in text for w in _LOST_PEER)
 
 
 def _failing_node(gm, exc):

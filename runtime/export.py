@@ -176,7 +176,7 @@ def _respec(p: ParamSpec, mesh, config: Config, device: str) -> ParamSpec:
     strategy = "zero3" if config.strategy == "auto" else config.strategy
     return dataclasses.replace(
         p, mesh_shape=tuple(mesh.shape), device=device,
-        placements=placements_for(p.shape, mesh.ndim, strategy),
+        placements=placements_for(p.shape, mesh.ndim, strategy, p.dtype),
         replica=strategy == "zero1" and p.sharded,
         grad_divide=config.gradient_divide_factor,
         force_sum=config.force_sum_reduction_for_comms)
@@ -347,7 +347,7 @@ def _add_inference_programs(model) -> None:
             args, kwargs = _example(prog, device)
             model.eval()
             with torch.no_grad():
-                model.compile(*args, **kwargs)
+                model.precompile(*args, **kwargs)
     finally:
         model.train(training)
 
@@ -370,7 +370,7 @@ def export(model, path, *, inference: bool = True) -> None:
     path = os.path.abspath(os.fspath(path))
     if not st.compiled_programs() and not st.is_loaded():
         raise AutoshardError(
-            "nothing to export yet: call the model (or sharded.compile(*inputs)) once with each "
+            "nothing to export yet: call the model (or sharded.precompile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
     found = commit.state(path, MANIFEST, ("checkpoint.json",))
     ranks("export", f"to {path}: {found}", explain=lambda seen: commit.differ("export", seen))

@@ -344,3 +344,43 @@ def test_capture_under_another_profiler_says_what_goes_unguarded():
             _same(ref, sharded, x)
     ref.temperature = sharded.temperature = 0.5  # module attributes are still guarded
     _same(ref, sharded, x)
+
+
+class Recording(nn.Module):
+    """A forward that records its layers' outputs through forward hooks it installs on its
+    first call, and returns what they recorded (as Hugging Face's output recorders do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.installed = False
+        self.recorded = None
+
+    def forward(self, x):
+        if not self.installed:
+            for layer in self.layers:
+                layer.register_forward_hook(
+                    lambda mod, args, out: None if self.recorded is None
+                    else self.recorded.append(out))
+            self.installed = True
+        self.recorded = []
+        try:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x, tuple(self.recorded)
+        finally:
+            self.recorded = None
+
+
+def test_hooks_the_forward_installs_and_reads_stay_in_every_capture():
+    """The hooks run inside the step in every capture (train, eval, a new input shape), not
+    only in the one that installed them: after the step they would record into nothing."""
+    ref, sharded = _pair(Recording)
+    for x, train in ((torch.randn(3, 8), True), (torch.randn(3, 8), False),
+                     (torch.randn(5, 8), True)):
+        ref.train(train), sharded.train(train)
+        (a, ra), (b, rb) = ref(x), sharded(x)
+        assert len(ra) == len(rb) == 3, (train, x.shape, len(rb))
+        for want, got in zip((a, *ra), (b, *rb)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+

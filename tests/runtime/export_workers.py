@@ -79,7 +79,7 @@ def export_cases(rank, world, root):
         opt.step()
         opt.zero_grad()
         out[name] = probe(model, rank, world)
-        model.compile(torch.zeros(GLOBAL // 2, SEQ, dtype=torch.long))
+        model.precompile(torch.zeros(GLOBAL // 2, SEQ, dtype=torch.long))
         model.export(os.path.join(root, name))
         out[name]["groups"] = export_groups(model)
     return out

@@ -117,7 +117,7 @@ def _export_and_train(rank, world, root):
         losses = [_step(name, model, opt, s, rank, world) for s in range(TRAINED)]
         for batch in (GLOBAL // 4, GLOBAL):  # what each rank of world 4 and world 1 gets
             x = torch.zeros(batch, SEQ, dtype=torch.long)
-            model.compile(x) if name == "gpt" else model.compile(input_ids=x)
+            model.precompile(x) if name == "gpt" else model.precompile(input_ids=x)
         t0 = time.perf_counter()
         model.export(os.path.join(root, name))
         seconds = time.perf_counter() - t0
