@@ -185,6 +185,11 @@ def problems(spec: dict) -> list:
     return out
 
 
+def _same(a, b) -> bool:
+    """Equal and of one type: ``prefetch=1`` (a depth) is not ``prefetch=True``."""
+    return type(a) is type(b) and a == b
+
+
 def _precision(spec: dict) -> str:
     return "bf16" if (spec["loop"]["precision"] == "autocast_bf16"
                       or spec["config"]["mp"] == "bf16") else "fp32"
@@ -203,7 +208,7 @@ def features(spec: dict) -> list:
     for part, defaults in (("loop", LOOP_DEFAULTS), ("config", CONFIG_DEFAULTS)):
         for key, default in defaults.items():
             value = spec[part][key]
-            if key in ("batch",) or value == default:
+            if key in ("batch",) or _same(value, default):
                 continue
             if key == "seq":
                 value = "changes" if len(set(value)) > 1 else "fixed"
@@ -605,11 +610,17 @@ def _step_in_backward(opt):
 
 
 def _forward_hook(kind: str, values: list):
+    """"observe": records the output's norm on every call, returns None; "modify": returns
+    the output halved, and records nothing (a hook that returns a value is traced into the
+    step, where its Python side effects run at capture only, and a Python float of a tensor
+    is refused there)."""
     def hook(module, args, output):
         if not isinstance(output, torch.Tensor):
             return None
+        if kind == "modify":
+            return output * 0.5
         values.append(float(output.detach().float().norm()))
-        return output * 0.5 if kind == "modify" else None
+        return None
     return hook
 
 
@@ -686,13 +697,14 @@ class _ReferenceRun:
         _, module = _hook_target(self.model, hook["target"])
         run = self
 
-        def record(module, args, output):
-            if not isinstance(output, torch.Tensor):
-                return None
-            run.hook_values[run.current].append(float(output.detach().float().norm()))
-            return output * 0.5 if hook["kind"] == "modify" else None
+        values = [[] for _ in range(self.world)]
+        self.hook_values = values if hook["kind"] == "observe" else self.hook_values
 
-        module.register_forward_hook(record)
+        class _Current(list):  # the list of the rank whose rows run now
+            def append(self, v):
+                values[run.current].append(v)
+
+        module.register_forward_hook(_forward_hook(hook["kind"], _Current()))
 
     def save(self):
         self.saved = (copy.deepcopy(self.model.state_dict()),
@@ -774,6 +786,7 @@ def _rank_entry(rank: int, world: int, spec: dict, tmp: str) -> None:
     import torch.distributed as dist
 
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("AUTOSHARD_PROGRESS", "0")  # the case's result says what happened
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     try:
@@ -994,10 +1007,10 @@ def _candidates(spec: dict):
         if model["head"] != "untied":
             yield variant(model=dict(model, head="untied"))
     for key, default in LOOP_DEFAULTS.items():
-        if key not in ("steps", "batch") and spec["loop"][key] != default:
+        if key not in ("steps", "batch") and not _same(spec["loop"][key], default):
             yield variant(**{f"loop__{key}": default})
     for key, default in CONFIG_DEFAULTS.items():
-        if spec["config"][key] != default:
+        if not _same(spec["config"][key], default):
             yield variant(**{f"config__{key}": default})
     loop = spec["loop"]
     if loop["accumulate"] > 2:
