@@ -427,11 +427,15 @@ def rank_batch(spec: dict, batch: tuple, rank: int) -> tuple:
 
 
 def loss_of(out, targets) -> torch.Tensor:
+    """Cross-entropy over the targets; for a factory model (no targets) a fixed random
+    projection of every floating output (as ``autoshard.check``'s default loss, but also of
+    outputs that need no gradient: an evaluation call's), scaled by their size."""
     if targets is None:
-        from autoshard.check import projection_loss
-
-        loss = projection_loss(out)
-        return loss / max(1, sum(t.numel() for t in _float_leaves(out))) ** 0.5
+        gen = torch.Generator().manual_seed(0)
+        leaves = _float_leaves(out)
+        total = sum((t.float() * torch.randn(tuple(t.shape), generator=gen)).sum()
+                    for t in leaves)
+        return total / max(1, sum(t.numel() for t in leaves)) ** 0.5
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
