@@ -20,8 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # The fixed sample: seeds whose cases together cover every block kind, loop feature, Config
 # value and world size 1 to 4 (a greedy cover over seeds 0-199; the test below checks), plus
-# a few more. On the code before the accumulation and complex-collective fixes, 16 and 144
-# fail as the accumulation regression does and 78 as the complex one (docs/correctness.md).
+# a few more. Before the accumulation and complex-collective fixes, 16 fails as the
+# accumulation regression does, 91 as the ddp one and 78 as the complex one
+# (docs/correctness.md lists the classes).
 SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 108, 144)
 
 
