@@ -1,5 +1,5 @@
-"""Command line: ``python -m autoshard demo``, ``plan``, ``check``, ``export`` and
-``inspect``."""
+"""Command line: ``python -m autoshard demo``, ``plan``, ``check``, ``export``, ``inspect``
+and ``fuzz``."""
 
 from __future__ import annotations
 
@@ -211,6 +211,7 @@ def parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_export(sub)
     _add_inspect(sub)
+    _add_fuzz(sub)
     return top
 
 
@@ -322,6 +323,37 @@ def _add_inspect(sub) -> None:
                      help="do not check the files' SHA-256 (faster for a large export)")
 
 
+def _add_fuzz(sub) -> None:
+    fz = sub.add_parser("fuzz", formatter_class=_Formatter,
+                        help="train a model under random loops and Configs on fresh gloo "
+                        "ranks beside an unsharded reference, and report what differs")
+    fz.add_argument("factory", help=FACTORY_HELP)
+    fz.add_argument("--cases", type=int, default=10, help="how many seeds to run")
+    fz.add_argument("--seed", type=int, default=0, help="the first seed")
+    fz.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated rank counts")
+    fz.add_argument("--shrink", action="store_true",
+                    help="shrink each failure to the smallest spec that still fails")
+    fz.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+
+
+def _fuzz(args) -> int:
+    from autoshard import fuzz
+
+    load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
+    try:
+        worlds = tuple(int(w) for w in args.world_sizes.split(","))
+    except ValueError:
+        raise ValueError(f"--world-sizes {args.world_sizes}: write rank counts such as "
+                         "1,2,4") from None
+    for w in worlds:
+        _world_size(argparse.Namespace(world_size=w))
+    summary = fuzz.fuzz(range(args.seed, args.seed + args.cases), world_sizes=worlds,
+                        factory=args.factory, do_shrink=args.shrink, timeout=args.timeout,
+                        log=lambda m: print(m, flush=True))
+    print(summary.render())
+    return 0 if all(r.ok for r in summary.results) else 1
+
+
 def _demo(args) -> int:
     from autoshard.demo import main as demo_main
 
@@ -330,7 +362,7 @@ def _demo(args) -> int:
 
 
 COMMANDS = {"demo": _demo, "plan": _plan, "check": _check, "export": _export,
-            "inspect": _inspect}
+            "inspect": _inspect, "fuzz": _fuzz}
 
 
 def main(argv=None) -> int:
