@@ -275,9 +275,10 @@ _CODECS = {
 
 
 def group_size(specs) -> int:
-    """The ranks one collective over these parameters runs over (they must agree; scalars,
-    never gathered, do not count)."""
-    sizes = {s.group_size for s in specs if s.sharded}
+    """The ranks one collective over these parameters runs over (they must agree; scalars
+    and replicated parameters, never gathered, do not count)."""
+    sizes = {s.group_size for s in specs
+             if s.sharded and any(isinstance(p, Shard) for p in s.placements)}
     if len(sizes) > 1:
         raise ValueError(f"one collective over parameters sharded over different numbers of "
                          f"ranks: {sorted(sizes)} ({[s.fqn for s in specs]})")

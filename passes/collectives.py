@@ -221,13 +221,21 @@ def _insert_reductions(gm, ctx, pos, roots: dict, specs: dict, groups: list) -> 
                          specs[f].scaling)
         for (steps, *dtypes, scaling), group_fqns in _by_dtype(fqns, key):
             grads = [outs[grad_at[f]] for f in group_fqns]
-            if not steps:  # one rank, nothing to reduce over: cast to the storage dtype
-                locals_ = _cast_local(gm, pos, unit.index, grads, dtypes, scaling)
-                for f, loc in zip(group_fqns, locals_):
-                    outs[grad_at[f]] = loc
-                continue
+            # what steps without gradient sync kept is added before any reduction, and also
+            # where there is none (one rank): else it would be dropped
             sums = (_add_accumulated(gm, pos, unit.index, grads, group_fqns)
                     if ctx.accumulated else [])
+            if not steps:  # one rank, nothing to reduce over: cast to the storage dtype
+                locals_ = _cast_local(gm, pos, unit.index, sums or grads, dtypes, scaling)
+                for f, loc in zip(group_fqns, locals_):
+                    outs[grad_at[f]] = loc
+                kept = set(locals_)
+                for g in grads + sums:
+                    base = alias_base(g)
+                    if (sums and base not in kept and base.op != "placeholder"
+                            and meta.is_backward(base)):
+                        roots.setdefault(base, unit.index)
+                continue
             locals_, new = _reduce(gm, pos, unit.index, sums or grads,
                                    [specs[f] for f in group_fqns], steps, groups, *dtypes,
                                    scaling)
