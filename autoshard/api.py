@@ -335,6 +335,7 @@ def _call(module, st: _State, args, kwargs):
             break
         except hooks.Replaces as r:  # trace it into the step and run the call again
             st.traced_hooks = st.traced_hooks | {r.key}
+            hooks.warn_traced(r.what)
     if new_bufs:
         with torch.no_grad():
             for i, new in zip(prog.mutated_slots, new_bufs):

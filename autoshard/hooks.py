@@ -55,9 +55,25 @@ _SLOT = object()  # a tensor's place among a tap's leaves
 class Replaces(Exception):
     """A hook kept out of the trace returned a value: capture again with it traced."""
 
-    def __init__(self, key):
+    def __init__(self, key, what: str = ""):
         super().__init__(key)
-        self.key = key
+        self.key, self.what = key, what  # what: the hook and its module, for messages
+
+
+def warn_traced(what: str) -> None:
+    """Say, once per hook, that a forward hook which returned a value is now part of the
+    step: its tensor work runs in the step on every call, but its Python (a counter, a log
+    line, a list it appends to) runs only when a step is captured, so not once per call as in
+    eager."""
+    import warnings
+
+    warnings.warn(
+        f"autoshard: the forward hook {what} returned a value, "
+        "so it is traced into the step: what it computes on tensors runs on every call, but "
+        "its Python side effects (counters, logging, appending to a list) run only when the "
+        "step is captured, not once per call as in eager. For side effects on every call, "
+        "register a hook that returns None (it runs after the step on the real tensors).",
+        UserWarning, stacklevel=4)
 
 
 @dataclasses.dataclass
@@ -259,7 +275,8 @@ def replay(taps: list, tensors: list, traced: frozenset) -> None:
                 out = (hook(tap.module, args, kwargs, result) if with_kwargs
                        else hook(tap.module, args, result))
             if out is not None:
-                raise Replaces(key)
+                raise Replaces(key, f"{getattr(hook, '__qualname__', repr(hook))} on "
+                                    f"{type(tap.module).__name__}")
 
 
 def _grad_taps(mod, backward_taps: list, grads: list) -> list:

@@ -256,6 +256,27 @@ def test_a_hook_that_changes_the_output_is_traced_and_trains_as_in_eager():
         torch.testing.assert_close(p.detach(), q.full_tensor(), rtol=0, atol=1e-6)
 
 
+def test_a_hook_traced_into_the_step_says_once_that_its_python_runs_at_capture():
+    """A forward hook that returns a value runs inside the step: its Python side effects
+    (a counter here) do not run once per call as in eager, and autoshard says so, once."""
+    _, sharded = _pair()
+    calls = []
+
+    def doubling(mod, args, out):
+        calls.append(1)
+        return out * 2
+
+    sharded.a.register_forward_hook(doubling)
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match="forward hook .*doubling on Linear returned a value"):
+        sharded(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: not again at later calls
+        for _ in range(3):
+            sharded(x)
+    assert 1 <= len(calls) < 4  # at captures only, as the warning says
+
+
 def test_module_backward_hooks_run_on_every_backward_with_real_gradients():
     ref, sharded, x, seen = _watched()
 
