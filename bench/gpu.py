@@ -17,8 +17,10 @@ one. In one process:
    for one step, and autoshard's predicted peak.
 3. ``--trace PATH``: a torch.profiler Chrome trace of one autoshard step of part 1.
 
-At world size 1 nothing is gathered, so part 1 measures autoshard's and FSDP2's overhead
-against eager; their communication and its overlap need two or more devices.
+At world size 1 the collectives still run (a one-rank all-gather or reduce-scatter is a
+copy; a plan may have many units), but nothing is sent: part 1 measures autoshard's and
+FSDP2's overhead against eager; their communication and its overlap need two or more devices.
+``python -m bench.gpu_check`` runs this and every other GPU check in stages.
 """
 
 from __future__ import annotations

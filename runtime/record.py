@@ -32,20 +32,36 @@ class Recording:
     baseline_bytes: int = 0  # model state live when the step began
     memory: list = dataclasses.field(default_factory=list)  # live bytes after each alloc/free
     peak_bytes: int = 0
-    # per collective: [op, bytes, issue returned, wait called, wait returned] (perf_counter s)
+    # per collective: [op, bytes, issue returned, wait called, wait returned]: perf_counter
+    # seconds on the CPU; on a GPU, CUDA events recorded on the stream that runs the step,
+    # since there the host does not wait for a collective (NCCL's wait returns at once, and
+    # the stream waits): the stream's time between the events before and after the wait is
+    # what it stalled
     collectives: list = dataclasses.field(default_factory=list)
+
+    def timings(self) -> list:
+        """``collectives`` with every time in seconds (events read once the device has run
+        them, relative to the first one)."""
+        marks = [t for c in self.collectives for t in c[2:] if t is not None]
+        if not marks or isinstance(marks[0], float):
+            return self.collectives
+        marks[-1].synchronize()
+        first = marks[0]
+        sec = lambda e: None if e is None else first.elapsed_time(e) / 1e3  # noqa: E731
+        return [[op, nbytes, sec(a), sec(b), sec(c)] for op, nbytes, a, b, c in self.collectives]
 
     def overlap(self) -> dict:
         """Seconds some collective was in flight (from its issue returning to its wait
         returning; overlapping collectives count once), of which this rank waited (exposed)
         and the rest it computed through (hidden)."""
-        spans = sorted((c[2], c[4]) for c in self.collectives if c[4] is not None)
+        collectives = self.timings()
+        spans = sorted((c[2], c[4]) for c in collectives if c[4] is not None)
         flight, end = 0.0, float("-inf")
         for a, b in spans:
             if b > end:
                 flight += b - max(a, end)
                 end = b
-        exposed = sum(c[4] - c[3] for c in self.collectives if c[4] is not None)
+        exposed = sum(c[4] - c[3] for c in collectives if c[4] is not None)
         return {"in_flight_s": flight, "exposed_s": exposed, "hidden_s": flight - exposed}
 
     def to_chrome_trace(self, path) -> None:
@@ -53,20 +69,21 @@ class Recording:
         waits on another, compute (everything else) on a third."""
         import json
 
-        if not self.collectives:
+        collectives = self.timings()
+        if not collectives:
             return
-        t0 = min(c[2] for c in self.collectives)
+        t0 = min(c[2] for c in collectives)
         us = lambda t: (t - t0) * 1e6  # noqa: E731
         ev = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": n}}
               for i, n in enumerate(("compute", "collective in flight", "waiting"))]
-        waits = sorted((c[3], c[4]) for c in self.collectives if c[4] is not None)
+        waits = sorted((c[3], c[4]) for c in collectives if c[4] is not None)
         start = t0
         for ws, we in waits:
             if ws > start:
                 ev.append({"ph": "X", "pid": 0, "tid": 0, "name": "compute", "ts": us(start),
                            "dur": us(ws) - us(start)})
             start = max(start, we)
-        for op, nbytes, issued, ws, we in self.collectives:
+        for op, nbytes, issued, ws, we in collectives:
             if we is None:
                 continue
             ev.append({"ph": "X", "pid": 0, "tid": 1, "name": op, "ts": us(issued),
@@ -75,6 +92,17 @@ class Recording:
                        "dur": us(we) - us(ws)})
         with open(path, "w") as f:
             json.dump({"traceEvents": ev}, f)
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _cuda_mark():
+    """A CUDA event recorded now on the current stream (read in ``Recording.timings``)."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
 
 
 class _CommLog(_compat.TorchDispatchMode):
@@ -89,18 +117,19 @@ class _CommLog(_compat.TorchDispatchMode):
             return func(*args, **kwargs)  # compiling: tracing a collective, not running it
         if func is free_op:
             self.events.append(("free", tensor_bytes(args[0])))
-        t = time.perf_counter()
+        clock = _now if kind is None or not args[0].is_cuda else _cuda_mark
+        t = clock()
         out = func(*args, **kwargs)
         if kind is None:
             return out
         if kind != "wait":
-            t = time.perf_counter()  # in flight once issued: issuing is this rank's own work
+            t = clock()  # in flight once issued: issuing is this rank's own work
         nbytes = tensor_bytes(out) if kind == "all_gather" else tensor_bytes(args[0])
         self.events.append((kind, nbytes))
         if kind == "wait":
             c = self.pending.pop(id(args[0]), None)
             if c is not None:
-                c[3], c[4] = t, time.perf_counter()
+                c[3], c[4] = t, clock()
         else:
             c = [kind, nbytes, t, None, None]
             self.collectives.append(c)

@@ -46,3 +46,33 @@ def test_prefetched_gathers_are_in_flight_while_the_rank_computes(tmp_path):
     lanes = {e["args"]["name"] for e in trace if e["ph"] == "M"}
     assert lanes == {"compute", "collective in flight", "waiting"}
     assert sum(e.get("name") == "all_gather" for e in trace) >= 4
+
+
+class _Mark:
+    """A stand-in for a CUDA event: when the stream reached it, in ms."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, later):
+        return later.ms - self.ms
+
+
+def test_on_a_gpu_exposed_time_is_the_stream_stalled_between_its_events():
+    """On a GPU the host does not wait for NCCL (its wait returns at once), so each
+    collective is timed by events on the step's stream: issued at 0 and 10 ms; the first
+    waited from 4 to 6 ms (2 exposed), the second from 12 to 15 (3): in flight 0-6 and
+    10-15 (11 ms), exposed 5, hidden 6. The trace shows the same."""
+    from autoshard.runtime.record import Recording
+
+    rec = Recording(collectives=[
+        ["all_gather", 8, _Mark(0), _Mark(4), _Mark(6)],
+        ["reduce_scatter", 8, _Mark(10), _Mark(12), _Mark(15)],
+    ])
+    got = rec.overlap()
+    assert {k: round(v * 1e3, 6) for k, v in got.items()} == {
+        "in_flight_s": 11.0, "exposed_s": 5.0, "hidden_s": 6.0}
+    assert rec.timings()[1] == ["reduce_scatter", 8, 0.01, 0.012, 0.015]
