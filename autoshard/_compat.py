@@ -95,6 +95,25 @@ def link_backward_to_forward(roots) -> None:
     setup_stacktrace_preservation_hooks([r for r in roots if r is not None])
 
 
+# ``torch.utils.checkpoint``'s implementations, which ``checkpoint()`` looks up in its module
+# at call time: the reentrant autograd.Function, and the non-reentrant generator. 2.11-2.13
+# call ``_checkpoint_without_reentrant_generator``; 2.14 calls
+# ``_checkpoint_without_reentrant_generator_impl`` (args and kwargs as a tuple and a dict) and
+# keeps the older name as a shim over it. Every name present is replaced, so either way a
+# region runs as a plain call.
+CHECKPOINT_REENTRANT = "CheckpointFunction"
+CHECKPOINT_GENERATORS = ("_checkpoint_without_reentrant_generator_impl",
+                         "_checkpoint_without_reentrant_generator")
+
+
+def checkpoint_implementations() -> list:
+    """The names in ``torch.utils.checkpoint`` that ``transparent_checkpoint`` replaces on
+    this torch (the reentrant Function first, then each non-reentrant generator)."""
+    import torch.utils.checkpoint as ckpt
+
+    return [n for n in (CHECKPOINT_REENTRANT, *CHECKPOINT_GENERATORS) if hasattr(ckpt, n)]
+
+
 @contextlib.contextmanager
 def transparent_checkpoint(enter, leave):
     """Run ``torch.utils.checkpoint`` regions (reentrant or not) as plain calls while this is
@@ -102,9 +121,22 @@ def transparent_checkpoint(enter, leave):
 
     Capture traces a checkpointed region once; whether its values are recomputed in backward
     is then the recompute pass's decision (which the verifier checks), with the region as a
-    hint. ``checkpoint()`` looks both implementations up in its module at call time, so this
-    also covers partials of it (Hugging Face's gradient checkpointing)."""
+    hint. ``checkpoint()`` looks its implementations up in its module at call time, so this
+    also covers partials of it (Hugging Face's gradient checkpointing) and
+    ``checkpoint_wrapper``. On a torch that names no known implementation it warns: a model
+    without checkpointing still captures, a checkpointed region would run torch's own."""
+    import warnings
+
     import torch.utils.checkpoint as ckpt
+
+    names = checkpoint_implementations()
+    if CHECKPOINT_REENTRANT not in names or len(names) < 2:
+        warnings.warn(
+            f"autoshard does not know torch {torch.__version__}'s torch.utils.checkpoint "
+            f"(it has {names or 'none'} of {[CHECKPOINT_REENTRANT, *CHECKPOINT_GENERATORS]}): "
+            "a checkpointed region would run torch's checkpoint inside the capture and fail. "
+            "autoshard._compat.transparent_checkpoint needs this version's names.",
+            RuntimeWarning, stacklevel=3)
 
     class _Region:
         @staticmethod
@@ -115,21 +147,25 @@ def transparent_checkpoint(enter, leave):
             finally:
                 leave()
 
-    def _region_generator(fn, preserve_rng_state=True, context_fn=None, determinism_check=None,
-                          debug=False, early_stop=True, *args, **kwargs):
+    def _region_generator(*args, **kwargs):
+        # ``checkpoint()`` calls ``next()`` before the region's forward and again after it
+        # (expecting StopIteration), and ``throw()`` if the forward raises.
         enter()
         try:
             yield
         finally:
             leave()
 
-    saved = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
-    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = (
-        _Region, _region_generator)
+    replacement = {n: (_Region if n == CHECKPOINT_REENTRANT else _region_generator)
+                   for n in names}
+    saved = {n: getattr(ckpt, n) for n in names}
+    for n, f in replacement.items():
+        setattr(ckpt, n, f)
     try:
         yield
     finally:
-        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = saved
+        for n, f in saved.items():
+            setattr(ckpt, n, f)
 
 
 def backward_keeps_graph() -> bool:

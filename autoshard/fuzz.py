@@ -440,9 +440,9 @@ def loss_of(out, targets) -> torch.Tensor:
 
 
 def _float_leaves(out) -> list:
-    from torch.utils._pytree import tree_flatten
+    from autoshard._compat import tree_leaves
 
-    return [t for t in tree_flatten(out)[0]
+    return [t for t in tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 

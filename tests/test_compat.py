@@ -83,3 +83,67 @@ def test_no_library_module_imports_the_command_line():
             if any(n == "autoshard.__main__" or n.endswith(".__main__") for n in names):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "library modules importing the CLI: " + ", ".join(bad)
+
+
+def _checkpoint_forms():
+    """Every way users reach torch.utils.checkpoint: both flavours, Hugging Face's partial
+    (non-reentrant by default), checkpoint_wrapper, and the curried form where torch has it."""
+    import functools
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(4, 4)
+    forms = {
+        "reentrant": lambda x: checkpoint(lin, x, use_reentrant=True),
+        "non-reentrant": lambda x: checkpoint(lin, x, use_reentrant=False),
+        "hf partial": lambda x: functools.partial(checkpoint, use_reentrant=False)(lin, x),
+        "checkpoint_wrapper": checkpoint_wrapper(lin),
+    }
+    try:  # checkpoint(use_reentrant=False)(fn): added in 2.14
+        curried = checkpoint(use_reentrant=False)
+    except Exception:  # noqa: BLE001 - older torch calls function=None
+        curried = None
+    if callable(curried):
+        forms["curried"] = lambda x: curried(lin)(x)
+    return lin, forms
+
+
+def test_every_checkpoint_form_runs_as_a_plain_call():
+    """Each region calls enter() then leave() once, around the function itself: none of
+    torch's checkpoint machinery runs (it would under make_fx, and re-enter the sharded step)."""
+    import torch
+
+    from autoshard import _compat
+
+    lin, forms = _checkpoint_forms()
+    seen = []
+    hook = lin.register_forward_hook(lambda *a: seen.append("fn"))
+    x = torch.randn(2, 4, requires_grad=True)
+    try:
+        for name, form in forms.items():
+            seen.clear()
+            with _compat.transparent_checkpoint(lambda: seen.append("enter"),
+                                                lambda: seen.append("leave")):
+                out = form(x)
+            assert seen == ["enter", "fn", "leave"], f"{name}: {seen}"
+            assert "Checkpoint" not in type(out.grad_fn).__name__, name
+    finally:
+        hook.remove()
+    import torch.utils.checkpoint as ckpt  # restored on exit
+
+    assert ckpt.CheckpointFunction.__name__ == "CheckpointFunction"
+    assert _compat.checkpoint_implementations()[0] == "CheckpointFunction"
+    assert len(_compat.checkpoint_implementations()) >= 2
+
+
+def test_an_unknown_checkpoint_layout_warns(monkeypatch):
+    from autoshard import _compat
+
+    monkeypatch.setattr(_compat, "CHECKPOINT_GENERATORS", ("_no_such_generator",))
+    import pytest
+
+    with pytest.warns(RuntimeWarning, match="does not know torch"):
+        with _compat.transparent_checkpoint(lambda: None, lambda: None):
+            pass
