@@ -144,6 +144,8 @@ def _fix(spec: dict) -> None:
         loop["optimizer"] = "sgd"
     if loop["optimizer"] == "in_backward":
         loop["clip"] = None
+    if any(b["kind"] == "float64" for b in spec["model"].get("blocks", ())):
+        config["mp"] = None
 
 
 def problems(spec: dict) -> list:
@@ -182,6 +184,10 @@ def problems(spec: dict) -> list:
         out.append("a checkpoint is loaded one step after it is saved")
     if "factory" not in model and any(b["kind"] not in BLOCKS for b in model["blocks"]):
         out.append("unknown block kind")
+    if config["mp"] is not None and any(b["kind"] == "float64" for b in model.get("blocks", ())):
+        out.append("a MixedPrecisionPolicy casts the float64 block's parameter to its "
+                   "param_dtype, which the block's float64 matmul cannot take (FSDP2's cast "
+                   "too); autoshard refuses it at capture, naming the dtypes")
     return out
 
 
