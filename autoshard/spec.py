@@ -274,11 +274,16 @@ _CODECS = {
 }
 
 
+def shards_over_mesh(placements) -> bool:
+    """Whether placements shard a tensor over some mesh dimension (a replicated one, a
+    scalar or a complex vector, has nothing to gather)."""
+    return any(isinstance(p, Shard) for p in placements)
+
+
 def group_size(specs) -> int:
     """The ranks one collective over these parameters runs over (they must agree; scalars
     and replicated parameters, never gathered, do not count)."""
-    sizes = {s.group_size for s in specs
-             if s.sharded and any(isinstance(p, Shard) for p in s.placements)}
+    sizes = {s.group_size for s in specs if s.sharded and shards_over_mesh(s.placements)}
     if len(sizes) > 1:
         raise ValueError(f"one collective over parameters sharded over different numbers of "
                          f"ranks: {sorted(sizes)} ({[s.fqn for s in specs]})")
@@ -324,13 +329,12 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
         compute = reduce = None
         if mp_policy is not None and p.dtype.is_floating_point:
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
+        placements = placements_for(p.shape, len(mesh_shape), strategy, p.dtype)
         specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
-                               mesh_shape=tuple(mesh_shape),
-                               placements=placements_for(p.shape, len(mesh_shape), strategy,
-                                                         p.dtype),
+                               mesh_shape=tuple(mesh_shape), placements=placements,
                                device=("host" if fqn in host or getattr(p, ON_HOST, False)
                                        else "device"),
-                               replica=strategy == "zero1" and p.ndim > 0,
+                               replica=strategy == "zero1" and shards_over_mesh(placements),
                                grad_divide=grad_divide, force_sum=force_sum))
     return specs
 

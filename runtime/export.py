@@ -56,7 +56,7 @@ from autoshard import meta, progress
 from autoshard.capture import TENSOR, Captured, _class_name
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.spec import ParamSpec, hosted, placements_for
+from autoshard.spec import ParamSpec, hosted, placements_for, shards_over_mesh
 from autoshard.runtime import commit, graphio
 
 FORMAT = "autoshard-export"
@@ -174,10 +174,10 @@ def _respec(p: ParamSpec, mesh, config: Config, device: str) -> ParamSpec:
     ``param_specs`` gives the model's parameter), with its gradient's division and ``device``:
     the description the passes plan an exported joint graph with at another mesh shape."""
     strategy = "zero3" if config.strategy == "auto" else config.strategy
+    placements = placements_for(p.shape, mesh.ndim, strategy, p.dtype)
     return dataclasses.replace(
-        p, mesh_shape=tuple(mesh.shape), device=device,
-        placements=placements_for(p.shape, mesh.ndim, strategy, p.dtype),
-        replica=strategy == "zero1" and p.sharded,
+        p, mesh_shape=tuple(mesh.shape), device=device, placements=placements,
+        replica=strategy == "zero1" and shards_over_mesh(placements),
         grad_divide=config.gradient_divide_factor,
         force_sum=config.force_sum_reduction_for_comms)
 

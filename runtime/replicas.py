@@ -70,8 +70,12 @@ def _gather_replicas(replicas: dict, prog, params, idx, dtype, group) -> None:
                           for i in idx])
         n = specs[idx[0]].shards
         buf = torch.empty(n * flat.numel(), dtype=dtype, device=flat.device)
+        # complex as its real view: gloo has no complex collectives (the graphs' gathers
+        # send it so too, passes/collectives._real)
+        send, into = ((torch.view_as_real(flat).reshape(-1), torch.view_as_real(buf).reshape(-1))
+                      if dtype.is_complex else (flat, buf))
         funcol.wait_tensor.default(funcol.all_gather_into_tensor_out.default(
-            flat, n, group.group_name, out=buf))
+            send, n, group.group_name, out=into))
         cols, off = buf.view(n, -1), 0
         for i in idx:
             lay = specs[i].layout

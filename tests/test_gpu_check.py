@@ -1,0 +1,29 @@
+"""``python -m bench.gpu_check --dry-run``: the GPU script's stages at tiny sizes on the CPU,
+so the command a GPU loan runs does not rot between loans."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_reports_every_stage_it_ran(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out),
+           "--only", "env,smoke,fake8", "--systems", "autoshard,fsdp2", "--budget", "500"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    stages = report["stages"]
+    assert list(stages) == ["env", "smoke", "fake8"]
+    assert all(s["status"] == "ok" for s in stages.values()), stages
+    assert all(stages["env"]["checks"].values())
+    assert [r["system"] for r in stages["smoke"]["rows"]] == ["autoshard", "fsdp2"]
+    assert all(r["ok"] for r in stages["smoke"]["rows"])
+    auto = stages["fake8"]["rows"][0]
+    assert auto["system"] == "autoshard" and auto["predicted_gib"] > 0
+    assert "| env" in (out / "gpu_check.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "env.log", "fake8.log", "gpu_check.json", "gpu_check.md", "smoke.log"]
