@@ -305,6 +305,74 @@ def graph_module(root, graph):
     return _LazyGraphModule(root, graph)
 
 
+def capture_fake_mode():
+    """The fake mode a step is traced in. It holds a ``ShapeEnv`` that lets a value read
+    (``.item()``) stand as an unbacked symbol, so that a check on a tensor's value
+    (``torch._check(t.item())``, ``torch._check_tensor_all(t)``, as transformers asserts an
+    image-token count) traces as a runtime assert rather than failing; shapes stay static and
+    ops whose output shape depends on values are still refused. What the trace does with such
+    a symbol is reviewed after it (``value_reads``)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv(allow_scalar_outputs=True, allow_dynamic_output_shape_ops=False)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=env, static_shapes=True)
+
+
+@contextlib.contextmanager
+def recording_value_checks(fake_mode, where):
+    """Inside, every assert deferred to run time on a value read under ``fake_mode`` is
+    appended to the yielded list as ``(expression, where())``: ``where`` names the model's
+    source line that made it. Only this mode's ``ShapeEnv`` object is touched, and restored."""
+    env, found = fake_mode.shape_env, []
+    defer = env.guard_or_defer_runtime_assert
+
+    def recording(orig_expr, msg, fx_node=None):
+        found.append((orig_expr, where()))
+        return defer(orig_expr, msg, fx_node=fx_node)
+
+    env.guard_or_defer_runtime_assert = recording
+    try:
+        yield found
+    finally:
+        del env.guard_or_defer_runtime_assert
+
+
+def value_read(v):
+    """``(symbol, expression)`` of a traced value read (``.item()`` under
+    ``capture_fake_mode``): the unbacked symbol it introduced and the expression the value
+    is (a boolean read is ``Eq(u0, 1)`` of an integer ``u0``); None when ``v`` is not one."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not isinstance(v, (torch.SymBool, torch.SymInt, torch.SymFloat)):
+        return None
+    # the expression as made: ``node.expr`` is it with what the ShapeEnv learnt since
+    # substituted (``True`` once asserted)
+    expr = getattr(v.node, "_expr", v.node.expr)
+    symbols = free_unbacked_symbols(expr)
+    return (next(iter(symbols)), expr) if len(symbols) == 1 else None
+
+
+def asserts_true(expr, read) -> bool:
+    """Whether the deferred assert ``expr`` says exactly that the boolean value read
+    ``read`` (``value_read``) holds."""
+    import sympy
+
+    symbol, value = read
+    return expr in (value, symbol) or (isinstance(expr, sympy.Eq)
+                                       and set(expr.args) == {symbol, sympy.Integer(1)})
+
+
+def has_unbacked(v) -> bool:
+    """Whether the traced value ``v`` (a tensor's sizes and strides, or a number) depends on
+    an unbacked symbol: on a tensor's value read during the trace."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    try:
+        return bool(free_unbacked_symbols(v))
+    except Exception:  # noqa: BLE001 - a value the helper does not walk holds no symbol
+        return False
+
+
 def fake_like(v):
     """A new fake tensor with ``v``'s shape, strides, dtype, device and requires_grad (see
     ``fake_empty``)."""

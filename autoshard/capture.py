@@ -10,8 +10,10 @@ phase "capturing the training step" (``autoshard.progress``).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import linecache
 import os
 import re
 import traceback
@@ -312,7 +314,7 @@ def _fake_inputs(params: list, buffers: dict, tensors_in: list, lifted, device) 
     the call's input tensors, and a 0-dim float64 tensor per lifted float attribute."""
     # real tensors the forward reads that are neither parameters nor buffers (a module-level
     # constant, a plain tensor attribute) are traced as graph constants, as eager reads them
-    fake_mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = _compat.capture_fake_mode()
     with fake_mode:
         fparams = [
             torch.empty(p.shape, dtype=p.compute_dtype, device=device)
@@ -453,18 +455,97 @@ class _Joint:
 def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModule:
     """``joint`` traced on the fake tensors ``flat``; a failure is explained (``_explain``)
     naming the module, the op and the input of the call (``args``, ``kwargs``) at fault."""
+    fake_mode = next((t.fake_mode for t in flat if _compat.is_fake(t)), None)
+    checks = (_compat.recording_value_checks(fake_mode, _check_source)
+              if fake_mode is not None and fake_mode.shape_env is not None
+              else contextlib.nullcontext([]))
     with progress.phase("capturing the training step"):
         try:
-            with _compat.preserve_node_meta():
+            with _compat.preserve_node_meta(), checks as found:
                 gm = _compat.make_fx(joint, tracing_mode="fake",
                                      decomposition_table=_compat.capture_decompositions())(
                     *flat)
+            _assert_value_checks(gm, found, joint.stack)
             return _compat.graph_module(gm, gm.graph)
         except AutoshardError:
             raise
         except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
             raise _explain(exc, joint.stack, input_names(args, kwargs),
                            {p.compute_dtype for p in joint.params}) from exc
+
+
+def _check_source() -> str:
+    """The model's source statement making a check now: the innermost frame outside torch
+    and autoshard, or, when that frame is a checking helper (transformers'
+    ``torch_compilable_check``), the statement that called it; its whole text, all lines."""
+    frames = [f for f in traceback.extract_stack()[:-1] if _is_user_frame(f)]
+    if not frames:
+        return "(no user frame)"
+    frame = frames[-1]
+    if "check" in frame.name and len(frames) > 1:
+        frame = frames[-2]
+    lines = []
+    for k in range(frame.lineno, frame.lineno + 20):  # the statement: its lines up to where
+        lines.append(linecache.getline(frame.filename, k).strip())  # they parse whole
+        try:
+            ast.parse(" ".join(lines))
+            break
+        except SyntaxError:
+            continue
+    else:
+        lines = [frame.line or ""]
+    return f"{frame.filename}:{frame.lineno}: {' '.join(lines)}"
+
+
+def _assert_value_checks(gm: fx.GraphModule, found: list, stack: list) -> None:
+    """Each check the forward made on a tensor's value (``torch._check_tensor_all(t)``,
+    ``torch._check(t.item())``), traced as the value read ``aten._local_scalar_dense`` and an
+    assert deferred to run time (``found``: (expression, source) in order), becomes an
+    ``aten._assert_scalar`` of that read, naming the check's source: it runs in the step,
+    where eager runs it, and raises there when it fails. Any other use of a value read
+    (a size, a number in arithmetic, an assert on more than the read itself) is refused as
+    before, naming the module being traced (``stack``). Does nothing when the forward read
+    no value."""
+    reads = [n for n in gm.graph.nodes if n.op == "call_function"
+             and n.target is torch.ops.aten._local_scalar_dense.default
+             and _compat.value_read(n.meta.get("val")) is not None]
+    if not reads and not found:
+        return
+    used = set()
+    for n in reads:
+        read = _compat.value_read(n.meta["val"])
+        claims = [k for k, (expr, _) in enumerate(found) if read[0] in expr.free_symbols]
+        if (n.users or not isinstance(n.meta["val"], torch.SymBool) or len(claims) != 1
+                or not _compat.asserts_true(found[claims[0]][0], read)):
+            _refuse_value_read(n, stack)
+        used.add(claims[0])
+        with gm.graph.inserting_after(n):
+            check = gm.graph.call_function(torch.ops.aten._assert_scalar.default, (
+                n, f"a check of the model failed in the captured step: {found[claims[0]][1]}"))
+        check.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+        check.meta["val"] = None
+    if len(used) != len(found):
+        raise AutoshardError(
+            "autoshard could not capture the training step: a check on a value depends on "
+            "more than one value read, or on none the graph holds: "
+            + "; ".join(src for k, (_, src) in enumerate(found) if k not in used))
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _refuse_value_read(node: fx.Node, stack: list) -> None:
+    """The capture error for a value read (``.item()``) the forward uses beyond checking
+    it: the same as when the trace stops at the read."""
+    exc = _ValueRead(f"{node.name} = {node.target}", torch.ops.aten._local_scalar_dense.default)
+    raise _explain(exc, stack)
+
+
+class _ValueRead(Exception):
+    """A value read used beyond a check (``func``: the op, for ``_explain``)."""
+
+    def __init__(self, msg, func):
+        super().__init__(msg)
+        self.func = func
 
 
 def _refuse_outputs(model: torch.nn.Module, rec: dict) -> None:
@@ -638,18 +719,19 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _user_frame(exc: BaseException):
-    frames = traceback.extract_tb(exc.__traceback__)
-    keep = [
-        f
-        for f in frames
-        if not f.filename.startswith(_TORCH_DIR)
-        and not f.filename.startswith(os.path.join(_OWN_DIR, "autoshard"))
-        and not f.filename.startswith(os.path.join(_OWN_DIR, "passes"))
-        and not f.filename.startswith(os.path.join(_OWN_DIR, "runtime"))
-        and not f.filename.startswith("<")
-        and "/contextlib.py" not in f.filename
-    ]
+    keep = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_frame(f)]
     return keep[-1] if keep else None
+
+
+def _is_user_frame(f) -> bool:
+    """Whether the frame ``f`` is the model's code: outside torch, autoshard and Python's
+    own context managers."""
+    return (not f.filename.startswith(_TORCH_DIR)
+            and not f.filename.startswith(os.path.join(_OWN_DIR, "autoshard"))
+            and not f.filename.startswith(os.path.join(_OWN_DIR, "passes"))
+            and not f.filename.startswith(os.path.join(_OWN_DIR, "runtime"))
+            and not f.filename.startswith("<")
+            and "/contextlib.py" not in f.filename)
 
 
 def _explain(exc: BaseException, stack: list, inputs=(), param_dtypes=()) -> AutoshardError:
@@ -659,6 +741,9 @@ def _explain(exc: BaseException, stack: list, inputs=(), param_dtypes=()) -> Aut
     module = stack[-1][0] if stack else ""
     module_desc = f"module '{module}' ({stack[-1][1]})" if stack else "the model"
     op = getattr(exc, "func", None)
+    if op is None and type(exc).__name__ == "GuardOnDataDependentSymNode":
+        # Python branched on a value read: shapes are static, so a value read made the symbol
+        op = torch.ops.aten._local_scalar_dense.default
     if op is None:  # e.g. "no fake impl registered for <CustomOpDef(ns::name)>"
         found = re.search(r"\b([A-Za-z_]\w*::[A-Za-z_]\w*(?:\.\w+)?)", str(exc))
         op = found.group(1) if found else None

@@ -76,8 +76,26 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **con
       implementation (``grouped_mm``). DeepSeek-V3's first layer is dense, the others MoE (one
       shared expert, 2 groups of 2 experts, top-1 group); its router's score correction bias
       (a buffer, zero after init) is given small random values so the test models exercise
-      it."""
+      it;
+    - ``llava``: a LLaVA image-text model (``LlavaForConditionalGeneration``): a CLIP vision
+      tower over 16 x 16 images in 4 x 4 patches, so 16 image features per image (the class
+      token dropped), projected into a Llama text model; ``vocab - 1`` is the image token,
+      which a call's ``input_ids`` hold once per image feature."""
     import transformers as T
+
+    if name == "llava":
+        vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=4, image_size=16, patch_size=4,
+                                    num_channels=3, projection_dim=32, attention_dropout=0.0)
+        text = T.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=vocab,
+                             max_position_embeddings=64, use_cache=False, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0)
+        return T.LlavaForConditionalGeneration(T.LlavaConfig(**{
+            **dict(vision_config=vision, text_config=text, image_token_index=vocab - 1,
+                   vision_feature_layer=-1, vision_feature_select_strategy="default"),
+            **config}))
 
     moe = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
@@ -119,7 +137,8 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **con
             num_mtp_layers=0)),
     }
     if name not in known:
-        raise KeyError(f"no tiny Hugging Face model {name!r}; use one of {', '.join(known)}")
+        raise KeyError(f"no tiny Hugging Face model {name!r}; use one of "
+                       f"{', '.join([*known, 'llava'])}")
     model_cls, config_cls, fields = known[name]
     model = model_cls(config_cls(**{**fields, **config}))
     if name == "deepseek_v3":

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn as nn
 
@@ -125,3 +126,38 @@ def test_a_shared_submodule_gets_its_parameters_back_after_capture():
     assert all(after[k] is held[k] for k in held)  # the very DTensors, not capture's fakes
     assert model.b is model.a
     assert torch.allclose(model.a.weight.grad.full_tensor(), ref.a.weight.grad)
+
+
+class Checked(nn.Module):
+    """Checks a value of its input, as transformers' LLaVA checks its image-token count."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, marks):
+        torch._check_tensor_all_with(ValueError, (marks == 7).sum() == 2,
+                                     lambda: "marks must hold two sevens")
+        return self.lin(x).sum()
+
+
+def test_a_check_on_a_value_is_captured_as_a_runtime_assert():
+    gm, _ = captured(Checked(), torch.randn(2, 4), torch.tensor([7, 7, 1]), world_size=1)
+    (check,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_scalar.default]
+    assert check.args[0].target is torch.ops.aten._local_scalar_dense.default
+    assert "marks must hold two sevens" in check.args[1]  # the check's source line
+    assert "test_capture.py" in check.args[1]
+
+
+def test_a_violated_check_on_a_value_raises_in_the_captured_step():
+    import warnings
+
+    from autoshard import autoshard
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 says so
+        sharded = autoshard(Checked())
+    x = torch.randn(2, 4)
+    sharded(x, torch.tensor([7, 7, 1])).backward()
+    with pytest.raises(RuntimeError, match="marks must hold two sevens"):
+        sharded(x, torch.tensor([7, 1, 1]))

@@ -140,3 +140,22 @@ def test_bad_arguments_get_clear_errors():
     model = autoshard(GPT())
     with pytest.raises(ValueError, match="already sharded"):
         autoshard(model)
+
+
+class ScaledByValue(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * h.detach().abs().max().item()  # a value read used as a number
+
+
+def test_a_value_read_used_beyond_a_check_is_refused_naming_it():
+    """A value read may stand in the graph only as a check (tests/test_capture.py); used as
+    a number it is refused as before, naming the op."""
+    with pytest.raises(AutoshardError) as e:
+        autoshard(ScaledByValue())(torch.randn(2, 4))
+    msg = str(e.value)
+    assert "_local_scalar_dense" in msg and "reads a tensor's value" in msg
