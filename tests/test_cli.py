@@ -93,7 +93,7 @@ def test_help_shows_defaults_and_choices():
     for command in ("demo", "plan", "check", "export", "inspect"):
         assert command in top.stdout
     text = _cli("plan", "--help").stdout
-    for shown in ("(default: 8)", "(default: 2048)", "{h100,a100,cpu}", "(default: h100)",
+    for shown in ("(default: 8)", "(default: 2048)", "{h100,h200,a100,cpu}", "(default: h100)",
                   "{auto,module,size,per-parameter,whole-model}", "(default: auto)",
                   "{auto,min-cut,blocks,none}", "{ddp,zero1,zero2,zero3,auto}",
                   "(default: zero3)", "{float32,bfloat16,float16}"):
