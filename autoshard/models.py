@@ -64,6 +64,23 @@ def gpt_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _tiny_llava(vocab: int, layers: int, hidden: int, config: dict):
+    """``tiny_hf("llava")``: a CLIP vision tower projected into a Llama text model."""
+    import transformers as T
+
+    vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=4, image_size=16, patch_size=4,
+                                num_channels=3, projection_dim=32, attention_dropout=0.0)
+    text = T.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64,
+                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return T.LlavaForConditionalGeneration(T.LlavaConfig(**{
+        **dict(vision_config=vision, text_config=text, image_token_index=vocab - 1,
+               vision_feature_layer=-1, vision_feature_select_strategy="default"),
+        **config}))
+
+
 def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **config):
     """A Hugging Face model at a tiny random configuration, built from its config (no weights
     fetched); dropout off, no KV cache. ``config`` overrides fields of the model's config.
@@ -84,19 +101,7 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **con
     import transformers as T
 
     if name == "llava":
-        vision = T.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                    num_attention_heads=4, image_size=16, patch_size=4,
-                                    num_channels=3, projection_dim=32, attention_dropout=0.0)
-        text = T.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=vocab,
-                             max_position_embeddings=64, use_cache=False, bos_token_id=0,
-                             eos_token_id=0, pad_token_id=0)
-        return T.LlavaForConditionalGeneration(T.LlavaConfig(**{
-            **dict(vision_config=vision, text_config=text, image_token_index=vocab - 1,
-                   vision_feature_layer=-1, vision_feature_select_strategy="default"),
-            **config}))
-
+        return _tiny_llava(vocab, layers, hidden, config)
     moe = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2,
                use_cache=False, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
