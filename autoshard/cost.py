@@ -109,11 +109,12 @@ HOST_MEMORY = 250 * 10**9  # per GPU: a DGX H100 (and DGX A100 640GB) holds 2 TB
 def _nvidia_sxm(name: str, datasheet: str, *, tflops: int, hbm: float, hbm_note: str,
                 nvlink: float, pcie: tuple, host: float, nic_gbit: int,
                 memory: float = 80e9) -> DeviceProfile:
-    """An NVIDIA SXM GPU of ``memory`` bytes (80 GB unless given) from its datasheet: ``tflops`` dense BF16, ``hbm`` bytes/s of
-    memory (``hbm_note`` says which), ``nvlink`` bytes/s each way, a host link of PCIe
-    (generation, GB/s each way) of which ``host`` bytes/s are reached; NCCL's ~10 us per
-    ring step as alpha, half the matmul peak reached; 8 GPUs per node (an HGX board), each
-    with an InfiniBand card of ``nic_gbit`` Gb/s between nodes."""
+    """An NVIDIA SXM GPU of ``memory`` bytes (80 GB unless given) from its datasheet:
+    ``tflops`` dense BF16, ``hbm`` bytes/s of memory (``hbm_note`` says which), ``nvlink``
+    bytes/s each way, a host link of PCIe (generation, GB/s each way) of which ``host``
+    bytes/s are reached; NCCL's ~10 us per ring step as alpha, half the matmul peak reached;
+    8 GPUs per node (an HGX board), each with an InfiniBand card of ``nic_gbit`` Gb/s
+    between nodes."""
     gen, link = pcie
     source = (f"NVIDIA {datasheet} datasheet: {tflops} TFLOP/s dense BF16, {hbm / 1e12:g} TB/s "
               f"{hbm_note}, NVLink {2 * nvlink / 1e9:g} GB/s total ({nvlink / 1e9:g} GB/s each "

@@ -105,7 +105,8 @@ def _run_stage_process(args, name: str, deadline: float) -> dict:
     t0 = time.monotonic()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=deadline).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=deadline).returncode
             status = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
             status = f"timed out after {deadline:.0f} s"

@@ -75,7 +75,8 @@ def test_edge_profiles_are_accepted_and_unknown_names_list_the_known():
     free = dataclasses.replace(PROFILES["cpu"], alpha=0.0, beta=0.0, efficiency=1.0,
                                comm_overlap=0.0, host_bandwidth=0.0, collective_scratch=0.0)
     assert get_profile(free) is free
-    with pytest.raises(ValueError, match="unknown device profile 'tpu'; known: h100, h200, a100, cpu"):
+    with pytest.raises(ValueError,
+                       match="unknown device profile 'tpu'; known: h100, h200, a100, cpu"):
         get_profile("tpu")
     with pytest.raises(ValueError, match="unknown device profile"):
         get_profile(["h100"])  # not a name: no TypeError about hashing
