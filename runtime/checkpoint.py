@@ -70,9 +70,20 @@ def _save(path, model: torch.nn.Module, optimizer) -> None:
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     commit.write(path, "checkpoint", MARKER, agreement,
-                 lambda folder: dcp.save(state, checkpoint_id=folder,
-                                         process_group=agreement.group),
+                 lambda folder: dcp_save(state, folder, agreement.group),
                  document, other_markers=("manifest.json",))
+
+
+def dcp_save(state: dict, folder: str, group) -> None:
+    """``dcp.save`` with each tensor that is not a DTensor (a buffer) saved from the lowest
+    rank. DCP saves such a tensor once, from whichever rank balances the files by default, so
+    a buffer each rank updates from its own batch (BatchNorm's running statistics without
+    SyncBatchNorm) would load as a different rank's copy from one save to the next; rank 0's
+    is what ``torch.save`` on rank 0 would keep."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=folder, process_group=group,
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
 
 def load(path, model: torch.nn.Module, optimizer=None) -> None:

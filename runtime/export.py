@@ -362,7 +362,7 @@ def export(model, path, *, inference: bool = True) -> None:
     never leaves one rank waiting for the others. The write commits whole
     (``autoshard.runtime.commit``): an earlier export at ``path`` is replaced only once
     every rank wrote its part, and stays whole otherwise."""
-    import torch.distributed.checkpoint as dcp
+    from autoshard.runtime.checkpoint import dcp_save
 
     st = model._autoshard
     mesh, device, config = st.placement()
@@ -387,8 +387,7 @@ def export(model, path, *, inference: bool = True) -> None:
     def write_data(folder):
         with progress.phase("writing the export", total=1 + len(programs) * rank0,
                             unit="parts") as p:
-            dcp.save({"tensors": _tensors(model)}, process_group=ranks.group,
-                     checkpoint_id=os.path.join(folder, CHECKPOINT))
+            dcp_save({"tensors": _tensors(model)}, os.path.join(folder, CHECKPOINT), ranks.group)
             p.step(note="the programs")
             if rank0:
                 for k, files in enumerate(programs):

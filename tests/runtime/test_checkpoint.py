@@ -311,3 +311,51 @@ def test_same_shape_shard_files_differ_by_rank(runs):
     assert sd0[key].to_local().shape == sd1[key].to_local().shape
     assert sd0[key].device_mesh.get_coordinate() == (0,)
     assert sd1[key].device_mesh.get_coordinate() == (1,)
+
+
+# --- a buffer each rank updates from its own batch ----------------------------------------
+
+
+class Counting(nn.Module):
+    """A Linear and a buffer that holds this rank's own statistic (as BatchNorm's running
+    mean does without SyncBatchNorm): every rank's copy differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            self.seen.add_(x.detach().mean(0))
+        return self.lin(x - self.seen)
+
+
+def _per_rank_buffer(rank, world, root):
+    """Two saves and an export, each after another step: every rank loads rank 0's copy of
+    the buffer, whatever rank DCP would balance its file onto."""
+    import autoshard as api
+
+    torch.manual_seed(0)
+    model = autoshard(Counting())
+    out = {"saved": [], "loaded": [], "exported": None}
+    for k in range(2):
+        model(torch.full((2, 4), float(10 * rank + k + 1))).sum().backward()
+        out["saved"].append(model.seen.clone())
+        api.save(f"{root}/buffers{k}", model)
+    for k in range(2):
+        api.load_checkpoint(f"{root}/buffers{k}", model)
+        out["loaded"].append(model.seen.clone())
+    model.export(f"{root}/buffers_export")
+    out["exported"] = api.load(f"{root}/buffers_export").seen.clone()
+    return out
+
+
+def test_a_per_rank_buffer_saves_rank_0s_copy(tmp_path):
+    ranks = run_ranks(2, _per_rank_buffer, str(tmp_path))
+    zero = ranks[0]["saved"]
+    assert not torch.equal(zero[1], ranks[1]["saved"][1]), "the ranks' buffers must differ"
+    for r, out in enumerate(ranks):
+        for k in range(2):
+            assert torch.equal(out["loaded"][k], zero[k]), (r, k, out["loaded"][k], zero[k])
+        assert torch.equal(out["exported"], zero[1]), (r, out["exported"], zero[1])
