@@ -32,11 +32,12 @@ from autoshard._compat import pytree
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.runtime import commit
+from autoshard.runtime import commit, dcpio
 
 MARKER = "checkpoint.json"
 FORMAT = "autoshard-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: each file's SHA-256 beside its size
+READS = (1, 2)
 _FIELDS = {"format": str, "version": int, "torch": str, "autoshard": str, "world_size": int,
            "contents": list, "files": dict, "data": str}
 
@@ -58,45 +59,37 @@ def save(path, model: torch.nn.Module, optimizer=None) -> None:
 
 
 def _save(path, model: torch.nn.Module, optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-
     agreement = _agreement(model)
     state = _state(model, optimizer)
 
     def document(folder):
         return {"format": FORMAT, "version": VERSION, "torch": torch.__version__,
                 "autoshard": commit.version(), "world_size": agreement.world,
-                "contents": sorted(state), "files": commit.files(folder),
+                "contents": sorted(state), "files": commit.entries(folder),
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     commit.write(path, "checkpoint", MARKER, agreement,
-                 lambda folder: dcp_save(state, folder, agreement.group),
+                 lambda folder: dcpio.save(state, folder, agreement.group),
                  document, other_markers=("manifest.json",))
 
 
-def dcp_save(state: dict, folder: str, group) -> None:
-    """``dcp.save`` with each tensor that is not a DTensor (a buffer) saved from the lowest
-    rank. DCP saves such a tensor once, from whichever rank balances the files by default, so
-    a buffer each rank updates from its own batch (BatchNorm's running statistics without
-    SyncBatchNorm) would load as a different rank's copy from one save to the next; rank 0's
-    is what ``torch.save`` on rank 0 would keep."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, checkpoint_id=folder, process_group=group,
-             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-
-
-def load(path, model: torch.nn.Module, optimizer=None) -> None:
+def load(path, model: torch.nn.Module, optimizer=None, *,
+         strict: bool = True) -> dcpio.IncompatibleKeys:
     """Load what ``save`` wrote, at this or another world size, into the model's parameters
     (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
     checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
-    unless every rank read its part."""
+    unless every rank read its part.
+
+    Loading runs no code and reads nothing outside ``path`` (``autoshard.runtime.dcpio``);
+    every file is checked against the size and SHA-256 ``checkpoint.json`` records first.
+    ``strict`` (the default): a key of the model (or optimizer) the checkpoint lacks, or one
+    it holds that the model lacks, is an error naming them; ``strict=False`` loads the keys
+    both hold and returns the others (``missing_keys``, ``unexpected_keys``)."""
     with progress.phase("loading a checkpoint"):
-        _load(path, model, optimizer)
+        return _load(path, model, optimizer, strict)
 
 
-def _load(path, model: torch.nn.Module, optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
+def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.IncompatibleKeys:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     path = os.path.abspath(os.fspath(path))
@@ -109,8 +102,11 @@ def _load(path, model: torch.nn.Module, optimizer) -> None:
               explain=lambda seen: commit.differ("load of a checkpoint", seen))
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                  _state(model, optimizer))
-    outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
-                                              process_group=agreement.group), agreement.rank)
+    skipped = []
+    files = None if doc is None else set(doc["files"])
+    outcome = commit.attempt(lambda: skipped.append(dcpio.load(
+        state, folder, agreement.group, files=files, strict=strict, where=path)),
+        agreement.rank)
     commit.settle(agreement, outcome, f"load of the checkpoint {path}",
                   "the model and the optimizer are as they were")
     with torch.no_grad():
@@ -118,6 +114,7 @@ def _load(path, model: torch.nn.Module, optimizer) -> None:
             t.copy_(state["model"][fqn])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
+    return skipped[0]
 
 
 def _folder(path: str):
@@ -126,16 +123,14 @@ def _folder(path: str):
             os.path.join(path, MARKER)):
         return path, None
     doc = commit.read_marker(path, MARKER, "checkpoint", _FIELDS)
-    commit.check_format(doc, os.path.join(path, MARKER), FORMAT, (VERSION,), "checkpoint")
+    commit.check_format(doc, os.path.join(path, MARKER), FORMAT, READS, "checkpoint")
     folder = os.path.join(path, doc["data"])
-    for rel, size in doc["files"].items():
-        full = os.path.join(folder, rel)
-        got = os.path.getsize(full) if os.path.isfile(full) else None
-        if got != size:
-            state = "is missing" if got is None else f"is {got} bytes, not the {size} written"
-            raise AutoshardError(
-                f"{full} {state}{commit.whose(rel, doc['world_size'])}: the checkpoint is "
-                "damaged or was copied in part. Copy the whole checkpoint directory.")
+    if not all(isinstance(e, int) if doc["version"] == 1 else (
+            isinstance(e, dict) and isinstance(e.get("bytes"), int)
+            and isinstance(e.get("sha256"), str)) for e in doc["files"].values()):
+        raise AutoshardError(f"{os.path.join(path, MARKER)}: an entry of 'files' is not a size "
+                             "and a SHA-256: the file was changed. Save the checkpoint again.")
+    commit.verify(folder, doc["files"], doc["world_size"], "checkpoint")
     return folder, doc
 
 

@@ -21,6 +21,7 @@ again, so a plain DCP reader may also be pointed at it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -131,10 +132,11 @@ def read_marker(path, marker: str, what: str, fields: dict) -> dict:
                 f"({str(doc[name])[:60]}), not {_kind_name(kind)}: the file was changed or "
                 f"is not an autoshard {what}. Write the {what} again.")
     data = doc.get("data")
-    if data is not None and (not isinstance(data, str) or os.sep in data or
-                             not os.path.isdir(os.path.join(path, data))):
-        raise AutoshardError(f"{where} names the data folder {data!r}, which {path} does not "
-                             f"hold. Copy the whole {what} directory.")
+    if data is not None and not (data == "" or inside(path, data)) or (
+            data and not os.path.isdir(os.path.join(path, data))):
+        raise AutoshardError(f"{where} names the data folder {data!r}, which is not a folder "
+                             f"inside {path} (an absolute path, '..', a symlink out, or "
+                             f"missing). Copy the whole {what} directory.")
     return doc
 
 
@@ -244,14 +246,65 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def files(folder: str) -> dict:
-    """Every file under ``folder`` (relative path -> bytes): what a reader checks first."""
+def entries(folder: str) -> dict:
+    """Every file under ``folder``: relative path -> ``{"bytes": size, "sha256": hex}``, what a
+    reader checks before it reads anything (``verify``)."""
     out = {}
     for sub, _, names in os.walk(folder):
         for name in names:
             full = os.path.join(sub, name)
-            out[os.path.relpath(full, folder)] = os.path.getsize(full)
+            out[os.path.relpath(full, folder).replace(os.sep, "/")] = {
+                "bytes": os.path.getsize(full), "sha256": sha256(full)}
     return dict(sorted(out.items()))
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def inside(root: str, rel) -> bool:
+    """``rel`` is a plain relative path (``/``-separated, no ``..``, ``.`` or empty part, not
+    absolute) that stays inside ``root`` once symlinks are followed."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+        return False
+    parts = rel.split("/")
+    if any(p in ("", ".", "..") for p in parts) or os.path.isabs(rel):
+        return False
+    real_root = os.path.realpath(root)
+    return os.path.realpath(os.path.join(root, *parts)) == os.path.join(real_root, *parts)
+
+
+def verify(root: str, files: dict, world_size: int, what: str) -> None:
+    """Every file of ``files`` (relative path -> an ``entries`` entry, or a size alone, as
+    checkpoints before format 2 recorded) is a plain file inside ``root``, whole and, where a
+    SHA-256 is recorded, unchanged; AutoshardError naming the file and what is wrong."""
+    for rel, entry in files.items():
+        full = os.path.join(root, rel)
+        if not inside(root, rel):
+            raise AutoshardError(
+                f"the {what} at {root} lists the file {rel!r}, which is not a plain relative "
+                f"path inside it (an absolute path, '..', or a symlink out): the {what} was "
+                f"changed, and nothing was read. Copy the {what} again from a source you trust.")
+        size, digest = (entry, None) if isinstance(entry, int) else (entry["bytes"],
+                                                                     entry["sha256"])
+        got = os.path.getsize(full) if os.path.isfile(full) else None
+        if got is None:
+            raise AutoshardError(f"{full} is missing{whose(rel, world_size)}. Copy the whole "
+                                 f"{what} directory, every rank's files included.")
+        if got != size:
+            raise AutoshardError(
+                f"{full} is {got} bytes, but the {what} wrote {size}: it is truncated or was "
+                f"changed{whose(rel, world_size)}. Copy it again from the {what}'s source, or "
+                f"write the {what} again.")
+        if digest is not None and sha256(full) != digest:
+            raise AutoshardError(
+                f"{full} does not match the SHA-256 the {what} records{whose(rel, world_size)}"
+                f": it is corrupt or was changed after it was written. Copy it again from "
+                f"the {what}'s source, or write the {what} again.")
 
 
 def version() -> str:

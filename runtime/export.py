@@ -57,7 +57,7 @@ from autoshard.capture import TENSOR, Captured, _class_name
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard.spec import ParamSpec, hosted, placements_for, shards_over_mesh
-from autoshard.runtime import commit, graphio
+from autoshard.runtime import commit, dcpio, graphio
 
 FORMAT = "autoshard-export"
 # 2: the files under a data folder the manifest names; state by module path. 3: every
@@ -362,7 +362,6 @@ def export(model, path, *, inference: bool = True) -> None:
     never leaves one rank waiting for the others. The write commits whole
     (``autoshard.runtime.commit``): an earlier export at ``path`` is replaced only once
     every rank wrote its part, and stays whole otherwise."""
-    from autoshard.runtime.checkpoint import dcp_save
 
     st = model._autoshard
     mesh, device, config = st.placement()
@@ -387,7 +386,7 @@ def export(model, path, *, inference: bool = True) -> None:
     def write_data(folder):
         with progress.phase("writing the export", total=1 + len(programs) * rank0,
                             unit="parts") as p:
-            dcp_save({"tensors": _tensors(model)}, os.path.join(folder, CHECKPOINT), ranks.group)
+            dcpio.save({"tensors": _tensors(model)}, os.path.join(folder, CHECKPOINT), ranks.group)
             p.step(note="the programs")
             if rank0:
                 for k, files in enumerate(programs):
@@ -404,8 +403,7 @@ def export(model, path, *, inference: bool = True) -> None:
             "mesh_shape": list(mesh.shape),
             "device": device.type, "model": _class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
-            "files": {f"{data}/{rel}": _file_entry(os.path.join(folder, rel))
-                      for rel in _files(folder)}}
+            "files": {f"{data}/{rel}": e for rel, e in commit.entries(folder).items()}}
         manifest["hash"] = _content_hash(manifest["files"])
         return manifest
 
@@ -489,28 +487,6 @@ def _write_program(folder: str, files: dict) -> dict:
             "key": p["key"], "call": p["call"], "training": p["training"], "grad": p["grad"]}
 
 
-def _files(root: str) -> list:
-    out = []
-    for folder, _, names in os.walk(root):
-        for name in names:
-            rel = os.path.relpath(os.path.join(folder, name), root)
-            if rel != MANIFEST:
-                out.append(rel)
-    return sorted(out)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _file_entry(path: str) -> dict:
-    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-
-
 def _content_hash(files: dict) -> str:
     h = hashlib.sha256()
     for rel in sorted(files):
@@ -551,32 +527,37 @@ def read_manifest(path, *, verify: bool = True) -> dict:
                     "changed. Copy the export again, or export again.")
     for rel, entry in manifest["files"].items():
         if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
-                and isinstance(entry.get("sha256"), str)) or ".." in rel.split("/"):
+                and isinstance(entry.get("sha256"), str)):
             raise AutoshardError(f"{where}: the entry of file {rel!r} is not a size and a "
                                  "SHA-256: the file was changed. Copy the export again.")
+    for entry in manifest["programs"]:
+        if not (commit.inside(path, entry["dir"])
+                and f"{entry['dir']}/program.json" in manifest["files"]):
+            raise AutoshardError(
+                f"{where}: the program of {entry['call']} is in the folder {entry['dir']!r}, "
+                "which is not one of the export's own (not a plain path inside it, or its files "
+                "are not listed): the file was changed, and nothing was read. Copy the export again "
+                "from a source you trust.")
     if verify:
-        _verify_files(path, manifest)
+        commit.verify(path, manifest["files"], manifest["world_size"], "export")
+        _nothing_unlisted(path, manifest)
     return manifest
 
 
-def _verify_files(path: str, manifest: dict) -> None:
-    for rel, entry in manifest["files"].items():
-        full = os.path.join(path, rel)
-        whose = commit.whose(rel, manifest["world_size"])
-        if not os.path.isfile(full):
-            raise AutoshardError(f"{full} is missing{whose}. Copy the whole export "
-                                 "directory, every rank's files included.")
-        size = os.path.getsize(full)
-        if size != entry["bytes"]:
-            raise AutoshardError(
-                f"{full} is {size} bytes, but the export wrote {entry['bytes']}: it is "
-                f"truncated or was changed{whose}. Copy it again from the export's source, "
-                "or export again.")
-        if _sha256(full) != entry["sha256"]:
-            raise AutoshardError(
-                f"{full} does not match the SHA-256 the manifest records: it is corrupt or was "
-                "changed after the export. Copy it again from the export's source, or export "
-                "again.")
+def _nothing_unlisted(path: str, manifest: dict) -> None:
+    """Every file in the export's data folder is one the manifest lists (and so was checked):
+    a reader never reads a file an editor added beside them."""
+    if not manifest["data"]:
+        return  # version 1: the files beside the manifest, nothing else read
+    data = os.path.join(path, manifest["data"])
+    for sub, _, names in os.walk(data):
+        for name in names:
+            rel = os.path.relpath(os.path.join(sub, name), path).replace(os.sep, "/")
+            if rel not in manifest["files"]:
+                raise AutoshardError(
+                    f"{os.path.join(sub, name)} is not a file {os.path.join(path, MANIFEST)} "
+                    "lists: it was added after the export. Copy the export again from a "
+                    "source you trust, or remove the file.")
 
 
 def _read_json(path: str):
@@ -641,7 +622,7 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
     st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
-    _read_state(model, os.path.join(data, CHECKPOINT), manifest["version"], path)
+    _read_state(model, os.path.join(data, CHECKPOINT), manifest, path)
 
     same = (list(mesh.shape) == manifest["mesh_shape"]
             and st.placement()[1].type == manifest["device"]
@@ -652,14 +633,14 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     return model
 
 
-def _read_state(model, folder: str, version: int, path: str) -> None:
+def _read_state(model, folder: str, manifest: dict, path: str) -> None:
     """The stored parameters and buffers into ``model``'s (the skeleton's, which has no
     state-dict hooks), every rank's part read before any is used."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          set_model_state_dict)
 
     ranks = model._autoshard.ranks()
+    version = manifest["version"]
     if version == 1:
         loose = set(model.state_dict())
         state = {"model": get_model_state_dict(model),
@@ -667,11 +648,18 @@ def _read_state(model, folder: str, version: int, path: str) -> None:
     else:
         state = {"tensors": _tensors(model)}
     with progress.phase("loading the export's checkpoint"):
-        outcome = commit.attempt(lambda: dcp.load(state, checkpoint_id=folder,
-                                                  process_group=ranks.group), ranks.rank)
+        outcome = commit.attempt(lambda: dcpio.load(state, folder, ranks.group,
+                                                    files=_listed(path, folder, manifest)),
+                                 ranks.rank)
     commit.settle(ranks, outcome, f"load of the export {path}", "nothing was built")
     if version == 1:
         set_model_state_dict(model, state["model"])
+
+
+def _listed(path: str, folder: str, manifest: dict) -> set:
+    """The names of the files of ``folder`` (a DCP folder of the export) its manifest lists."""
+    prefix = os.path.relpath(folder, path).replace(os.sep, "/") + "/"
+    return {rel[len(prefix):] for rel in manifest["files"] if rel.startswith(prefix)}
 
 
 # the backend each device type's collectives need: another one (torch's fake process group,
@@ -701,7 +689,7 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     from autoshard.plans import Plan
 
     doc = _read_json(os.path.join(folder, "program.json"))
-    constants = torch.load(os.path.join(folder, "constants.pt"), weights_only=True)
+    constants = _read_constants(os.path.join(folder, "constants.pt"))
     mesh, device, config = st.placement()
     # before version 3 the export's mesh was 1-D: every collective on its one group
     regroup = dict(zip(doc.get("groups", [None]), _groups(mesh)))
@@ -738,6 +726,20 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
         prog = st.plan_program(_captured(cdoc, params, joint), model)
     prog.described = (doc["call"], doc["training"], doc["grad"])
     return prog
+
+
+def _read_constants(path: str) -> dict:
+    """A program's constant tensors, read as plain data (``weights_only``): no code runs."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        first = str(e).strip().splitlines()
+        raise AutoshardError(
+            f"{path} holds more than tensors and plain data, and was not read "
+            f"({type(e).__name__}: {first[-1][:200] if first else ''}): it was changed to run "
+            "code when loaded. Copy the export again from a source you trust.") from None
 
 
 def _regrouped(gm, regroup: dict, folder: str):

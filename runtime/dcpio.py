@@ -1,0 +1,203 @@
+"""torch.distributed.checkpoint (DCP) folders written and read so that reading runs no code and
+touches nothing outside the folder.
+
+DCP itself unpickles: its ``FileSystemReader`` reads ``.metadata`` with ``pickle.load``, and
+its ``DefaultLoadPlanner`` reads each value that is not a tensor (an optimizer's learning
+rate, betas) with ``torch.load(weights_only=False)``. A checkpoint from someone else could
+run any code there. Here:
+
+- ``.metadata`` is read by an unpickler that admits only DCP's metadata classes, ``torch.Size``,
+  torch's dtypes and layouts, and path objects; any other global (``os.system``, a class
+  with a ``__reduce__`` of its own) is refused before it is looked up, naming the file and
+  the global. Tensors are read by DCP with ``torch.load(weights_only=True)`` as before, and
+  the other values now are too.
+- Every storage file the metadata names must be a plain name inside the folder (no ``..``,
+  no separator, no symlink out) and, when the caller passes the file list a marker
+  recorded, one of the files the writer listed (and whose SHA-256 the caller checked).
+- ``strict`` (the default) refuses a load whose state and checkpoint keys differ, naming the
+  missing and unexpected keys; ``strict=False`` loads what both hold and reports the rest.
+
+A hash kept in the same directory cannot stop an attacker who edits the directory (they can
+rewrite the hash too), so safety rests on the restricted reader, not on the hashes; the
+hashes catch damage.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from autoshard.errors import AutoshardError
+
+METADATA = ".metadata"
+
+_DCP_METADATA = frozenset({"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                           "TensorStorageMetadata", "ChunkStorageMetadata",
+                           "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"})
+# (module, name) a DCP .metadata may name; torch's dtypes (torch.float32, ...) separately
+_ALLOWED = {
+    **{("torch.distributed.checkpoint.metadata", n): None for n in _DCP_METADATA},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): None,
+    ("torch", "Size"): None,
+    ("torch.serialization", "_get_layout"): None,
+    ("pathlib", "PosixPath"): None, ("pathlib", "PurePosixPath"): None,
+    ("pathlib", "WindowsPath"): None, ("pathlib", "PureWindowsPath"): None,
+    ("collections", "OrderedDict"): None,
+}
+
+
+class IncompatibleKeys(NamedTuple):
+    """What a ``strict=False`` load skipped: keys the state asked for that the checkpoint
+    lacks, and keys the checkpoint holds that the state does not name (its flattened DCP
+    names: ``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ...)."""
+
+    missing_keys: list
+    unexpected_keys: list
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, f, where: str):
+        super().__init__(f)
+        self.where = where
+
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise AutoshardError(
+            f"{self.where} names {module}.{name}, which a DCP checkpoint's metadata never "
+            "holds: it was changed to run code when loaded, and was not read. Copy the "
+            "checkpoint again from a source you trust, or save it again.")
+
+
+def read_metadata(path: str):
+    """The ``Metadata`` of DCP's ``.metadata`` file at ``path``, read without running code."""
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f, path).load()
+    except AutoshardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+        raise AutoshardError(f"{path} cannot be read as DCP metadata ({type(e).__name__}: "
+                             f"{e}); copy the checkpoint again, or save it again") from None
+    if type(md).__name__ != "Metadata" or not hasattr(md, "state_dict_metadata"):
+        raise AutoshardError(f"{path} is not DCP metadata (it holds a {type(md).__name__})")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata read as ``read_metadata`` does and every storage
+    file it names checked to be a plain file of ``folder`` (and of ``files``, when given)."""
+
+    def __init__(self, folder: str, files: Optional[set] = None):
+        super().__init__(folder)
+        self.folder = os.fspath(folder)
+        self.files = files
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        where = os.path.join(self.folder, name)
+        md = read_metadata(where)
+        for info in (md.storage_data or {}).values():
+            self._check(getattr(info, "relative_path", None), where)
+        if getattr(md, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def _check(self, rel, where: str) -> None:
+        plain = (isinstance(rel, str) and rel not in ("", ".", "..") and "/" not in rel
+                 and "\\" not in rel and os.sep not in rel)
+        full = os.path.join(self.folder, rel) if plain else None
+        inside = plain and os.path.realpath(full) == os.path.join(
+            os.path.realpath(self.folder), rel)
+        listed = self.files is None or rel in self.files
+        if not (inside and listed):
+            why = ("is not a plain file name inside the checkpoint's folder" if not inside else
+                   "is not one of the files the checkpoint's marker lists")
+            raise AutoshardError(f"{where} names the storage file {rel!r}, which {why}: the "
+                                 "metadata was changed, and nothing was read. Copy the "
+                                 "checkpoint again from a source you trust, or save it again.")
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, with values that are not tensors read by ``torch.load(
+    weights_only=True)``, and the keys of the state and of the checkpoint compared first:
+    ``strict`` refuses any difference, naming the keys; otherwise ``skipped`` has them."""
+
+    def __init__(self, strict: bool, where: str):
+        super().__init__(allow_partial_load=not strict)
+        self.strict, self.where = strict, where
+        self.skipped = IncompatibleKeys([], [])
+
+    def create_local_plan(self):
+        wanted = set(self.state_dict)
+        held = set(self.metadata.state_dict_metadata)
+        parts = {k.split(".", 1)[0] for k in wanted}  # "model", "optim": only what is asked
+        missing = sorted(wanted - held)
+        unexpected = sorted(k for k in held - wanted if k.split(".", 1)[0] in parts)
+        if self.strict and (missing or unexpected):
+            raise AutoshardError(
+                f"{self.where} does not match the model{' and optimizer' * ('optim' in parts)}"
+                f": missing {_keys(missing)}; unexpected {_keys(unexpected)}. Load into the "
+                "model that saved it, or pass strict=False to load the keys both hold")
+        self.skipped = IncompatibleKeys(missing, unexpected)
+        return super().create_local_plan()
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as e:
+            first = str(e).strip().splitlines()
+            raise AutoshardError(
+                f"{self.where}: the value of {read_item.dest_index.fqn} holds more than plain "
+                f"data, and was not read ({first[-1][:200] if first else type(e).__name__}): "
+                "it was changed to run code when loaded, or saved from an object that is not "
+                "plain data. Copy the checkpoint again from a source you trust.") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _keys(keys: list, shown: int = 8) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{len(keys)} ({', '.join(keys[:shown])}{more})"
+
+
+def save(state: dict, folder: str, group) -> None:
+    """``dcp.save`` with each tensor that is not a DTensor (a buffer) saved from the lowest
+    rank. DCP saves such a tensor once, from whichever rank balances the files by default, so
+    a buffer each rank updates from its own batch (BatchNorm's running statistics without
+    SyncBatchNorm) would load as a different rank's copy from one save to the next; rank 0's
+    is what ``torch.save`` on rank 0 would keep."""
+    dcp.save(state, checkpoint_id=folder, process_group=group,
+             planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+
+
+def load(state: dict, folder: str, group, *, files: Optional[set] = None, strict: bool = True,
+         where: Optional[str] = None) -> IncompatibleKeys:
+    """``dcp.load`` of ``state`` (in place) from ``folder`` through ``SafeReader`` and
+    ``SafePlanner``; returns the keys a ``strict=False`` load skipped."""
+    planner = SafePlanner(strict, where or folder)
+    reader = SafeReader(folder, files)
+    if os.path.isfile(os.path.join(folder, METADATA)):
+        reader.read_metadata()  # refused here, not in DCP's fallback to per-rank metadata
+    dcp.load(state, checkpoint_id=folder, process_group=group, storage_reader=reader,
+             planner=planner)
+    return planner.skipped
