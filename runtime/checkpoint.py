@@ -90,8 +90,11 @@ def load(path, model: torch.nn.Module, optimizer=None) -> None:
     """Load what ``save`` wrote, at this or another world size, into the model's parameters
     (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
     checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
-    unless every rank read its part."""
-    with progress.phase("loading a checkpoint"):
+    unless every rank read its part. A save to the path meanwhile (another job's) does not
+    disturb it: it loads the checkpoint the path held when it began, or the new one, whole
+    (``commit.reading``)."""
+    with progress.phase("loading a checkpoint"), commit.reading(
+            path, MARKER, _agreement(model), "load of a checkpoint"):
         _load(path, model, optimizer)
 
 
