@@ -595,6 +595,8 @@ class Loaded:
     inference: bool = False  # only the eval-mode programs, called without gradients
     version: int = VERSION  # the export's format version: how its files are written
     programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
+    # commit.Held: the data folder, kept from any sweep while the module lives
+    held: Any = None
 
     @property
     def calls(self) -> list:
@@ -603,8 +605,17 @@ class Loaded:
     def program(self, key: str, model):
         if key not in self.programs and key in self.entries:
             folder = os.path.join(self.path, self.entries[key]["dir"])
-            self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
-                                               self.version)
+            try:
+                self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
+                                                   self.version)
+            except FileNotFoundError:
+                data = self.entries[key]["dir"].split("/")[0]
+                if data.startswith(commit.DATA) and not os.path.isdir(
+                        os.path.join(self.path, data)):  # not held: no lock at the path
+                    raise AutoshardError(
+                        f"the export at {self.path} was replaced after it was loaded (its data "
+                        f"folder {data} is gone); load it again") from None
+                raise
         return self.programs.get(key)
 
 
@@ -615,7 +626,20 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     ``config``: plan with this instead of the export's Config (the passes then run again).
     ``inference``: load only the eval-mode, no-gradient programs (forward graphs only); the
     module is put in eval mode and runs every call without gradients. ``verify``: check
-    every file's SHA-256."""
+    every file's SHA-256.
+
+    The module reads each program's files on its first call, so it holds the export's data
+    folder while it lives (``commit.reading``): another export to ``path`` meanwhile
+    replaces it for later loads and leaves this one's files until a sweep after the module
+    is gone."""
+    with commit.reading(path, MANIFEST) as held:
+        model = _load(path, mesh, config, inference=inference, verify=verify)
+        model._autoshard.exported.held = held.kept()
+    return model
+
+
+def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool):
+    """``load``, the export's data folder held."""
     from autoshard import api
     from autoshard.runtime import dist as _dist
 
@@ -640,7 +664,8 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     _check_backend(mesh, path)
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
-    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
+    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"],
+               explain=lambda seen: _differ(path, seen))
     _read_state(model, os.path.join(data, CHECKPOINT), manifest["version"], path)
 
     same = (list(mesh.shape) == manifest["mesh_shape"]
@@ -650,6 +675,15 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     if inference:
         model.eval()
     return model
+
+
+def _differ(path, seen: list) -> str:
+    """The error when the ranks loaded different exports from ``path``."""
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(seen))
+    return (f"the ranks read different exports at {path}, or were given different paths "
+            f"(nothing was built):\n{lines}\nAn export to the path while they loaded it "
+            "replaced it: load it again. Every rank must pass the same path, on a file system "
+            "every rank sees.")
 
 
 def _read_state(model, folder: str, version: int, path: str) -> None:
