@@ -112,10 +112,10 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
                           doing, kept)[0]
         if isinstance(token, dict):
             raise AutoshardError(f"cannot write the {what} to {path}: another job is writing "
-                                 f"to it, {token['busy']}. Nothing was written, and {kept}. "
-                                 f"Two jobs writing to one path would delete each other's "
-                                 f"files: wait until that write ends, or write to another "
-                                 "path.")
+                                 f"to it, {token['busy']}. Nothing of this {what} was "
+                                 "written: two jobs writing to one path would delete each "
+                                 "other's files. Wait until that write ends, or write to "
+                                 "another path.")
         folder = os.path.join(path, DATA + token)
         settle(agreement, attempt(lambda: (os.makedirs(folder, exist_ok=True),
                                            write_data(folder)), agreement.rank),
@@ -428,8 +428,10 @@ def _holder(where: str) -> str:
         except (OSError, ValueError):
             doc = None
         if isinstance(doc, dict):
-            return (f"a {doc.get('what', 'write')} by pid {doc.get('pid')} on host "
-                    f"{doc.get('host')} that started at {doc.get('since')} (it holds {where})")
+            what = str(doc.get("what", "write"))
+            return (f"{'an' if what[:1] in 'aeiou' else 'a'} {what} by pid {doc.get('pid')} "
+                    f"on host {doc.get('host')} that started at {doc.get('since')} (it holds "
+                    f"{where})")
         time.sleep(0.01)
     return f"a writer that holds {where} and has not said who it is"
 
