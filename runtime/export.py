@@ -608,7 +608,7 @@ class Loaded:
             try:
                 self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
                                                    self.version)
-            except FileNotFoundError:
+            except Exception:  # a file gone, or cut short while a sweep removed it
                 data = self.entries[key]["dir"].split("/")[0]
                 if data.startswith(commit.DATA) and not os.path.isdir(
                         os.path.join(self.path, data)):  # not held: no lock at the path
