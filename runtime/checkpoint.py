@@ -62,10 +62,10 @@ def _save(path, model: torch.nn.Module, optimizer) -> None:
     agreement = _agreement(model)
     state = _state(model, optimizer)
 
-    def document(folder):
+    def document(folder, files):
         return {"format": FORMAT, "version": VERSION, "torch": torch.__version__,
                 "autoshard": commit.version(), "world_size": agreement.world,
-                "contents": sorted(state), "files": commit.entries(folder),
+                "contents": sorted(state), "files": files,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     commit.write(path, "checkpoint", MARKER, agreement,
@@ -78,14 +78,17 @@ def load(path, model: torch.nn.Module, optimizer=None, *,
     """Load what ``save`` wrote, at this or another world size, into the model's parameters
     (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
     checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
-    unless every rank read its part.
+    unless every rank read its part. A save to the path meanwhile (another job's) does not
+    disturb it: it loads the checkpoint the path held when it began, or the new one, whole
+    (``commit.reading``).
 
     Loading runs no code and reads nothing outside ``path`` (``autoshard.runtime.dcpio``);
     every file is checked against the size and SHA-256 ``checkpoint.json`` records first.
     ``strict`` (the default): a key of the model (or optimizer) the checkpoint lacks, or one
     it holds that the model lacks, is an error naming them; ``strict=False`` loads the keys
     both hold and returns the others (``missing_keys``, ``unexpected_keys``)."""
-    with progress.phase("loading a checkpoint"):
+    with progress.phase("loading a checkpoint"), commit.reading(
+            path, MARKER, _agreement(model), "load of a checkpoint"):
         return _load(path, model, optimizer, strict)
 
 
@@ -100,6 +103,8 @@ def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.Incomp
                              "optimizer); load it without one, or save with the optimizer")
     agreement("load of a checkpoint", f"{path}: {doc['data'] if doc else 'plain DCP'}",
               explain=lambda seen: commit.differ("load of a checkpoint", seen))
+    if doc is not None:  # each file hashed by one rank
+        commit.verify(folder, doc["files"], doc["world_size"], "checkpoint", agreement)
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                  _state(model, optimizer))
     skipped = []
@@ -118,7 +123,8 @@ def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.Incomp
 
 
 def _folder(path: str):
-    """The DCP folder to read and the marker (None for a plain DCP checkpoint)."""
+    """The DCP folder to read and the marker (None for a plain DCP checkpoint), its fields
+    checked (not yet its files: ``commit.verify``)."""
     if os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(
             os.path.join(path, MARKER)):
         return path, None
@@ -130,7 +136,6 @@ def _folder(path: str):
             and isinstance(e.get("sha256"), str)) for e in doc["files"].values()):
         raise AutoshardError(f"{os.path.join(path, MARKER)}: an entry of 'files' is not a size "
                              "and a SHA-256: the file was changed. Save the checkpoint again.")
-    commit.verify(folder, doc["files"], doc["world_size"], "checkpoint")
     return folder, doc
 
 

@@ -17,22 +17,56 @@ A write to ``path`` (a directory) goes in four steps, every rank taking part:
 A reader that finds no marker but data folders says the write was interrupted and that
 nothing complete is at the path. The data folder of a finished write is never changed
 again, so a plain DCP reader may also be pointed at it.
+
+Two jobs at one path, and readers during a write (``fcntl.flock``; a lock ends with its
+process):
+
+- One writer at a time. Rank 0 of a write holds an exclusive lock on ``path/.lock`` from the
+  token exchange to the end of the sweep, the file naming its host, process id and start
+  time. A second job writing to the path meanwhile is refused on every rank, before it
+  writes anything, with an ``AutoshardError`` naming that writer. So the sweep after a
+  commit removes only folders of writes that ended (replaced, or interrupted), never those
+  of a write under way, and the marker always names a folder that is there.
+- A reader holds a shared lock on ``path/.lock-data-<token>`` while it reads that folder (a
+  module loaded from an export: while the module lives), taken after reading the marker and
+  checked against the folder, so a folder swept meanwhile sends it to the marker again. The
+  sweep removes a folder only under that file's exclusive lock, taken without waiting: one
+  being read stays until a later sweep. A multi-rank load reads rank 0's folder on every rank.
+- A lock file exists while someone holds it (its last holder removes it) and is no part of
+  the checkpoint or export. Where the file system has no flock, writes and reads go on
+  unlocked as before, with a warning; a reader that cannot create the lock file (a read-only
+  directory) reads unlocked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
+import errno
 import hashlib
 import json
 import os
 import shutil
+import socket
+import time
 import uuid
+import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from autoshard.errors import AutoshardError
 
+try:
+    import fcntl
+except ImportError:  # no flock on this platform: writes and reads go on unlocked
+    fcntl = None
+
 DATA = "data-"
+LOCK = ".lock"  # held by rank 0 of the job writing to the path
+READ_LOCK = ".lock-"  # + a data folder's name: held (shared) by each process reading it
 
 
 def state(path: str, marker: str, other_markers: tuple = ()) -> str:
@@ -42,7 +76,7 @@ def state(path: str, marker: str, other_markers: tuple = ()) -> str:
         return "free"
     if not os.path.isdir(path):
         return "a file"
-    names = os.listdir(path)
+    names = [n for n in os.listdir(path) if not is_lock(n)]
     if marker in names:
         return "complete"
     for other in other_markers:
@@ -60,9 +94,9 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
           document: Callable[[str], dict], other_markers: tuple = ()) -> str:
     """Write ``what`` ("checkpoint", "export") to the directory ``path`` as the module
     docstring says (every rank calls it): ``write_data(folder)`` writes this rank's files
-    (collectives inside are fine); ``document(folder)`` runs on rank 0 after every rank
-    finished and returns the marker's content (``"data"`` is added). Returns the data
-    folder."""
+    (collectives inside are fine); ``document(folder, files)`` runs on rank 0 after every
+    rank finished, with ``entries(folder)`` (each file hashed by one rank), and returns the
+    marker's content (``"data"`` is added). Returns the data folder."""
     path = os.path.abspath(os.fspath(path))
     found = state(path, marker, other_markers)
     agreement(what, f"to {path}: {found}", explain=lambda seen: differ(what, seen))
@@ -72,21 +106,37 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     kept = (f"{path} still holds the previous {what}" if found == "complete" else
             f"nothing was written to {path}")
     doing = f"{what} to {path}"
-    token = _exchange(agreement, uuid.uuid4().hex[:12], doing, kept)[0]
-    folder = os.path.join(path, DATA + token)
-    settle(agreement, attempt(lambda: (os.makedirs(folder, exist_ok=True), write_data(folder)),
-                              agreement.rank), doing, kept, folder)
-    outcome = attempt(lambda: _commit(path, marker, folder, document)) if (
-        agreement.rank == 0) else {}
+    lock, busy = _lock_writes(path, what) if agreement.rank == 0 else (None, None)
     try:
-        settle(agreement, outcome, doing, kept, folder)
-    except AutoshardError:
-        if _committed(path, marker, folder):  # rank 0 was lost after its commit: it stands
-            return folder
-        raise
-    if agreement.rank == 0:
-        _sweep(path, keep=os.path.basename(folder))
-    return folder
+        # rank 0's token, or why it cannot write (another job holds the path)
+        token = _exchange(agreement, {"busy": busy} if busy else uuid.uuid4().hex[:12],
+                          doing, kept)[0]
+        if isinstance(token, dict):
+            raise AutoshardError(f"cannot write the {what} to {path}: another job is writing "
+                                 f"to it, {token['busy']}. Nothing of this {what} was "
+                                 "written: two jobs writing to one path would delete each "
+                                 "other's files. Wait until that write ends, or write to "
+                                 "another path.")
+        folder = os.path.join(path, DATA + token)
+        settle(agreement, attempt(lambda: (os.makedirs(folder, exist_ok=True),
+                                           write_data(folder)), agreement.rank),
+               doing, kept, folder)
+        files = _shared_entries(folder, agreement, doing, kept)
+        outcome = attempt(lambda: _commit(path, marker, folder,
+                                          lambda f: document(f, files))) if (
+            agreement.rank == 0) else {}
+        try:
+            settle(agreement, outcome, doing, kept, folder)
+        except AutoshardError:
+            if _committed(path, marker, folder):  # rank 0 was lost after its commit: it stands
+                return folder
+            raise
+        if agreement.rank == 0:
+            _sweep(path, keep=os.path.basename(folder))
+        return folder
+    finally:
+        if lock is not None:
+            _drop(lock, os.path.join(path, LOCK))
 
 
 def differ(what: str, seen: list) -> str:
@@ -103,10 +153,13 @@ def read_marker(path, marker: str, what: str, fields: dict) -> dict:
     checked, or AutoshardError saying what is wrong and what to do."""
     path = os.fspath(path)
     where = os.path.join(path, marker)
-    if not os.path.isdir(path):
+    held = _held.get().get((os.path.abspath(path), marker))  # within ``reading``
+    if held is not None:
+        doc = copy.deepcopy(held)
+    elif not os.path.isdir(path):
         raise AutoshardError(f"{path} is not a directory: pass the directory the {what} "
                              "was written to")
-    if not os.path.isfile(where):
+    elif not os.path.isfile(where):
         if state(path, marker) == "interrupted":
             raise AutoshardError(
                 f"{path} is an incomplete {what}: a write to it was interrupted before every "
@@ -114,12 +167,13 @@ def read_marker(path, marker: str, what: str, fields: dict) -> dict:
                 "is there. Use an earlier one, or write it again.")
         raise AutoshardError(f"{where} is missing: {path} is not an autoshard {what}, or its "
                              f"write did not finish ({marker} is written last)")
-    try:
-        with open(where) as f:
-            doc = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise AutoshardError(f"{where} cannot be read ({e}); copy the {what} again from its "
-                             "source, or write it again") from None
+    else:
+        try:
+            with open(where) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AutoshardError(f"{where} cannot be read ({e}); copy the {what} again from "
+                                 "its source, or write it again") from None
     if not isinstance(doc, dict):
         raise AutoshardError(f"{where} is not an autoshard {what} marker (not an object)")
     for name, kind in fields.items():
@@ -222,15 +276,281 @@ def _committed(path: str, marker: str, folder: str) -> bool:
 
 
 def _sweep(path: str, keep: str) -> None:
-    """Data folders no marker names any more (the previous write, interrupted ones)."""
+    """Data folders no marker names any more (the previous write, interrupted ones), but
+    not one a reader holds (a later sweep removes it); lock files left by readers of
+    folders that are gone."""
     for name in os.listdir(path):
         if name.startswith(DATA) and name != keep:
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            _remove_unread(path, name)
+        elif name.startswith(READ_LOCK + DATA):
+            if not os.path.exists(os.path.join(path, name[len(READ_LOCK):])):
+                _remove_unread(path, name[len(READ_LOCK):])
         elif name.startswith(".") and DATA in name:  # a marker's temporary file
             try:
                 os.remove(os.path.join(path, name))
             except OSError:
                 pass
+
+
+def _remove_unread(path: str, name: str) -> None:
+    """The data folder ``name`` (if there) and its lock file, unless a reader holds it."""
+    where = os.path.join(path, READ_LOCK + name)
+    try:
+        fd = _take(where, _EX | _NB)
+    except _NoLock:  # no locks here: removed unlocked, as before locks
+        fd = -1
+    if fd is None:  # being read
+        return
+    shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    if fd >= 0:
+        _drop(fd, where)
+
+
+# --- locks --------------------------------------------------------------------------------
+
+_SH, _EX, _NB = ((fcntl.LOCK_SH, fcntl.LOCK_EX, fcntl.LOCK_NB) if fcntl is not None
+                 else (1, 2, 4))
+# flock's answers on a file system without it (some network file systems)
+_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_TRIES = 20  # a reader's marker reads, each after a write committed and swept its folder
+_warned: set = set()
+
+
+def is_lock(name: str) -> bool:
+    """Whether ``name`` (in a checkpoint or export directory) is a lock file."""
+    return name == LOCK or name.startswith(READ_LOCK + DATA)
+
+
+class _NoLock(Exception):
+    """No lock at this path: the file system has no flock (``unsupported``), or the lock
+    file cannot be made (a read-only directory)."""
+
+    def __init__(self, why: str, unsupported: bool):
+        super().__init__(why)
+        self.unsupported = unsupported
+
+
+def _open_lock(where: str) -> int:
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(where, os.O_RDWR | os.O_CREAT | cloexec, 0o644)
+    except PermissionError:  # another user's lock file: a shared lock needs no write access
+        return os.open(where, os.O_RDONLY | cloexec)
+
+
+def _take(where: str, how: int) -> Optional[int]:
+    """A descriptor holding ``how`` (``_SH``, ``_EX``, with ``_NB`` not waiting) on the lock
+    file ``where``, made if missing; None when ``_NB`` and another holds it. The file may
+    lose its name to its last holder between our open and our lock, and a lock on a file no
+    longer at ``where`` guards nothing: then it opens again."""
+    if fcntl is None:
+        raise _NoLock("this platform has no flock", True)
+    while True:
+        try:
+            fd = _open_lock(where)
+        except OSError as e:
+            raise _NoLock(f"cannot open {where} ({e.strerror})", False) from None
+        try:
+            fcntl.flock(fd, how)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as e:
+            os.close(fd)
+            with contextlib.suppress(OSError):  # nobody can hold it: locks do not work here
+                os.unlink(where)
+            raise _NoLock(f"flock on {where} failed ({e.strerror})",
+                          e.errno in _UNSUPPORTED) from None
+        if _named(fd, where):
+            return fd
+        os.close(fd)
+
+
+def _named(fd: int, where: str) -> bool:
+    """Whether the file open as ``fd`` is still the one at ``where``."""
+    try:
+        a, b = os.fstat(fd), os.stat(where)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _drop(fd: int, where: str) -> None:
+    """Release a lock from ``_take``, removing its file when no one else holds it (taking it
+    exclusively without waiting says so; a process that opened it meanwhile finds it
+    unnamed, and opens it again)."""
+    try:
+        fcntl.flock(fd, _EX | _NB)
+        if _named(fd, where):
+            os.unlink(where)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _warn_unlocked(path: str, e: _NoLock, doing: str) -> None:
+    if e.unsupported and path not in _warned:
+        _warned.add(path)
+        warnings.warn(f"autoshard: cannot lock {path} ({e}): {doing} unlocked. Two jobs "
+                      "writing to it at once, or a job writing to it while another reads it, "
+                      "may delete each other's files: give each job a path of its own.",
+                      stacklevel=4)
+
+
+def _lock_writes(path: str, what: str):
+    """Rank 0 of a write: (descriptor, None) holding the writer lock of ``path``; (None,
+    who holds it) when another job writes there; (None, None) where no lock can be taken
+    (the file system has no flock: a warning says so) or the path cannot be made (the write
+    fails there, and says so)."""
+    where = os.path.join(path, LOCK)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd = _take(where, _EX | _NB)
+    except _NoLock as e:
+        _warn_unlocked(path, e, f"writing the {what}")
+        return None, None
+    except OSError:
+        return None, None
+    if fd is None:
+        return None, _holder(where)
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"what": what, "host": socket.gethostname(),
+                                 "pid": os.getpid(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode())
+    return fd, None
+
+
+def _holder(where: str) -> str:
+    """Who holds the writer lock ``where``, as its file says (written just after the lock
+    was taken: an empty file is waited for a moment)."""
+    for _ in range(50):
+        try:
+            with open(where) as f:
+                doc = json.loads(f.read() or "null")
+        except (OSError, ValueError):
+            doc = None
+        if isinstance(doc, dict):
+            what = str(doc.get("what", "write"))
+            return (f"{'an' if what[:1] in 'aeiou' else 'a'} {what} by pid {doc.get('pid')} "
+                    f"on host {doc.get('host')} that started at {doc.get('since')} (it holds "
+                    f"{where})")
+        time.sleep(0.01)
+    return f"a writer that holds {where} and has not said who it is"
+
+
+# --- readers ------------------------------------------------------------------------------
+
+
+class Held:
+    """A marker as read (``doc``; None where there was none to read) and a shared lock on the
+    data folder it names, which keeps any sweep from removing it until ``release()``, the
+    object's collection, or the process's end."""
+
+    def __init__(self, path: str, marker: str, doc=None, fd=None, where=None):
+        self.path, self.marker, self.doc = path, marker, doc
+        self.keep = False
+        self._release = (weakref.finalize(self, _release, fd, where, os.getpid())
+                         if fd is not None else None)
+
+    @property
+    def locked(self) -> bool:
+        return self._release is not None and self._release.alive
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+
+    def kept(self) -> "Held":
+        """Hold on after the ``reading`` block (a module loaded from an export, for its
+        lifetime)."""
+        self.keep = True
+        return self
+
+
+def _release(fd: int, where: str, pid: int) -> None:
+    if os.getpid() == pid:
+        _drop(fd, where)
+    else:  # a forked child's copy of the descriptor: the lock stays the parent's
+        os.close(fd)
+
+
+def hold(path, marker: str, name: Optional[str] = None) -> Held:
+    """The marker at ``path`` as read now, and a shared lock on the data folder it names
+    (``name``: on that folder, whatever the marker says). A folder gone once the lock is
+    taken (a write committed and swept it after the marker was read) sends it to the
+    marker again. Without a lock (a read-only directory, no flock) the marker alone."""
+    path = os.path.abspath(os.fspath(path))
+    doc = None
+    for _ in range(_TRIES):
+        doc = _raw_marker(path, marker) if name is None else None
+        data = name if name is not None else doc.get("data") if isinstance(doc, dict) else None
+        if not (isinstance(data, str) and data.startswith(DATA) and os.sep not in data):
+            break  # nothing to hold: read_marker says what is wrong, if anything
+        where = os.path.join(path, READ_LOCK + data)
+        try:
+            fd = _take(where, _SH)
+        except _NoLock as e:
+            _warn_unlocked(path, e, "reading it")
+            break
+        if os.path.isdir(os.path.join(path, data)):
+            return Held(path, marker, doc, fd, where)
+        _drop(fd, where)
+        if name is not None:
+            break
+    return Held(path, marker, doc)
+
+
+def _raw_marker(path: str, marker: str):
+    try:
+        with open(os.path.join(path, marker)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# the markers a ``reading`` block holds: (path, marker) -> the marker as read
+_held: contextvars.ContextVar = contextvars.ContextVar("autoshard_held", default={})
+
+
+@contextlib.contextmanager
+def reading(path, marker: str, agreement=None, what: str = "load"):
+    """Within the block the data folder of the marker at ``path`` stays on disk, and
+    ``read_marker(path, marker)`` returns that marker as it was read, though a write may
+    commit meanwhile: the reader reads the previous write or the new one, whole. With
+    ``agreement`` (every rank enters it, at ``what``) every rank holds rank 0's folder.
+    Yields the ``Held``; ``held.kept()`` holds it on after the block."""
+    path = os.path.abspath(os.fspath(path))
+    held = hold(path, marker)
+    try:
+        if agreement is not None and agreement.world > 1 and not agreement.fake:
+            held = _follow(agreement, held, what)
+        docs = dict(_held.get())
+        if isinstance(held.doc, dict):
+            docs[(path, marker)] = held.doc
+        token = _held.set(docs)
+        try:
+            yield held
+        finally:
+            _held.reset(token)
+    finally:
+        if not held.keep:
+            held.release()
+
+
+def _follow(agreement, held: Held, what: str) -> Held:
+    """Every rank's ``Held`` of rank 0's folder: rank 0 holds it, so it is there."""
+    agreement(what, held.path, explain=lambda seen: differ(what, seen))
+    path, doc = _exchange(agreement, (held.path, held.doc), f"{what} of {held.path}",
+                          "nothing was read")[0]
+    if path != held.path or not isinstance(doc, dict) or not isinstance(held.doc, dict) or (
+            doc.get("data") == held.doc.get("data")):
+        return held
+    held.release()
+    mine = hold(held.path, held.marker, name=doc.get("data"))
+    mine.doc = doc
+    return mine
 
 
 def _fsync_dir(path: str) -> None:
@@ -246,16 +566,37 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def entries(folder: str) -> dict:
-    """Every file under ``folder``: relative path -> ``{"bytes": size, "sha256": hex}``, what a
-    reader checks before it reads anything (``verify``)."""
-    out = {}
+def entries(folder: str, names: Optional[list] = None) -> dict:
+    """Every file under ``folder`` (or those of ``names``): relative path -> ``{"bytes": size,
+    "sha256": hex}``, what a reader checks before it reads anything (``verify``)."""
+    names = listing(folder) if names is None else names
+    return {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)),
+                  "sha256": sha256(os.path.join(folder, rel))} for rel in names}
+
+
+def listing(folder: str) -> list:
+    """The relative paths (``/``-separated) of every file under ``folder``, sorted."""
+    out = []
     for sub, _, names in os.walk(folder):
-        for name in names:
-            full = os.path.join(sub, name)
-            out[os.path.relpath(full, folder).replace(os.sep, "/")] = {
-                "bytes": os.path.getsize(full), "sha256": sha256(full)}
-    return dict(sorted(out.items()))
+        out += [os.path.relpath(os.path.join(sub, n), folder).replace(os.sep, "/")
+                for n in names]
+    return sorted(out)
+
+
+def _shared_entries(folder: str, agreement, doing: str, kept: str) -> dict:
+    """``entries(folder)`` on every rank, each file hashed by one rank: rank 0's listing,
+    every ``world``-th file from the rank's own index, so the hashing costs each rank its
+    share of the bytes, as the write did."""
+    names = _exchange(agreement, listing(folder) if agreement.rank == 0 else None, doing,
+                      kept)[0]
+    mine: dict = {}
+    share = names[agreement.rank::agreement.world] if not agreement.fake else names
+    settle(agreement, attempt(lambda: mine.update(entries(folder, share)), agreement.rank),
+           doing, kept, folder)
+    files: dict = {}
+    for got in _exchange(agreement, mine, doing, kept):
+        files.update(got)
+    return dict(sorted(files.items()))
 
 
 def sha256(path: str) -> str:
@@ -278,10 +619,29 @@ def inside(root: str, rel) -> bool:
     return os.path.realpath(os.path.join(root, *parts)) == os.path.join(real_root, *parts)
 
 
-def verify(root: str, files: dict, world_size: int, what: str) -> None:
+def verify(root: str, files: dict, world_size: int, what: str, agreement=None) -> None:
     """Every file of ``files`` (relative path -> an ``entries`` entry, or a size alone, as
     checkpoints before format 2 recorded) is a plain file inside ``root``, whole and, where a
-    SHA-256 is recorded, unchanged; AutoshardError naming the file and what is wrong."""
+    SHA-256 is recorded, unchanged; AutoshardError naming the file and what is wrong. With
+    ``agreement`` (every rank calls it) each file is hashed by one rank and every rank
+    raises the first problem any rank found."""
+    if agreement is None or agreement.world == 1 or agreement.fake:
+        _verify(root, files, world_size, what, hashed=set(files))
+        return
+    names = sorted(files)
+    problem = None
+    try:
+        _verify(root, files, world_size, what,
+                hashed=set(names[agreement.rank::agreement.world]))
+    except AutoshardError as e:
+        problem = str(e)
+    found = [p for p in _exchange(agreement, problem, f"check of the {what} at {root}",
+                                  "nothing was read") if p]
+    if found:
+        raise AutoshardError(found[0])
+
+
+def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> None:
     for rel, entry in files.items():
         full = os.path.join(root, rel)
         if not inside(root, rel):
@@ -300,7 +660,7 @@ def verify(root: str, files: dict, world_size: int, what: str) -> None:
                 f"{full} is {got} bytes, but the {what} wrote {size}: it is truncated or was "
                 f"changed{whose(rel, world_size)}. Copy it again from the {what}'s source, or "
                 f"write the {what} again.")
-        if digest is not None and sha256(full) != digest:
+        if digest is not None and rel in hashed and sha256(full) != digest:
             raise AutoshardError(
                 f"{full} does not match the SHA-256 the {what} records{whose(rel, world_size)}"
                 f": it is corrupt or was changed after it was written. Copy it again from "

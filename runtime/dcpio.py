@@ -102,9 +102,12 @@ class SafeReader(FileSystemReader):
         super().__init__(folder)
         self.folder = os.fspath(folder)
         self.files = files
+        self.checked = None  # the global metadata, once read
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
+        if rank is None and self.checked is not None:  # read and checked before dcp.load
+            return self.checked
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         where = os.path.join(self.folder, name)
         md = read_metadata(where)
@@ -115,6 +118,8 @@ class SafeReader(FileSystemReader):
 
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
+        if rank is None:
+            self.checked = md
         return md
 
     def _check(self, rel, where: str) -> None:

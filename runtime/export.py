@@ -395,7 +395,7 @@ def export(model, path, *, inference: bool = True) -> None:
                     p.step()
                 _write_json(os.path.join(folder, "model.json"), model_doc)
 
-    def document(folder):
+    def document(folder, files):
         data = os.path.basename(folder)
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
@@ -403,7 +403,7 @@ def export(model, path, *, inference: bool = True) -> None:
             "mesh_shape": list(mesh.shape),
             "device": device.type, "model": _class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
-            "files": {f"{data}/{rel}": e for rel, e in commit.entries(folder).items()}}
+            "files": {f"{data}/{rel}": e for rel, e in files.items()}}
         manifest["hash"] = _content_hash(manifest["files"])
         return manifest
 
@@ -576,6 +576,8 @@ class Loaded:
     inference: bool = False  # only the eval-mode programs, called without gradients
     version: int = VERSION  # the export's format version: how its files are written
     programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
+    # commit.Held: the data folder, kept from any sweep while the module lives
+    held: Any = None
 
     @property
     def calls(self) -> list:
@@ -584,8 +586,17 @@ class Loaded:
     def program(self, key: str, model):
         if key not in self.programs and key in self.entries:
             folder = os.path.join(self.path, self.entries[key]["dir"])
-            self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
-                                               self.version)
+            try:
+                self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
+                                                   self.version)
+            except Exception:  # a file gone, or cut short while a sweep removed it
+                data = self.entries[key]["dir"].split("/")[0]
+                if data.startswith(commit.DATA) and not os.path.isdir(
+                        os.path.join(self.path, data)):  # not held: no lock at the path
+                    raise AutoshardError(
+                        f"the export at {self.path} was replaced after it was loaded (its data "
+                        f"folder {data} is gone); load it again") from None
+                raise
         return self.programs.get(key)
 
 
@@ -596,13 +607,30 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     ``config``: plan with this instead of the export's Config (the passes then run again).
     ``inference``: load only the eval-mode, no-gradient programs (forward graphs only); the
     module is put in eval mode and runs every call without gradients. ``verify``: check
-    every file's SHA-256."""
+    every file's SHA-256.
+
+    The module reads each program's files on its first call, so it holds the export's data
+    folder while it lives (``commit.reading``): another export to ``path`` meanwhile
+    replaces it for later loads and leaves this one's files until a sweep after the module
+    is gone."""
+    with commit.reading(path, MANIFEST) as held:
+        model = _load(path, mesh, config, inference=inference, verify=verify)
+        model._autoshard.exported.held = held.kept()
+    return model
+
+
+def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool):
+    """``load``, the export's data folder held."""
     from autoshard import api
     from autoshard.runtime import dist as _dist
 
     path = os.fspath(path)
-    manifest = read_manifest(path, verify=verify)
+    manifest = read_manifest(path, verify=False)  # the files: below, shared by the ranks
     data = os.path.join(path, manifest["data"])
+    if verify:  # what is read before the ranks can share the work
+        model_json = f"{manifest['data']}/model.json".lstrip("/")
+        commit.verify(path, {model_json: manifest["files"].get(model_json, {
+            "bytes": -1, "sha256": ""})}, manifest["world_size"], "export")
     model_doc = _read_json(os.path.join(data, "model.json"))
     stored = Config.from_dict(model_doc["config"])
     cfg = config if config is not None else stored
@@ -621,7 +649,11 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     _check_backend(mesh, path)
     model = api.autoshard(_skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=_zero)
     st = model._autoshard
-    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"])
+    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"],
+               explain=lambda seen: _differ(path, seen))
+    if verify:  # each file hashed by one rank
+        commit.verify(path, manifest["files"], manifest["world_size"], "export", st.ranks())
+        _nothing_unlisted(path, manifest)
     _read_state(model, os.path.join(data, CHECKPOINT), manifest, path)
 
     same = (list(mesh.shape) == manifest["mesh_shape"]
@@ -631,6 +663,15 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
     if inference:
         model.eval()
     return model
+
+
+def _differ(path, seen: list) -> str:
+    """The error when the ranks loaded different exports from ``path``."""
+    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(seen))
+    return (f"the ranks read different exports at {path}, or were given different paths "
+            f"(nothing was built):\n{lines}\nAn export to the path while they loaded it "
+            "replaced it: load it again. Every rank must pass the same path, on a file system "
+            "every rank sees.")
 
 
 def _read_state(model, folder: str, manifest: dict, path: str) -> None:
