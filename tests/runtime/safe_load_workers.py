@@ -228,3 +228,35 @@ def cases(rank, world, root):
     case("clean_checkpoint", lambda: autoshard.load_checkpoint(ckpt, model, opt))
     case("clean_export", lambda: autoshard.load(ex)(X))
     return out
+
+
+def shared_check(rank, world, root):
+    """World 2: a byte flipped in a file the other rank hashes (each file is hashed by one
+    rank) is still an error on every rank, naming the file, for a checkpoint and an export."""
+    import torch.distributed as dist
+
+    model, opt = _model()
+    out = {}
+    for kind, path, marker in (("checkpoint", f"{root}/ck", "checkpoint.json"),
+                               ("export", f"{root}/ex", "manifest.json")):
+        if kind == "checkpoint":
+            autoshard.save(path, model, opt)
+        else:
+            model.export(path)
+        data = _data(path, marker)
+        names = [n for n in commit.listing(data) if n.endswith(".distcp")]
+        listed = sorted(commit.listing(data))
+        # a shard file that rank 1 hashes: the odd positions of the sorted file list
+        target = next(n for n in names if listed.index(n) % world == 1)
+        if rank == 0:
+            full = os.path.join(data, target)
+            raw = bytearray(open(full, "rb").read())
+            raw[len(raw) // 2] ^= 0x01
+            open(full, "wb").write(bytes(raw))
+        dist.barrier()
+        if kind == "checkpoint":
+            got = _outcome(lambda: autoshard.load_checkpoint(path, model, opt))
+        else:
+            got = _outcome(lambda: autoshard.load(path))
+        out[kind] = {"outcome": got, "file": os.path.basename(target)}
+    return out

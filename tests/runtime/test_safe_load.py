@@ -80,3 +80,13 @@ def test_strict_false_loads_what_both_hold_and_reports_the_rest(out):
 def test_the_untouched_checkpoint_and_export_load(out):
     assert out["clean_checkpoint"]["outcome"] == "ok", out["clean_checkpoint"]
     assert out["clean_export"]["outcome"] == "ok", out["clean_export"]
+
+
+def test_a_file_another_rank_hashes_is_refused_on_every_rank(tmp_path):
+    """Each file is hashed by one rank; the problem it finds is every rank's error."""
+    ranks = run_ranks(2, safe_load_workers.shared_check, str(tmp_path))
+    for r, got in enumerate(ranks):
+        for kind in ("checkpoint", "export"):
+            msg = got[kind]["outcome"]
+            assert msg.startswith("AutoshardError"), (r, kind, msg)
+            assert got[kind]["file"] in msg and "SHA-256" in msg, (r, kind, msg)
