@@ -25,7 +25,9 @@ NODE fields:
   looked up on ``torch.ops``; ``"operator.NAME"``, a function of Python's ``operator``
   module (``"operator.getitem"``); ``"builtins.NAME"``, one of the pure builtins in
   ``BUILTINS``. For the other ops the target is a string: the placeholder's name, the
-  constant's key in ``constants``, ``"output"``.
+  constant's key in ``constants`` (identifiers joined by dots), ``"output"``. fx writes
+  placeholder and ``get_attr`` targets and keyword names into the Python source it generates
+  and runs, so they must be identifiers.
 - ``args`` (a JSON array) and ``kwargs`` (a JSON object), values encoded as below.
 - ``meta``: ``{"autoshard": TAGS}`` (``node.meta["autoshard"]``, tuples written as lists) and,
   when it is plain data, ``"nn_module_stack"`` (``{path: [path, class name]}``).
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import keyword
 import math
 import operator
 import re
@@ -224,6 +227,11 @@ def _resolve(name: str):
     return fn
 
 
+def _name(s) -> bool:
+    """Whether ``s`` is a name fx may write into the Python source it generates and runs."""
+    return isinstance(s, str) and bool(_IDENT.match(s)) and not keyword.iskeyword(s)
+
+
 def _enum(kind: str, name: str):
     v = getattr(torch, name, None) if _IDENT.match(name) else None
     if not isinstance(v, _TORCH_ENUMS[kind]):
@@ -315,6 +323,15 @@ def load_graph(doc: dict, constants: dict, *, device: torch.device | None = None
         if op not in _OPS:
             raise ValueError(f"node {name}: unknown op {op!r}")
         target = _resolve(d["target"]) if op == "call_function" else d["target"]
+        # fx writes these into the Python source it generates and runs: identifiers only
+        if op in ("placeholder", "get_attr") and not (
+                isinstance(target, str) and all(_name(p) for p in target.split("."))
+                and (op == "get_attr" or "." not in target)):
+            raise ValueError(f"node {name}: {op} target {target!r:.80} is not a Python "
+                             "identifier")
+        if not all(_name(k) for k in d["kwargs"]):
+            raise ValueError(f"node {name}: a keyword argument's name "
+                             f"({sorted(d['kwargs'])!r:.80}) is not an identifier")
         args = _decode(d["args"], env, device)
         kwargs = {k: _decode(a, env, device) for k, a in d["kwargs"].items()}
         if (group_name is not None and isinstance(target, _compat.OpOverload)

@@ -295,3 +295,46 @@ def test_device_mapping():
         if n.op == "placeholder":
             assert n.meta["val"].device == torch.device("meta")
     assert loaded._tensor_constant0.device == torch.device("meta")
+
+
+# --- what a graph file may hold -------------------------------------------------------------
+
+
+def neg_chain(n):
+    """A graph document of one placeholder and ``n`` aten::neg nodes, each of the one before."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(3)
+    for _ in range(n):
+        x = g.call_function(torch.ops.aten.neg.default, (x,))
+    g.output(x)
+    return json.loads(json.dumps(graphio.dump_graph(fx.GraphModule({}, g))[0]))
+
+
+def with_node(doc, node):
+    """``doc`` with ``node`` added before its output."""
+    doc = json.loads(json.dumps(doc))
+    doc["nodes"].insert(len(doc["nodes"]) - 1, {"kwargs": {}, "meta": {}, **node})
+    return doc
+
+
+def test_names_fx_writes_into_python_source_are_refused_unless_identifiers(tmp_path):
+    """fx generates Python source from a graph and runs it: a placeholder's target, a
+    get_attr's target and a keyword's name are written into it as they are."""
+    marker = tmp_path / "ran"
+    code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    doc = neg_chain(1)
+    doc["nodes"][0]["target"] = f"x={code}"
+    with pytest.raises(ValueError, match=r"node x: placeholder target .* is not a Python "
+                       "identifier"):
+        graphio.load_graph(doc, {})
+    doc = neg_chain(1)
+    doc["nodes"][1]["kwargs"] = {f"y={code}, z": 1}
+    with pytest.raises(ValueError, match=r"node neg_default: a keyword argument's name"):
+        graphio.load_graph(doc, {})
+    doc = with_node(neg_chain(1), {"name": "c", "op": "get_attr", "args": [],
+                                   "target": f'c") or {code} or getattr(self, "c'})
+    with pytest.raises(ValueError, match=r"node c: get_attr target .* is not a Python "
+                       "identifier"):
+        graphio.load_graph(doc, {f'c") or {code} or getattr(self, "c': torch.ones(1)})
+    assert not marker.exists()
