@@ -7,6 +7,8 @@ import json
 import math
 import operator
 import re
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -14,10 +16,13 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import models
+import autoshard
 from autoshard.compiler import compile_step
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard.graph import _aliased_arg
+from autoshard.models import GPT
+from autoshard.runtime import export as export_mod
 from autoshard.runtime import graphio
 
 
@@ -454,3 +459,96 @@ def test_names_fx_writes_into_python_source_are_refused_unless_identifiers(tmp_p
         graphio.load_graph(doc, {f'c") or {code} or getattr(self, "c': torch.ones(1)})
     assert not marker.exists()
 
+
+# --- an export whose graph file was changed --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A one-layer GPT exported at world size 1 (this process's one-rank group), and a batch."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 says so
+        model = autoshard.autoshard(GPT(vocab=96, layers=1))
+    x = torch.randint(0, 96, (2, 16))
+    model(x)
+    path = tmp_path_factory.mktemp("export") / "gpt"
+    model.export(path, inference=False)
+    return path, x
+
+
+def tampered(src, dst, edit, text=lambda t: t, graph="forward"):
+    """A copy of the export ``src`` at ``dst`` whose first program's ``graph`` ``edit`` changed
+    (then ``text`` its JSON text), the manifest's SHA-256s and hash recomputed to match, as
+    whoever changed it can."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    rel = f"{manifest['programs'][0]['dir']}/{graph}.json"
+    doc = json.loads((dst / rel).read_text())
+    edit(doc)
+    (dst / rel).write_text(text(json.dumps(doc)))
+    manifest["files"][rel] = export_mod._file_entry(str(dst / rel))
+    manifest["hash"] = export_mod._content_hash(manifest["files"])
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    export_mod.read_manifest(dst)  # whole and unchanged, as far as the manifest can tell
+    return dst
+
+
+def test_the_export_loads_and_runs(exported):
+    path, x = exported
+    assert autoshard.load(path)(x).shape == (2, 16, 96)
+
+
+@pytest.mark.parametrize("strip_vals", [True, False], ids=["without vals", "with vals"])
+def test_a_changed_export_that_would_write_a_file_is_refused(exported, tmp_path, strip_vals):
+    """The graph maps a file outside the export and fills it: refused at the first call,
+    which loads the program, and the file is untouched."""
+    src, x = exported
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+
+    def edit(doc):
+        for d in doc["nodes"] if strip_vals else ():
+            d.pop("val", None)  # skips the fake values' propagation on today's loader
+        doc["nodes"][-1:-1] = [
+            {"name": "evil", "op": "call_function", "target": "aten::from_file.default",
+             "args": [str(victim)], "kwargs": {"shared": True, "size": 8,
+                                               "dtype": {"dtype": "uint8"}}, "meta": {}},
+            {"name": "fill", "op": "call_function", "target": "aten::fill_.Scalar",
+             "args": [{"node": "evil"}, 65], "kwargs": {}, "meta": {}}]
+
+    path = tampered(src, tmp_path / "export", edit)
+    model = autoshard.load(path)
+    why = (r"node arg0_1: placeholder without a 'val'" if strip_vals
+           else r"node evil: op aten::from_file\.default is refused: it reads or writes files")
+    with pytest.raises(AutoshardError, match=rf"forward\.json: {why}"):
+        model(x)
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_changed_export_nesting_values_5000_deep_is_refused(exported, tmp_path):
+    src, x = exported
+
+    def edit(doc):
+        doc["nodes"][-1:-1] = [{"name": "deep", "op": "call_function",
+                                "target": "operator.getitem", "args": ["DEEP", 0],
+                                "kwargs": {}, "meta": {}}]
+
+    path = tampered(src, tmp_path / "export", edit, lambda t: t.replace(
+        '"DEEP"', '{"tuple":[' * 5000 + "0" + "]}" * 5000))
+    with pytest.raises(AutoshardError, match=r"forward\.json nests values too deeply"):
+        autoshard.load(path)(x)
+
+
+def test_a_changed_export_whose_joint_graph_misreads_a_parameter_is_refused(exported, tmp_path):
+    """The fake values every node's are computed from are those of the model's parameters."""
+    src, x = exported
+
+    def edit(doc):  # arg1_1, the positions' embedding wpe.weight: float32[16, 32]
+        assert doc["nodes"][1]["meta"]["autoshard"]["fqn"] == "wpe.weight"
+        doc["nodes"][1]["val"]["shape"] = [17, 32]  # its 16 rows read as before
+
+    path = tampered(src, tmp_path / "export", edit, graph="joint")
+    with pytest.raises(AutoshardError, match=r"joint\.json: node arg1_1 reads the parameter "
+                       r"wpe\.weight as float32\[17, 32\], but the model has float32\[16, 32\]"):
+        autoshard.load(path)(x)
