@@ -562,7 +562,13 @@ def _nothing_unlisted(path: str, manifest: dict) -> None:
 
 def _read_json(path: str):
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+            what = ("nests values too deeply" if isinstance(e, RecursionError)
+                    else f"is not JSON ({e})")
+            raise AutoshardError(f"{path} {what}: the file was changed. Copy the export again, "
+                                 "or export again.") from None
 
 
 @dataclasses.dataclass
@@ -742,11 +748,12 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
         regroup.update({name: here[k] for name, k in hpz.items()})
 
     def graph(name, **kw):
-        return graphio.load_graph(_read_json(os.path.join(folder, f"{name}.json")),
-                                  constants[name], **kw)
+        path = os.path.join(folder, f"{name}.json")
+        return graphio.load_graph(_read_json(path), constants[name], source=path, **kw)
 
     cdoc = doc["captured"]
     joint = graph("joint", device=device)
+    _check_params(joint, model, os.path.join(folder, "joint.json"))
     stored = [_spec(p, version) for p in cdoc["params"]]
     if same:
         cap = _captured(cdoc, stored, joint)
@@ -781,6 +788,24 @@ def _read_constants(path: str) -> dict:
             f"{path} holds more than tensors and plain data, and was not read "
             f"({type(e).__name__}: {first[-1][:200] if first else ''}): it was changed to run "
             "code when loaded. Copy the export again from a source you trust.") from None
+
+
+def _check_params(joint, model, path: str) -> None:
+    """Each parameter placeholder of the stored joint graph has the shape and dtype of the
+    model's parameter of its FQN: the fake values its nodes were computed from are those of
+    the tensors the program runs on."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for n in joint.graph.nodes:
+        if not meta.is_param(n):
+            continue
+        fqn, v = meta.tag(n, meta.FQN), n.meta["val"]
+        p = params.get(fqn) if isinstance(fqn, str) else None
+        got = f"{_dtype(v.dtype)}{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+        have = "no such parameter" if p is None else f"{_dtype(p.dtype)}{list(p.shape)}"
+        if got != have:
+            raise AutoshardError(
+                f"{path}: node {n.name} reads the parameter {fqn} as {got}, but the model has "
+                f"{have}: the file was changed. Copy the export again, or export again.")
 
 
 def _regrouped(gm, regroup: dict, folder: str):
