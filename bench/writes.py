@@ -12,7 +12,9 @@ after one training step (so the optimizer holds its state), each repetition time
 - ``dcp.load`` into the model's own tensors against ``autoshard.load_checkpoint`` (which
   reads into new tensors and copies them in once every rank read its part);
 - ``dcp.save`` of the tensors an export stores against ``sharded.export`` over the previous
-  repetition's export (programs, graphs, hashes of every file, the commit).
+  repetition's export (programs, graphs, hashes of every file, the commit);
+- ``autoshard.load`` of that export (manifest, every file's SHA-256, the checkpoint), and
+  its first training step (reading and checking the program's graphs); the export's size.
 
 Each time is the slowest rank's, between two barriers; the table shows medians.
 """
@@ -20,11 +22,13 @@ Each time is the slowest rank's, between two barriers; the table shows medians.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -64,7 +68,7 @@ def _measure(rank: int, world: int, name: str, reps: int, root: str, out: str) -
                 "optim": get_optimizer_state_dict(model, opt)}
 
     times: dict = {k: [] for k in ("dcp_save", "save", "dcp_load", "load", "dcp_tensors",
-                                   "export")}
+                                   "export", "export_load", "first_step")}
     for i in range(reps):
         times["dcp_save"].append(_timed(lambda: dcp.save(
             state(), checkpoint_id=f"{root}/dcp{i}")))
@@ -81,11 +85,26 @@ def _measure(rank: int, world: int, name: str, reps: int, root: str, out: str) -
             {"tensors": module_state(model, every_buffer=True)},
             checkpoint_id=f"{root}/tensors{i}")))
         times["export"].append(_timed(lambda: model.export(f"{root}/ex", inference=False)))
+        loaded = []
+        times["export_load"].append(_timed(lambda: loaded.append(autoshard.load(f"{root}/ex"))))
+        times["first_step"].append(_timed(lambda: _loss(_forward(loaded[0], x), y).backward()))
+        del loaded
     if rank == 0:
-        sizes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in
-                    os.walk(f"{root}/dcp0") for f in fs)
         row = {k: statistics.median(v) for k, v in times.items()}
-        torch.save(dict(row, model=name, mib=sizes / 2**20), out)
+        torch.save(dict(row, model=name, mib=_mib(f"{root}/dcp0"), export_mib=_mib(
+            f"{root}/ex", "manifest.json")), out)
+
+
+def _mib(folder: str, marker: Optional[str] = None) -> float:
+    """The bytes under ``folder``; with ``marker``, those of the write it names (and the
+    marker), not the folders of earlier writes a loaded module still holds."""
+    if marker is not None:
+        with open(os.path.join(folder, marker)) as f:
+            data = json.load(f)["data"]
+        return (_mib(os.path.join(folder, data)) * 2**20 + os.path.getsize(
+            os.path.join(folder, marker))) / 2**20
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder)
+               for f in fs) / 2**20
 
 
 def _rank(rank, world, names, reps, outdir):
@@ -120,10 +139,12 @@ def table(rows) -> str:
         [(r["model"], f"{r['mib']:.1f}", ms(r["dcp_save"]), ms(r["save"]),
           f"{r['save'] / r['dcp_save']:.2f}x", ms(r["dcp_load"]), ms(r["load"]),
           f"{r['load'] / r['dcp_load']:.2f}x", ms(r["dcp_tensors"]), ms(r["export"]),
-          f"{r['export'] / r['dcp_tensors']:.2f}x") for r in rows],
+          f"{r['export'] / r['dcp_tensors']:.2f}x", f"{r.get('export_mib', 0):.2f}",
+          ms(r.get("export_load", 0)), ms(r.get("first_step", 0))) for r in rows],
         headers=["model", "MiB", "dcp.save ms", "autoshard.save ms", "ratio", "dcp.load ms",
                  "load_checkpoint ms", "ratio", "dcp.save (export's) ms", "export ms",
-                 "ratio"], tablefmt="github")
+                 "ratio", "export MiB", "autoshard.load ms", "first step ms"],
+        tablefmt="github")
 
 
 def main(argv=None) -> None:

@@ -607,16 +607,39 @@ def sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def _plain(rel) -> bool:
+    """``rel`` is a plain relative path: ``/``-separated, no ``..``, ``.`` or empty part, not
+    absolute."""
+    return (isinstance(rel, str) and bool(rel) and not rel.startswith("/") and "\\" not in rel
+            and not os.path.isabs(rel)
+            and not any(p in ("", ".", "..") for p in rel.split("/")))
+
+
 def inside(root: str, rel) -> bool:
-    """``rel`` is a plain relative path (``/``-separated, no ``..``, ``.`` or empty part, not
-    absolute) that stays inside ``root`` once symlinks are followed."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel:
+    """``rel`` is a plain relative path that stays inside ``root`` once symlinks are
+    followed."""
+    if not _plain(rel):
         return False
     parts = rel.split("/")
-    if any(p in ("", ".", "..") for p in parts) or os.path.isabs(rel):
-        return False
     real_root = os.path.realpath(root)
     return os.path.realpath(os.path.join(root, *parts)) == os.path.join(real_root, *parts)
+
+
+def _real_files(root: str, tops: set) -> set:
+    """The relative paths of the regular files under ``root``'s entries ``tops``, reached
+    without following a symlink (one walk, where ``inside`` per file would resolve each)."""
+    out = set()
+    for top in tops:
+        base = os.path.join(root, top)
+        if os.path.islink(base):
+            continue
+        if os.path.isfile(base):
+            out.add(top)
+            continue
+        for sub, _, names in os.walk(base):  # a symlinked folder is listed, not entered
+            rel = os.path.relpath(sub, root).replace(os.sep, "/")
+            out.update(f"{rel}/{n}" for n in names if not os.path.islink(os.path.join(sub, n)))
+    return out
 
 
 def verify(root: str, files: dict, world_size: int, what: str, agreement=None) -> None:
@@ -642,16 +665,17 @@ def verify(root: str, files: dict, world_size: int, what: str, agreement=None) -
 
 
 def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> None:
+    real = _real_files(root, {rel.split("/")[0] for rel in files if _plain(rel)})
     for rel, entry in files.items():
         full = os.path.join(root, rel)
-        if not inside(root, rel):
+        if not _plain(rel) or (rel not in real and os.path.lexists(full)):
             raise AutoshardError(
                 f"the {what} at {root} lists the file {rel!r}, which is not a plain relative "
                 f"path inside it (an absolute path, '..', or a symlink out): the {what} was "
                 f"changed, and nothing was read. Copy the {what} again from a source you trust.")
         size, digest = (entry, None) if isinstance(entry, int) else (entry["bytes"],
                                                                      entry["sha256"])
-        got = os.path.getsize(full) if os.path.isfile(full) else None
+        got = os.path.getsize(full) if rel in real else None
         if got is None:
             raise AutoshardError(f"{full} is missing{whose(rel, world_size)}. Copy the whole "
                                  f"{what} directory, every rank's files included.")

@@ -166,6 +166,14 @@ def cases(rank, world, root):
     os.symlink(outside, _data(p7, "checkpoint.json"))
     case("data_symlink_checkpoint", lambda: autoshard.load_checkpoint(p7, model, opt))
 
+    # a listed file that is a symlink to a copy outside (same bytes, so only the link tells)
+    p7b = copy(ckpt, "file_symlink_ckpt")
+    shard = glob.glob(os.path.join(_data(p7b, "checkpoint.json"), "*.distcp"))[0]
+    shutil.copy(shard, f"{root}/outside_shard")
+    os.remove(shard)
+    os.symlink(f"{root}/outside_shard", shard)
+    case("file_symlink_checkpoint", lambda: autoshard.load_checkpoint(p7b, model, opt))
+
     # the export's program folder pointing at another copy (graphs that compute otherwise)
     elsewhere = copy(ex, "elsewhere")
     for name, where in (("dotdot", os.path.relpath(_data(elsewhere, "manifest.json"), ex)),

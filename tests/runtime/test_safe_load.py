@@ -46,6 +46,10 @@ def test_a_data_folder_symlinked_out_is_refused(out):
     _refused(out, "data_symlink_checkpoint", "data folder", "symlink")
 
 
+def test_a_listed_file_symlinked_out_is_refused(out):
+    _refused(out, "file_symlink_checkpoint", ".distcp", "symlink out")
+
+
 @pytest.mark.parametrize("how", ["dotdot", "absolute"])
 def test_a_program_folder_outside_the_export_is_refused(out, how):
     _refused(out, f"program_dir_{how}_export", "not one of the export's own")
