@@ -111,8 +111,9 @@ class SafeReader(FileSystemReader):
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         where = os.path.join(self.folder, name)
         md = read_metadata(where)
-        for info in (md.storage_data or {}).values():
-            self._check(getattr(info, "relative_path", None), where)
+        for rel in {getattr(info, "relative_path", None)
+                    for info in (md.storage_data or {}).values()}:
+            self._check(rel, where)
         if getattr(md, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -126,8 +127,7 @@ class SafeReader(FileSystemReader):
         plain = (isinstance(rel, str) and rel not in ("", ".", "..") and "/" not in rel
                  and "\\" not in rel and os.sep not in rel)
         full = os.path.join(self.folder, rel) if plain else None
-        inside = plain and os.path.realpath(full) == os.path.join(
-            os.path.realpath(self.folder), rel)
+        inside = plain and os.path.isfile(full) and not os.path.islink(full)
         listed = self.files is None or rel in self.files
         if not (inside and listed):
             why = ("is not a plain file name inside the checkpoint's folder" if not inside else
