@@ -76,3 +76,17 @@ def train_step(loss, opt, world: int) -> float:
     t = torch.tensor([loss.item()], device="cuda" if nccl else "cpu")
     dist.all_reduce(t)
     return t.item() / world
+
+
+def outcome(fn) -> str:
+    """``"ok"`` if ``fn()`` returned, ``"AutoshardError: ..."`` if it raised that, otherwise
+    ``"escaped <type>: ..."``: what a rank reports of a call a test expects to be refused."""
+    from autoshard.errors import AutoshardError
+
+    try:
+        fn()
+        return "ok"
+    except AutoshardError as e:
+        return f"AutoshardError: {e}"
+    except BaseException as e:  # noqa: BLE001 - the test names what escaped
+        return f"escaped {type(e).__name__}: {e}"

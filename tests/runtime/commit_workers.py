@@ -12,8 +12,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 import autoshard
-from autoshard import AutoshardError, Config
+from autoshard import Config
 from autoshard.runtime import commit
+from harness import outcome
 
 
 class Net(nn.Module):
@@ -46,15 +47,6 @@ def values(model, opt) -> dict:
         out[f"m:{n}"] = opt.state[p]["exp_avg"].full_tensor().clone()
     return out
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except AutoshardError as e:
-        return f"AutoshardError: {e}"
-    except BaseException as e:  # noqa: BLE001 - the test names what escaped
-        return f"escaped {type(e).__name__}: {e}"
 
 
 def _fail_writes_on(rank: int, how: str) -> None:
@@ -94,14 +86,14 @@ def interrupted_worker(rank, world, payload):
         if rank == 0:
             commit._commit = commit_then_die
         return {"before": before,
-                "error": _outcome(lambda: model.export(f"{root}/ex2", inference=False))}
+                "error": outcome(lambda: model.export(f"{root}/ex2", inference=False))}
     _fail_writes_on(1, "kill")
     target = {"overwrite": f"{root}/ck", "export": f"{root}/ex", "fresh": f"{root}/new"}[case]
     if case == "export":
         write = lambda: model.export(target, inference=False)  # noqa: E731
     else:
         write = lambda: autoshard.save(target, model, opt)  # noqa: E731
-    return {"before": before, "error": _outcome(write)}
+    return {"before": before, "error": outcome(write)}
 
 
 def reload_worker(rank, world, roots):
@@ -112,14 +104,14 @@ def reload_worker(rank, world, roots):
 def _reload(root):
     out = {}
     model, opt = model_and_optimizer()
-    out["ck"] = _outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", model, opt))
+    out["ck"] = outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", model, opt))
     out["ck_values"] = values(model, opt) if out["ck"] == "ok" else None
-    out["new"] = _outcome(lambda: autoshard.load_checkpoint(f"{root}/new", model, opt))
+    out["new"] = outcome(lambda: autoshard.load_checkpoint(f"{root}/new", model, opt))
     loaded = {}
-    out["ex"] = _outcome(lambda: loaded.update(m=autoshard.load(f"{root}/ex")))
+    out["ex"] = outcome(lambda: loaded.update(m=autoshard.load(f"{root}/ex")))
     out["ex_out"] = loaded["m"](X).detach() if "m" in loaded else None
     if os.path.exists(f"{root}/ex2"):
-        out["ex2"] = _outcome(lambda: autoshard.load(f"{root}/ex2"))
+        out["ex2"] = outcome(lambda: autoshard.load(f"{root}/ex2"))
     return out
 
 
@@ -134,22 +126,22 @@ def failed_write_worker(rank, world, root):
     step(model, opt)
     out = {}
     real = _fail_writes_on(1, "enospc")
-    out["save_enospc"] = _outcome(lambda: autoshard.save(f"{root}/ck", model, opt))
-    out["export_enospc"] = _outcome(lambda: model.export(f"{root}/ex", inference=False))
+    out["save_enospc"] = outcome(lambda: autoshard.save(f"{root}/ck", model, opt))
+    out["export_enospc"] = outcome(lambda: model.export(f"{root}/ex", inference=False))
     dcp.filesystem._FileSystemWriter.write_data = real
     with open(f"{root}/afile", "w") as f:
         f.write("not a directory")
-    out["unwritable"] = _outcome(lambda: autoshard.save(f"{root}/afile/ck", model, opt))
-    out["foreign"] = _outcome(lambda: autoshard.save(root, model, opt))
-    out["paths"] = _outcome(lambda: autoshard.save(f"{root}/ck{rank}", model, opt))
+    out["unwritable"] = outcome(lambda: autoshard.save(f"{root}/afile/ck", model, opt))
+    out["foreign"] = outcome(lambda: autoshard.save(root, model, opt))
+    out["paths"] = outcome(lambda: autoshard.save(f"{root}/ck{rank}", model, opt))
     out["listing"] = sorted(os.listdir(f"{root}/ck"))
     fresh, fresh_opt = model_and_optimizer()
-    out["kept"] = _outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", fresh, fresh_opt))
+    out["kept"] = outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", fresh, fresh_opt))
     out["kept_equal"] = all(torch.equal(a, b) for a, b in
                             zip(saved.values(), values(fresh, fresh_opt).values()))
-    out["again"] = _outcome(lambda: autoshard.save(f"{root}/ck", model, opt))
+    out["again"] = outcome(lambda: autoshard.save(f"{root}/ck", model, opt))
     now = values(model, opt)
-    out["again_equal"] = (_outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", fresh,
+    out["again_equal"] = (outcome(lambda: autoshard.load_checkpoint(f"{root}/ck", fresh,
                                                                     fresh_opt)) == "ok" and
                           all(torch.equal(a, b) for a, b in
                               zip(now.values(), values(fresh, fresh_opt).values())))
@@ -164,4 +156,4 @@ def fake_backend_worker(rank, world, path):
 
     dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    return _outcome(lambda: autoshard.load(path))
+    return outcome(lambda: autoshard.load(path))

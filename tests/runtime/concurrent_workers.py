@@ -15,8 +15,9 @@ import warnings
 import torch
 
 import autoshard
-from autoshard import AutoshardError, Config
+from autoshard import Config
 from autoshard.runtime import checkpoint, commit, dcpio, export
+from harness import outcome
 
 from commit_workers import Net, X
 
@@ -43,15 +44,6 @@ def values(model) -> dict:
 def equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-
-def outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except AutoshardError as e:
-        return f"AutoshardError: {e}"
-    except BaseException as e:  # noqa: BLE001 - the test names what escaped
-        return f"escaped {type(e).__name__}: {e}"
 
 
 def loaded(path) -> tuple:

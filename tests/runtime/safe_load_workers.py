@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 import autoshard
-from autoshard import AutoshardError
 from autoshard.runtime import commit, dcpio
+from harness import outcome
 
 
 class Net(nn.Module):
@@ -49,15 +49,6 @@ def _model(bias: bool = True):
     opt.zero_grad()
     return model, opt
 
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except AutoshardError as e:
-        return f"AutoshardError: {e}"
-    except BaseException as e:  # noqa: BLE001 - the test names what escaped
-        return f"escaped {type(e).__name__}: {e}"
 
 
 def _data(path: str, marker: str) -> str:
@@ -120,7 +111,7 @@ def cases(rank, world, root):
         return dst
 
     def case(name, fn, sentinel=None):
-        out[name] = {"outcome": _outcome(fn),
+        out[name] = {"outcome": outcome(fn),
                      "ran": sentinel is not None and os.path.exists(sentinel)}
 
     # 1. a pickle payload in DCP's .metadata, of a checkpoint and of an export
@@ -263,8 +254,8 @@ def shared_check(rank, world, root):
             open(full, "wb").write(bytes(raw))
         dist.barrier()
         if kind == "checkpoint":
-            got = _outcome(lambda: autoshard.load_checkpoint(path, model, opt))
+            got = outcome(lambda: autoshard.load_checkpoint(path, model, opt))
         else:
-            got = _outcome(lambda: autoshard.load(path))
+            got = outcome(lambda: autoshard.load(path))
         out[kind] = {"outcome": got, "file": os.path.basename(target)}
     return out
