@@ -194,6 +194,14 @@ def is_fake(x) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def dcp_set_element(root: dict, path, value) -> None:
+    """DCP's setter of a value at a flattened key's path in a nested state dict (what its
+    default load planner uses for a value read as bytes)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
 def all_gather_tensor(out, inp, group=None) -> None:
     """``torch.distributed``'s all-gather into one tensor, under its current name
     (``all_gather_single``; ``all_gather_into_tensor`` before it, deprecated since)."""

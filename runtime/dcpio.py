@@ -32,9 +32,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from autoshard._compat import dcp_set_element
 from autoshard.errors import AutoshardError
 
 METADATA = ".metadata"
@@ -143,7 +143,7 @@ class SafePlanner(DefaultLoadPlanner):
     ``strict`` refuses any difference, naming the keys; otherwise ``skipped`` has them."""
 
     def __init__(self, strict: bool, where: str):
-        super().__init__(allow_partial_load=not strict)
+        super().__init__(allow_partial_load=True)  # what is missing: decided here
         self.strict, self.where = strict, where
         self.skipped = IncompatibleKeys([], [])
 
@@ -153,7 +153,11 @@ class SafePlanner(DefaultLoadPlanner):
         parts = {k.split(".", 1)[0] for k in wanted}  # "model", "optim": only what is asked
         missing = sorted(wanted - held)
         unexpected = sorted(k for k in held - wanted if k.split(".", 1)[0] in parts)
-        if self.strict and (missing or unexpected):
+        # a param group's hyperparameters: an entry one side has and the other lacks (an LR
+        # scheduler's initial_lr) keeps the optimizer's own, as torch's load_state_dict of a
+        # group without it would; it is reported, never refused
+        groups = [k for k in missing + unexpected if k.startswith("optim.param_groups.")]
+        if self.strict and (set(missing) | set(unexpected)) - set(groups):
             raise AutoshardError(
                 f"{self.where} does not match the model{' and optimizer' * ('optim' in parts)}"
                 f": missing {_keys(missing)}; unexpected {_keys(unexpected)}. Load into the "
@@ -172,7 +176,7 @@ class SafePlanner(DefaultLoadPlanner):
                 "it was changed to run code when loaded, or saved from an object that is not "
                 "plain data. Copy the checkpoint again from a source you trust.") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
                         loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
