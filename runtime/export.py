@@ -536,8 +536,8 @@ def read_manifest(path, *, verify: bool = True) -> dict:
             raise AutoshardError(
                 f"{where}: the program of {entry['call']} is in the folder {entry['dir']!r}, "
                 "which is not one of the export's own (not a plain path inside it, or its files "
-                "are not listed): the file was changed, and nothing was read. Copy the export again "
-                "from a source you trust.")
+                "are not listed): the file was changed, and nothing was read. Copy the export "
+                "again from a source you trust.")
     if verify:
         commit.verify(path, manifest["files"], manifest["world_size"], "export")
         _nothing_unlisted(path, manifest)
