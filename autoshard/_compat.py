@@ -202,6 +202,19 @@ def dcp_set_element(root: dict, path, value) -> None:
     set_element(root, path, value)
 
 
+def python_vals(result, val):
+    """``val`` (FakeTensorProp's ``meta["val"]`` of a node that returned ``result``) with the
+    plain ints, floats and bools of ``result`` in it: torch before 2.13 records None for
+    them, 2.13 the value."""
+    got, spec = pytree.tree_flatten(result)
+    had, had_spec = pytree.tree_flatten(val)
+    if spec != had_spec:
+        return val
+    return pytree.tree_unflatten(
+        [g if h is None and isinstance(g, (int, float, bool)) else h for g, h in zip(got, had)],
+        spec)
+
+
 def all_gather_tensor(out, inp, group=None) -> None:
     """``torch.distributed``'s all-gather into one tensor, under its current name
     (``all_gather_single``; ``all_gather_into_tensor`` before it, deprecated since)."""

@@ -448,6 +448,12 @@ def _fake_placeholders(phs: list, mode, device) -> list:
 
 
 class _Prop(FakeTensorProp):
+    def run_node(self, n):
+        result = super().run_node(n)
+        if "val" in n.meta:
+            n.meta["val"] = _compat.python_vals(result, n.meta["val"])
+        return result
+
     def get_attr(self, target, args, kwargs):
         return self._mode.from_tensor(super().get_attr(target, args, kwargs), static_shapes=True)
 
