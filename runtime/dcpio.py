@@ -15,7 +15,9 @@ run any code there. Here:
   no separator, no symlink out) and, when the caller passes the file list a marker
   recorded, one of the files the writer listed (and whose SHA-256 the caller checked).
 - ``strict`` (the default) refuses a load whose state and checkpoint keys differ, naming the
-  missing and unexpected keys; ``strict=False`` loads what both hold and reports the rest.
+  missing and unexpected keys (a param group's hyperparameter that one side lacks, such as an
+  LR scheduler's ``initial_lr``, is reported, not refused); ``strict=False`` loads what both
+  hold and reports the rest.
 
 A hash kept in the same directory cannot stop an attacker who edits the directory (they can
 rewrite the hash too), so safety rests on the restricted reader, not on the hashes; the
