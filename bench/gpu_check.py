@@ -479,7 +479,8 @@ def stage_fake8(args, st: Stage, device) -> None:
 def stage_pytest(args, st: Stage, device) -> None:
     marks = "gpu" if not args.dry_run else "gpu or not gpu"
     tests = list(GPU_TESTS) if not args.dry_run else ["tests/test_cost.py"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marks, "-p", "no:cacheprovider", *tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", marks, "-rA", "-p", "no:cacheprovider",
+           *tests]
     out = subprocess.run(cmd, capture_output=True, text=True)
     print(out.stdout + out.stderr)  # the whole output, in the stage's log
     tail = (out.stdout + out.stderr).strip().splitlines()

@@ -237,7 +237,11 @@ def test_offloaded_training_on_a_gpu_matches_eager():
 
 
 def _profiled_on_gpu(rank, world, _):
-    """``bench.gpu_streams``' measure on a GPT whose copies and compute both take time."""
+    """``bench.gpu_streams``' measure on a GPT whose compute keeps the GPU busy: the host
+    issues a unit's kernels faster than they run, so the next unit's copy in (and the last
+    one's gradients out) start while compute is still queued. On a model too small for that
+    (dim 512, seq 256: the first GPU run) the GPU drained each unit's work before the host
+    reached the next copy, and none of 2.0 ms of copies overlapped a kernel."""
     import json
     import os
     import tempfile
@@ -250,10 +254,10 @@ def _profiled_on_gpu(rank, world, _):
 
     torch.cuda.set_device(0)
     torch.manual_seed(0)
-    model = autoshard(GPT(vocab=512, dim=512, heads=8, layers=4, seq=256).cuda(),
+    model = autoshard(GPT(vocab=512, dim=1024, heads=16, layers=4, seq=512).cuda(),
                       config=Config(policy="module", offload_policy=CPUOffloadPolicy()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 512, (16, 256), device="cuda")
+    x = torch.randint(0, 512, (16, 512), device="cuda")
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
@@ -265,6 +269,7 @@ def _profiled_on_gpu(rank, world, _):
 @pytest.mark.gpu
 def test_copies_run_on_their_own_streams_and_overlap_compute():
     got = run_ranks(1, _profiled_on_gpu, torchrun_env=True)[0]
+    print("copy-stream overlap:", got)  # shown by ``pytest -rA`` (bench.gpu_check does)
     assert got["copy_us"] > 0, got
     assert got["copy_streams"] and not set(got["copy_streams"]) & set(got["compute_streams"])
     assert got["fraction"] > 0, got
