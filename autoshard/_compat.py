@@ -177,13 +177,26 @@ def backward_keeps_graph() -> bool:
 
 
 def autocast_state(device_type: str) -> tuple:
-    """What ``torch.autocast`` does now to ops on ``device_type`` (and on the CPU): capture
-    records its casts, so a program is valid only under the state it was traced in."""
+    """What ``torch.autocast`` does now to ops on ``device_type`` (the mesh's device) and on
+    the CPU: capture records its casts, so a program is valid only under the state it was
+    traced in. Named by role ("device", "host"), not by device type, so that a program
+    exported on one device type is found again when loaded on another."""
     import torch
 
-    types = dict.fromkeys((device_type, "cpu"))
-    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)
-                  if torch.is_autocast_enabled(t) else None) for t in types)
+    def one(t):
+        on = torch.is_autocast_enabled(t)
+        return on, torch.get_autocast_dtype(t) if on else None
+
+    return ("device", *one(device_type)), ("host", *one("cpu"))
+
+
+def legacy_autocast_states(state: tuple) -> list:
+    """The forms ``autocast_state`` had before 0.2.1, for ``state`` (an export written
+    then keyed its programs by them): by device type, ``(("cpu", on, dtype),)`` on a CPU and
+    ``(("cuda", on, dtype), ("cpu", on, dtype))`` on a GPU."""
+    (_, on, dtype), (_, host_on, host_dtype) = state
+    return [(("cpu", host_on, host_dtype),),
+            *[((t, on, dtype), ("cpu", host_on, host_dtype)) for t in ("cuda", "xpu")]]
 
 
 def is_fake(x) -> bool:

@@ -469,3 +469,42 @@ def test_an_export_moves_between_cpu_and_gpu(tmp_path):
     # the same model and data on either device: losses agree to float rounding
     for got in (on_gpu, cpu_from_gpu, gpu_from_cpu):
         assert max(abs(a - b) for a, b in zip(got, on_cpu)) <= 1e-4, (got, on_cpu)
+
+
+# --- programs keyed the same on every device type ---------------------------------------------
+
+LEGACY_KEYS = {"cpu": "(('cpu', False, None),)",  # before 0.2.1, on a CPU and on a GPU
+               "cuda": "(('cuda', False, None), ('cpu', False, None))"}
+
+
+def _export_and_train(rank, world, root):
+    model = autoshard.autoshard(_tiny_gpt())
+    x, _ = _data(0, world, rank)
+    model(x)
+    model.export(root)
+    return _train_three(model, torch.device("cpu"))
+
+
+def test_a_program_key_names_no_device_type_and_older_keys_still_load(tmp_path):
+    """An export made on a GPU is found on a CPU: a program's key names the autocast state
+    of "the device" and "the host", not of "cuda" and "cpu" (on the first GPU run the
+    cross-device test failed: a GPU's key never matched a CPU's call). Exports written
+    before, keyed by device type either way, still load and train the same."""
+    from autoshard import _compat
+
+    assert _compat.autocast_state("cuda") == _compat.autocast_state("cpu")
+    root = str(tmp_path / "e")
+    trained = run_ranks(1, _export_and_train, root)[0]
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    key = manifest["programs"][0]["key"]
+    neutral = repr(_compat.autocast_state("cpu"))
+    assert neutral in key and "cuda" not in key, key
+    for legacy in LEGACY_KEYS.values():
+        old = tmp_path / f"old{len(legacy)}"
+        shutil.copytree(root, old)
+        m = json.loads((old / "manifest.json").read_text())
+        for e in m["programs"]:
+            e["key"] = e["key"].replace(neutral, legacy)
+        (old / "manifest.json").write_text(json.dumps(m))
+        got = run_ranks(1, _load_here, (str(tmp_path), old.name))[0]
+        assert got == trained, (legacy, got, trained)
