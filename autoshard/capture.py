@@ -25,7 +25,7 @@ from autoshard._compat import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
-from autoshard.graph import alias_closure, written_inputs
+from autoshard.graph import alias_closure, fold_alias_pairs, written_inputs
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
 
 @dataclasses.dataclass
@@ -708,6 +708,7 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
                 t[meta.MODULE] = meta.tag(src, meta.MODULE)
         if n is rec["fwd_last"]:
             region = meta.BWD
+    fold_alias_pairs(gm.graph)
     gm.graph.lint()
     gm.recompile()
 

@@ -34,6 +34,30 @@ def positions(graph: fx.Graph) -> dict:
 # --- aliasing ---------------------------------------------------------------------------------
 
 
+def fold_alias_pairs(graph: fx.Graph) -> int:
+    """Drop what two views in a row undo or repeat: ``t(t(x))`` is ``x`` and
+    ``detach(detach(x))`` is ``detach(x)``. Autograd's backward writes both (a weight
+    transposed for its forward, transposed back for the gradient; a saved value detached
+    as it is saved and again as it is read). Both are aliases with ``x``'s metadata, so
+    nothing reads a difference, and a node less is a dispatch less each step. Returns how
+    many nodes went."""
+    t, detach = torch.ops.aten.t.default, torch.ops.aten.detach.default
+    gone = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (t, detach):
+            continue
+        inner = node.args[0]
+        if not isinstance(inner, fx.Node) or inner.target is not node.target:
+            continue
+        node.replace_all_uses_with(inner.args[0] if node.target is t else inner)
+        graph.erase_node(node)
+        gone += 1
+        if not inner.users:
+            graph.erase_node(inner)
+            gone += 1
+    return gone
+
+
 def _aliased_arg(node: fx.Node) -> Optional[fx.Node]:
     """The input whose storage ``node``'s output shares (a view or an in-place result)."""
     if node.op != "call_function":

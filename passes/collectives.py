@@ -359,7 +359,7 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
             # shards
             shards = [_TO_COPY(s, device=device, non_blocking=True) if h else s
                       for s, h in zip(shards, hosted)]
-            flat = [s.reshape(-1).to(dtype) for s in shards]
+            flat = [_flat(s).to(dtype) for s in shards]
             flat = torch.cat(flat) if len(flat) > 1 else flat[0]
         else:
             flat = shards[0]
@@ -374,14 +374,17 @@ def _gather(gm, pos, unit, region, specs, phs, group, keep, dtype, device, held=
         # by the reshape. Ops must see what eager gives them, a contiguous nn.Parameter
         # (CPU BatchNorm, for one, rounds otherwise on a strided weight), so the view is
         # copied too: ``contiguous`` copies only a view that is not contiguous already.
+        # One split gives every parameter's piece; over one rank the buffer is the pieces
+        # end to end, and a 1-D piece is its parameter as it is (no node per parameter).
         if dtype.is_complex and not buf.is_complex():  # sent as its real view (_real)
             buf = torch.view_as_complex(buf.view(-1, 2))
-        cols, off, fulls = buf.view(N, -1), 0, []
-        for lay in lays:
-            full = cols[:, off : off + lay.local_numel].reshape(lay.padded_rows, *lay.inner)
+        sizes = [lay.local_numel for lay in lays]
+        pieces = _split(buf, sizes) if N == 1 else _split(buf.view(N, -1), sizes, dim=1)
+        fulls = []
+        for piece, lay in zip(pieces, lays):
+            full = _shaped(piece, (lay.padded_rows, *lay.inner))
             full = full[: lay.shape[0]] if lay.padded_rows != lay.shape[0] else full
             fulls.append(full.contiguous())
-            off += lay.local_numel
         return fulls
 
     key = ("ag", N, sent_over, group, dtype, str(device), tuple(hosted),
@@ -424,6 +427,7 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
     hosted = [s.device == "host" for s in specs]
     before = max(grads, key=pos.__getitem__).next
     scatter = steps[0][0] == "rs"
+    ranks = steps[0][2]
     mesh = tuple(specs[0].mesh_shape)
 
     def issue(*gs):
@@ -431,13 +435,15 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
         for g, lay in zip(gs, lays):
             g = g.to(reduce_dtype)
             if not scatter:
-                cols.append(_real(g).reshape(-1))
+                cols.append(_flat(_real(g)))
                 continue
             if lay.padded_rows != lay.shape[0]:
                 pad = [0, 0] * len(lay.inner) + [0, lay.padded_rows - lay.shape[0]]
                 g = torch.nn.functional.pad(g, pad)
-            cols.append(_real(g).reshape(steps[0][2], -1))
-        flat = (torch.cat(cols, dim=int(scatter)) if len(cols) > 1 else cols[0]).reshape(-1)
+            # over one rank the shards are the gradients end to end: no column view each
+            cols.append(_flat(_real(g)) if ranks == 1 else _real(g).reshape(ranks, -1))
+        dim = int(scatter and ranks > 1)
+        flat = _flat(torch.cat(cols, dim=dim) if len(cols) > 1 else cols[0])
         if scaling[1] is not None:
             flat = flat / scaling[1]
         return _collective(flat, steps[0], groups, scaling[0])
@@ -447,12 +453,9 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
             buf = buf / scaling[2]
         if reduce_dtype.is_complex and not buf.is_complex():  # reduced as its real view
             buf = torch.view_as_complex(buf.view(-1, 2))
-        off, outs = 0, []
-        for lay in lays:
-            shape = lay.local_shape if scatter else lay.shape
-            n = math.prod(shape)
-            outs.append(buf[off : off + n].view(shape))
-            off += n
+        shapes = [tuple(lay.local_shape if scatter else lay.shape) for lay in lays]
+        outs = [_shaped(piece, shape)
+                for piece, shape in zip(_split(buf, [math.prod(s) for s in shapes]), shapes)]
         return [_TO_COPY(o, dtype=storage_dtype, device=HOST) if h else o.to(storage_dtype)
                 for o, h in zip(outs, hosted)]
 
@@ -479,6 +482,21 @@ def _reduce(gm, pos, unit, grads, specs, steps, groups, reduce_dtype, storage_dt
                          _comm_tags(unit, meta.BWD, {}, meta.RS_UNPACK, copy_kind=meta.D2H),
                          key=key + ("unpack",))
     return locals_, new + n3
+
+
+def _flat(t):
+    """``t`` as one dimension, with no node where it is one already."""
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
+def _shaped(t, shape):
+    """``t`` reshaped to ``shape``, with no node where it has that shape already."""
+    return t if tuple(t.shape) == tuple(shape) else t.reshape(shape)
+
+
+def _split(t, sizes, dim=0):
+    """``t``'s consecutive pieces of ``sizes`` along ``dim``: one node for them all."""
+    return [t] if len(sizes) == 1 else list(torch.split(t, sizes, dim=dim))
 
 
 def _collective(flat, step, groups, op="avg"):

@@ -217,7 +217,9 @@ def _check_reductions(gm, pos, specs, sync: bool):
                 else:
                     fulls.add(a)
         for full in fulls:
-            packs = [u for u in full.users if meta.tag(u, meta.COMM) == meta.RS_PACK]
+            # a lone gradient already flat is reduced as it is: the issue is its packing
+            packs = [u for u in full.users
+                     if meta.tag(u, meta.COMM) == meta.RS_PACK or u is rs]
             if len({meta.tag(p, meta.UNIT) for p in packs}) != 1:
                 _fail(f"full gradient {full.name} is reduced more than once")
             for a in alias_closure(alias_base(full)):

@@ -101,11 +101,37 @@ def test_frozen_parameters_are_gathered_but_never_reduced():
     assert meta.group_size(ar[0]) == 2
 
 
+class _Scaled(torch.nn.Module):
+    """Weights scaled in forward: the backward reads ``2 * w2`` (for the gradient of the
+    first layer's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(6, 6))
+        self.w2 = torch.nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return (x @ self.w1).relu() @ (2 * self.w2)
+
+
 def test_parameter_only_forward_nodes_are_recomputed_in_backward():
-    gm, ctx = _gpt()
+    gm, ctx = captured(_Scaled(), torch.randn(4, 6), world_size=2)
+    gm, ctx = run(gm, ctx, assign_units_pass, insert_collectives_pass)
     recomputed = [n for n in gm.graph.nodes if meta.tag(n, meta.RECOMPUTED)]
     assert recomputed and all(meta.is_backward(n) for n in recomputed)
+    assert any(n.target is torch.ops.aten.mul.Tensor for n in recomputed)
     verify(gm, ctx)  # includes: nothing gathered in forward is read in backward
+
+
+def test_a_weight_transposed_back_is_read_as_gathered():
+    """GPT's backward reads each weight through ``t(t(w))``, which capture folds to ``w``
+    (``graph.fold_alias_pairs``): nothing of it is left to recompute, and nothing gathered
+    in forward is read in backward."""
+    gm, ctx = _gpt()
+    t = torch.ops.aten.t.default
+    assert not any(n.target is t and getattr(n.args[0], "target", None) is t
+                   for n in gm.graph.nodes)
+    verify(gm, ctx)
 
 
 def test_keeping_parameters_gathered_skips_the_backward_gather():

@@ -1,0 +1,185 @@
+"""What autoshard's runtime costs on the host: ATen ops per step and step time at world size 1.
+
+    python -m bench.host_cost [--models mlp48,llama4,gpt-small,hf-llama] [--steps 10] [--reps 5]
+
+In the launch-bound regime (small ops, where a GPU waits for the host) a step costs what the
+host spends dispatching it. World size 1 on gloo, one thread, fp32, AdamW; systems: eager
+(the plain module), autoshard (default Config) and FSDP2 (``fully_shard`` on each repeated
+block, then on the root). Reported per model:
+
+- ``eager ops``: the ATen ops eager dispatches in one forward and backward (a dispatch
+  mode counts them);
+- ``graph ops``: the ATen ops autoshard's compiled forward and backward graphs hold (their
+  nodes, less ``getitem``, placeholders and the output), and their ratio to eager's;
+- ``dispatched``: the ATen ops autoshard dispatches in the same forward and backward (the
+  graphs' plus what runs around them);
+- ``us/node``: the time in autoshard's two graphs over their ops, per step;
+- step medians (forward, backward, ``opt.step()``, ``zero_grad``) over ``--reps``
+  repetitions of ``--steps`` steps of every system in turn, rotating which goes first, and
+  autoshard's and FSDP2's ratio to eager's.
+
+Models: ``mlp48`` (48 blocks of Linear(8, 8) and ReLU, batch 4), ``llama4`` (a 4-layer
+Hugging Face Llama, hidden 32, batch 2 x 16), and any of ``bench.compare``'s (batch 8 x 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench import compare
+
+SMALL = {"mlp48": 8, "llama4": 128}  # the issue's launch-bound models: their output width
+
+
+def _build(name):
+    torch.manual_seed(0)
+    if name == "mlp48":
+        blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+                  for _ in range(48)]
+        return torch.nn.Sequential(*blocks), blocks
+    if name == "llama4":
+        from autoshard.models import tiny_hf
+
+        model = tiny_hf("llama", SMALL[name], layers=4, hidden=32)
+        return model, list(model.model.layers)
+    model = compare.MODELS[name]()
+    return model, compare._blocks(model)
+
+
+def _batch(name, gen):
+    if name == "mlp48":
+        return torch.randn(4, 8, generator=gen), torch.randint(0, 8, (4,), generator=gen)
+    if name == "llama4":
+        tokens = torch.randint(0, SMALL[name], (2, 17), generator=gen)
+        return {"input_ids": tokens[:, :-1]}, tokens[:, 1:]
+    return compare.batch_for(name, 8, 64, gen)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fwd_bwd_ops(model, x, y) -> int:
+    with _Ops() as ops:
+        compare._loss(compare._forward(model, x), y).backward()
+    return ops.n
+
+
+def graph_ops(program) -> int:
+    """The ATen ops ``program``'s forward and backward graphs hold."""
+    return sum(isinstance(n.target, torch._ops.OpOverload)
+               for g in (program.split.fwd, program.split.bwd) if g is not None
+               for n in g.graph.nodes if n.op == "call_function")
+
+
+def _systems(name):
+    from torch.distributed.fsdp import fully_shard
+
+    from autoshard import autoshard
+
+    out = {}
+    for system in ("eager", "autoshard", "fsdp2"):
+        model, blocks = _build(name)
+        if system == "autoshard":
+            model = autoshard(model)
+        elif system == "fsdp2":
+            for b in blocks:
+                fully_shard(b)
+            fully_shard(model)
+        out[system] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return out
+
+
+def measure(name: str, steps: int, reps: int) -> dict:
+    from autoshard.runtime.executor import Program
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = _batch(name, gen)
+    systems = _systems(name)
+    for model, opt in systems.values():  # warm-up: capture, planning, first allocations
+        for _ in range(3):
+            compare._step(model, opt, x, y)
+    row = {"model": name}
+    eager, sharded = systems["eager"][0], systems["autoshard"][0]
+    row["eager ops"] = _fwd_bwd_ops(eager, x, y)
+    row["dispatched"] = _fwd_bwd_ops(sharded, x, y)
+    for model, opt in systems.values():
+        opt.zero_grad()
+    row["graph ops"] = graph_ops(sharded._autoshard.last)
+    row["x eager ops"] = round(row["graph ops"] / row["eager ops"], 2)
+
+    in_graphs = [0.0]
+    call = Program.call
+
+    def timed_call(self, gm, *args):
+        t0 = time.perf_counter()
+        try:
+            return call(self, gm, *args)
+        finally:
+            in_graphs[0] += time.perf_counter() - t0
+
+    times = collections.defaultdict(list)
+    names = list(systems)
+    for rep in range(reps):
+        for system in names[rep % len(names):] + names[: rep % len(names)]:
+            model, opt = systems[system]
+            if system == "autoshard":
+                Program.call = timed_call
+            try:
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    compare._step(model, opt, x, y)
+                    times[system].append(time.perf_counter() - t0)
+            finally:
+                Program.call = call
+    med = {s: statistics.median(t) for s, t in times.items()}
+    row["us/node"] = round(in_graphs[0] / len(times["autoshard"]) / row["graph ops"] * 1e6, 2)
+    for s in names:
+        row[f"{s} ms"] = round(med[s] * 1e3, 2)
+    row["autoshard x eager"] = round(med["autoshard"] / med["eager"], 2)
+    row["fsdp2 x eager"] = round(med["fsdp2"] / med["eager"], 2)
+    return row
+
+
+def main(argv=None) -> list:
+    from tabulate import tabulate
+
+    ap = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mlp48,llama4,gpt-small,hf-llama")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 's')}",
+                                rank=0, world_size=1)
+        try:
+            for name in args.models.split(","):
+                rows.append(measure(name, args.steps, args.reps))
+                print(tabulate(rows, headers="keys", tablefmt="github"), flush=True)
+        finally:
+            dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
