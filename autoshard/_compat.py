@@ -191,7 +191,7 @@ def autocast_state(device_type: str) -> tuple:
 
 
 def legacy_autocast_states(state: tuple) -> list:
-    """The forms ``autocast_state`` had before 0.2.1, for ``state`` (an export written
+    """The forms ``autocast_state`` had before 0.3, for ``state`` (an export written
     then keyed its programs by them): by device type, ``(("cpu", on, dtype),)`` on a CPU and
     ``(("cuda", on, dtype), ("cpu", on, dtype))`` on a GPU."""
     (_, on, dtype), (_, host_on, host_dtype) = state

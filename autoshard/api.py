@@ -432,7 +432,7 @@ def _stored(module, st: _State, args, kwargs, key) -> Program:
     """A loaded module's program for this call: one of the export's, or an error."""
     prog = st.exported.program(repr(key), module)
     for autocast in _compat.legacy_autocast_states(key[5]) if prog is None else ():
-        # an export written before 0.2.1 named the autocast state by device type
+        # an export written before 0.3 named the autocast state by device type
         prog = st.exported.program(repr((*key[:5], autocast, *key[6:])), module)
         if prog is not None:
             break

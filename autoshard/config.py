@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the fields' annotations only; imported where a value is che
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
-PREFER = ("memory", "speed")  # Config.prefer
+PREFER = ("auto", "balanced", "memory", "speed")  # Config.prefer
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -230,15 +230,23 @@ class Config:
         "h200" for an H200, else "h100", with the memory the device reports; "cpu"
         otherwise.
     optimizer: whose state the memory model counts ("adamw", "adam", "sgd", "none").
-    prefer: what the planner trades when the fastest plan is heavy:
-        - "memory" (default): the fastest plan predicted to peak at most 0.82x as high as
-          FSDP2's plan (0.85x less the error of that prediction) for the same model (one
-          unit per repeated block plus the root, resharded after the forward but the root,
-          no recomputation, prefetch of one, predicted once per plan) and to take at most
-          1.25x its step; where none is, the fastest. The plan says why when the fastest
-          plan's peak is above that (``plan.choice``). Graphs too big to search whole
-          (``autoshard.passes.auto.BIG_GRAPH`` nodes) are planned for speed;
+    prefer: what the planner trades when plans differ in speed and memory:
+        - "auto" (default): "memory" where the device is the host (the "cpu" profile: its
+          memory is the machine's, shared with everything else), "balanced" on a device
+          with memory of its own (the GPU profiles), where memory under the budget buys
+          nothing;
+        - "balanced": among the plans that fit, those predicted no slower than FSDP2's plan
+          for the same model (below) and to peak no higher, where one is; of them the
+          fastest, then the lightest predicted within 2% of its step;
+        - "memory": the fastest plan predicted to peak at most 0.82x as high as FSDP2's plan
+          (0.85x less the error of that prediction) and to take at most 1.25x its step;
+          where none is, the fastest. The plan says why when the fastest plan's peak is above
+          that (``plan.choice``);
         - "speed": the fastest plan that fits ``memory_budget``, however heavy.
+        FSDP2's plan is one unit per repeated block plus the root, resharded after the
+        forward but the root, no recomputation, prefetch of one, predicted once per plan.
+        Graphs too big to search whole (``autoshard.passes.auto.BIG_GRAPH`` nodes) are
+        planned for speed.
 
     Strategy and resharding
     -----------------------
@@ -399,7 +407,7 @@ class Config:
     compile: bool = False
     gradient_divide_factor: Optional[float] = None
     force_sum_reduction_for_comms: bool = False
-    prefer: str = "memory"
+    prefer: str = "auto"
 
     def __post_init__(self):
         """Check every field once, in this order, normalising what it stores."""

@@ -106,6 +106,28 @@ RESHARD = {True: "every unit", "auto": "all but the last", False: "none"}
 # measured step is 1.3x to 5x the prediction of its plan; BENCHMARKS.md), so 1.25x its plan's
 # prediction stays under FSDP2's measured step
 PEAK_TARGET, STEP_CAP = 0.82, 1.25
+# Config(prefer="balanced"): plans within this fraction of the fastest's predicted step are
+# as fast; the lightest of them is taken
+NEAR = 0.02
+
+
+def preference(config, profile) -> str:
+    """``Config.prefer`` as the planner applies it: "auto" is "memory" where the device is
+    the host (a profile with no host link: its memory is the machine's), else
+    "balanced"."""
+    if config.prefer != "auto":
+        return config.prefer
+    return "balanced" if profile is not None and profile.host_bandwidth > 0 else "memory"
+
+
+def _target(prefer: str, reference) -> Optional[tuple]:
+    """(peak bytes, step seconds) a plan should stay within, from FSDP2's plan's
+    ``reference`` Prediction; None where there is no such bound."""
+    if reference is None:
+        return None
+    if prefer == "memory":
+        return PEAK_TARGET * reference.peak_bytes, STEP_CAP * reference.total
+    return reference.peak_bytes, reference.total
 
 
 def reshard_label(reshard) -> str:
@@ -295,17 +317,26 @@ class Planner:
         ``Config(prefer="memory")``, that meets the target against FSDP2's plan where one
         does (``_meets``); the plan says why when the fastest was not taken."""
         config = self.config
-        reference = self._fsdp2()
-        target = (None if reference is None else
-                  (PEAK_TARGET * reference.peak_bytes, STEP_CAP * reference.total))
-        self.options = {**self.options, "target": target}
+        prefer = preference(config, self.ctx.profile)
+        ref_low = self._fsdp2(prefer)
+        reference = ref_low.prediction if ref_low is not None else None
+        target = _target(prefer, reference)
+        self.options = {**self.options, "target": target,
+                        "near": NEAR if prefer == "balanced" else 0.0}
         strategies = STRATEGIES_SEARCHED if config.strategy == "auto" else (config.strategy,)
         outcomes = [self._strategy(s) for s in strategies]
         tried = [o for o in outcomes if o[2].unfit is None] or [outcomes[-1]]
         # none fits: zero3's says what would
-        fits = [o for o in tried if o[2].predicted["peak_bytes"] <= o[2].memory_budget] or tried
-        out, best, plan = min(fits, key=lambda o: (
-            not _meets(o[1].prediction, target), o[2].predicted["step_s"]))
+        fits = [o for o in tried if o[2].predicted["peak_bytes"] <= o[2].memory_budget]
+        if (prefer == "balanced" and fits and ref_low is not None
+                and ref_low.prediction.peak_bytes <= ref_low.ctx.memory_budget):
+            # FSDP2's plan is a candidate too: the plan taken is never predicted slower or
+            # heavier than it (a big graph's bisection may not build it)
+            outcomes.append(self._fsdp2_outcome(ref_low))
+            tried.append(outcomes[-1])
+            fits.append(outcomes[-1])
+        out, best, plan = lightest_near(fits or tried, lambda o: o[1], target,
+                                        self.options["near"])
         if len(outcomes) > 1:
             plan.candidates = [dict(c, strategy=o[2].strategy,
                                     chosen=c["chosen"] and o[2] is plan)
@@ -313,24 +344,25 @@ class Planner:
         if reference is not None:
             plan.predicted["fsdp2_peak_bytes"] = reference.peak_bytes
             plan.predicted["fsdp2_step_s"] = reference.total
-            plan.choice = _choice(plan, reference)
+            plan.choice = _choice(plan, reference, prefer)
         chosen = {f.name: getattr(best.ctx, f.name) for f in dataclasses.fields(best.ctx)}
         return out, {**chosen, "plan": plan}
 
-    def _fsdp2(self):
+    def _fsdp2(self, prefer: str):
         """FSDP2's plan for this model, predicted as every candidate is (``lower``): one unit
         per repeated block plus the root, every unit but the one read last in forward
         resharded after it (FSDP2 keeps its root), nothing recomputed, a prefetch of one
-        unit, all of the state on the device. Its Prediction, or None where the planner
-        does not weigh memory against it: ``Config(prefer="speed")``, nothing left to the
-        search, no module tree (an exported program), parameters not sharded
-        (``strategy="ddp"``), or a graph over ``BIG_GRAPH`` nodes (planned by bisection for
-        the budget, where the extra lowering is seconds)."""
+        unit, all of the state on the device. It lowered (``Lowered``), or None where the
+        planner does not weigh plans against it: ``Config(prefer="speed")``, nothing left
+        to the search, no module tree (an exported program), parameters not sharded
+        (``strategy="ddp"``), or under "memory" a graph over ``BIG_GRAPH`` nodes (planned
+        by bisection for the budget, where the extra lowering is seconds)."""
         from autoshard.config import Prefetch
 
         config, ctx = self.config, self.ctx
-        if (config.prefer != "memory" or not self._searched() or ctx.model is None
-                or config.strategy == "ddp" or len(self.gm.graph.nodes) > BIG_GRAPH):
+        if (prefer == "speed" or not self._searched() or ctx.model is None
+                or config.strategy == "ddp"
+                or (prefer == "memory" and len(self.gm.graph.nodes) > BIG_GRAPH)):
             return None
         specs = [dataclasses.replace(p, replica=False) for p in ctx.captured.params]
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs),
@@ -343,7 +375,23 @@ class Planner:
                                     bucket=False, prefetch=Prefetch(depth=1),
                                     reshard_after_forward="auto", strategy="zero3")
         cand = Candidate("zero3", 0.0, "none", None, 0, "auto", 1.0)
-        return lower(self.gm, placed, cand, fsdp2, {}).prediction
+        return lower(self.gm, placed, cand, fsdp2, {})
+
+    def _fsdp2_outcome(self, low: Lowered):
+        """FSDP2's plan (``low``) as a strategy's outcome: split, with a candidate row of its
+        own (the plan lists every outcome's rows)."""
+        from autoshard.passes import run_passes, split_pass
+
+        pred = low.prediction
+        row = {"recompute": "none", "offload": 0.0, "offload_params": None,
+               "units": len(low.ctx.units), "reshard": reshard_label("auto"),
+               "step_s": pred.total, "peak_bytes": pred.peak_bytes,
+               "fits": pred.peak_bytes <= low.ctx.memory_budget,
+               "note": "FSDP2's plan: one unit per repeated block and the root"}
+        out, split = run_passes(low.gm, low.ctx, [(split_pass, {})],
+                                verify_each=self.options.get("verify", False))
+        best = dataclasses.replace(low, ctx=split)
+        return out, best, self._finish(best, [dict(row, chosen=True)], "zero3")
 
     def _searched(self) -> bool:
         """Whether the user left a choice to the search (then a plan that does not fit is an
@@ -413,6 +461,9 @@ class _Search:
         self.candidates: list = []  # every candidate tried or ruled out, as the plan shows it
         self.best: Optional[Lowered] = None
         self.best_row: Optional[dict] = None  # its row in ``candidates``
+        # Config(prefer="balanced"): the best's class (fits, meets the target) within
+        # options["near"] of its fastest, as (Lowered, row); the lightest is taken
+        self.near: list = []
         self.searched: dict = {}  # the parameters on the host -> whether a plan fits
         self.all_hosted = None  # (least peak, optimizer bytes) with all of the state hosted
         # what every placement computes alike: each choice's graph and activations, the unit
@@ -436,6 +487,9 @@ class _Search:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if self.placement(OFFLOAD_STATE[mid], "all") else (mid + 1,
                                                                                       hi)
+        if self.near and self._class(self.best)[0]:  # with none that fits: the least peak
+            self.best, self.best_row = lightest_near(
+                self.near, lambda o: o[0], self.options.get("target"), self.options["near"])
         for c in self.candidates:
             c["chosen"] = c is self.best_row
         return self.best, self.candidates
@@ -478,6 +532,10 @@ class _Search:
         self.candidates.append(row)
         if self.best is None or self._better(low, self.best):
             self.best, self.best_row = low, row
+        if self.options.get("near"):
+            self.near = [o for o in self.near + [(low, row)]
+                         if self._class(o[0]) == self._class(self.best) and
+                         o[0].prediction.total <= self.bound()]
         self.garbage.candidate_done()
         self.bar.step(note=f"{low.candidate.strategy}, {row['recompute']} recomputation, "
                            f"{row['units']} units, best {self.best.prediction.total * 1e3:.1f} ms")
@@ -487,6 +545,16 @@ class _Search:
         candidate surely slower than it cannot win, and is ruled out unbuilt)."""
         return (self.best is not None and self.best.prediction.peak_bytes <= self.ctx.memory_budget
                 and _meets(self.best.prediction, self.options.get("target")))
+
+    def bound(self) -> float:
+        """The predicted step a candidate must beat to be kept: the best's, plus
+        ``options["near"]`` of it (a lighter plan that close to the fastest may win)."""
+        return self.best.prediction.total * (1 + self.options.get("near", 0.0))
+
+    def _class(self, low: Lowered) -> tuple:
+        pred = low.prediction
+        return (pred.peak_bytes <= self.ctx.memory_budget,
+                _meets(pred, self.options.get("target")))
 
     def _better(self, a: Lowered, b: Lowered) -> bool:
         """Fits first, then (``Config(prefer="memory")``) meets the target against FSDP2's
@@ -659,7 +727,7 @@ class _Placement:
                                          note="activations alone exceed the budget"))
             return None
         ch.compute = sum(node_time(n, self.ctx.profile) for n in base.graph.nodes)
-        if s.best_fits() and ch.compute >= s.best.prediction.total:
+        if s.best_fits() and ch.compute >= s.bound():
             s.candidates.append(self.row(
                 label, units=None, step_s=None, peak_bytes=floor, fits=None,
                 note=f"its compute alone ({ch.compute * 1e3:.1f} ms) is slower than the "
@@ -722,7 +790,7 @@ class _Placement:
         floor_s = ch.compute + (copy_floor(ch.cands[k][2], self.specs, self.ctx.profile,
                                            ch.read, self.ctx.reshard_after_forward)
                                 if self.searching_units else 0.0)
-        if floor_s < s.best.prediction.total:
+        if floor_s < s.bound():
             return False
         s.candidates.append(self.row(
             ch.label, units=len(ch.cands[k][2]) if self.searching_units else None,
@@ -853,30 +921,66 @@ def _after_step(plan, ctx) -> None:
             plan.predicted["sent_bytes"] += nbytes * (n - 1) // n
 
 
+def lightest_near(options: list, lowered, target, near: float):
+    """Of ``options``, the best by (meets the target, step, state on the host), or with
+    ``near`` > 0 the lightest of those in its class predicted within ``near`` of its step
+    (and no slower than the target): the least state on the host, then the least peak.
+    ``lowered(option)`` gives an option's Lowered."""
+    def key(o):
+        low = lowered(o)
+        return (not _meets(low.prediction, target), low.prediction.total,
+                low.ctx.state["host"])
+
+    best = min(options, key=key)
+    if not near:
+        return best
+    limit = lowered(best).prediction.total * (1 + near)
+    if target is not None and not key(best)[0]:  # and no slower than the target says
+        limit = min(limit, target[1])
+    return min((o for o in options if key(o)[0] == key(best)[0]
+                and lowered(o).prediction.total <= limit),
+               key=lambda o: (lowered(o).ctx.state["host"], lowered(o).prediction.peak_bytes,
+                              lowered(o).prediction.total))
+
+
 def _meets(pred, target) -> bool:
     """Whether a prediction meets ``target``: ``(peak bytes, step seconds)`` at most, from
     FSDP2's plan (``PEAK_TARGET``, ``STEP_CAP``); True when there is none."""
     return target is None or (pred.peak_bytes <= target[0] and pred.total <= target[1])
 
 
-def _choice(plan, reference) -> Optional[str]:
-    """Why the plan is not the fastest that fits, or why it is though its peak misses the
-    target; None when the fastest plan's peak is within ``PEAK_TARGET`` of FSDP2's plan's
-    (``reference``, its Prediction). Reads the plan's candidates (the chosen one marked)."""
+def _choice(plan, reference, prefer: str) -> Optional[str]:
+    """Why the plan is not the fastest that fits, or why it is though it misses the target
+    against FSDP2's plan (``reference``, its Prediction); None when the fastest was taken
+    and meets it. Reads the plan's candidates (the chosen one marked)."""
     rows = [c for c in plan.candidates if c["fits"] and c["step_s"] is not None]
     chosen = next((c for c in plan.candidates if c.get("chosen")), None)
     if not rows or chosen is None:
         return None
-    fastest = min(rows, key=lambda c: c["step_s"])
+    fastest = min(rows, key=lambda c: (c["step_s"], c["peak_bytes"]))
     peak = reference.peak_bytes
+    slower = 100 * (chosen["step_s"] / fastest["step_s"] - 1)
+    if prefer == "balanced":
+        bound = (f"FSDP2's plan's predicted step and peak ({reference.total * 1e3:.3f} ms, "
+                 f"{_fmt_bytes(peak)})")
+        if fastest["peak_bytes"] > peak and chosen["peak_bytes"] <= peak:
+            return (f"the fastest plan peaks at {fastest['peak_bytes'] / peak:.2f}x FSDP2's "
+                    f"plan's predicted peak; chose the fastest within {bound}, "
+                    f"{slower:.1f}% slower; Config(prefer='speed') takes the fastest")
+        if chosen is not fastest and chosen["step_s"] <= fastest["step_s"] * (1 + NEAR):
+            return (f"chose the lightest plan within {100 * NEAR:.0f}% of the fastest's "
+                    f"step: {slower:.1f}% slower, at "
+                    f"{chosen['peak_bytes'] / fastest['peak_bytes']:.2f}x its peak")
+        if chosen["peak_bytes"] > peak or chosen["step_s"] > reference.total:
+            return f"no plan that fits is predicted within {bound}, so the fastest is chosen"
+        return None
     if fastest["peak_bytes"] <= PEAK_TARGET * peak:
         return None
     head = (f"the fastest plan peaks at {fastest['peak_bytes'] / peak:.2f}x FSDP2's plan's "
             f"predicted peak ({_fmt_bytes(peak)})")
     if chosen["step_s"] > fastest["step_s"]:
-        slower = chosen["step_s"] / fastest["step_s"] - 1
         return (f"{head}; chose the fastest within {PEAK_TARGET}x "
-                f"({chosen['peak_bytes'] / peak:.2f}x), {100 * slower:.0f}% slower; "
+                f"({chosen['peak_bytes'] / peak:.2f}x), {slower:.0f}% slower; "
                 "Config(prefer='speed') takes the fastest")
     return (f"{head}; no plan within {PEAK_TARGET}x is predicted within {STEP_CAP}x of its "
             f"step ({reference.total * 1e3:.3f} ms), so the fastest is chosen")

@@ -234,7 +234,9 @@ def test_the_planner_copies_in_again_only_as_many_units_as_it_must():
              for f in (0.0, 0.25, 1.0)}
     assert peaks[0.0] > peaks[0.25] > peaks[1.0]
     # the least that fits is chosen: all held first, then all copied again, then bisection
-    tight = _plan(True, layers=4, memory_budget=peaks[0.25])
+    # (prefer="speed": the default on h100 takes the lightest plan within 2% of the fastest,
+    # all units copying again here)
+    tight = _plan(True, layers=4, memory_budget=peaks[0.25], prefer="speed")
     assert tight.offload and tight.offload_params == 0.25
     assert tight.predicted["peak_bytes"] == peaks[0.25]
     tried = [(c["offload_params"], c["fits"]) for c in tight.candidates]

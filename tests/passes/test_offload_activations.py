@@ -112,12 +112,14 @@ def test_prefetch_leaves_copies_where_the_host_is_the_device():
 
 
 def _plan(profile, budget=None, offload=None, recompute=True, layers=4, seq=256):
+    """(prefer="speed": what is compared is the fastest plan within the budget)"""
     import autoshard
 
     return autoshard.plan(GPT(seq=seq, layers=layers), (torch.randint(0, 96, (8, seq)),),
                           world_size=8, config=autoshard.Config(
                               policy="module", device_profile=profile, memory_budget=budget,
-                              offload_activations=offload, recompute=recompute))
+                              offload_activations=offload, recompute=recompute,
+                              prefer="speed"))
 
 
 def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_budget():

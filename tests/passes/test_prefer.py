@@ -1,5 +1,7 @@
-"""Config.prefer: the default plan trades speed for memory against FSDP2's plan, says why, and
-prefer="speed" takes the fastest plan that fits."""
+"""Config.prefer: on a CPU the default plan trades speed for memory against FSDP2's plan and
+says why; on a GPU profile it is never predicted slower or heavier than FSDP2's plan and
+takes the lightest within 2% of the fastest; prefer="speed" takes the fastest plan that
+fits."""
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch
 import autoshard
 from autoshard import Config, Prefetch
 from autoshard.models import GPT
-from autoshard.passes.plan import PEAK_TARGET, STEP_CAP
+from autoshard.passes.plan import NEAR, PEAK_TARGET, STEP_CAP
 
 # a GPT whose fastest plan (one unit) peaks just above PEAK_TARGET of FSDP2's plan's
 # predicted peak
@@ -96,3 +98,52 @@ def test_offload_activations_plans_with_the_reference_and_symbolically():
     assert plan.predicted["fsdp2_peak_bytes"] is not None
     assert set(plan.recompute_blocks.values()) == {"offload"}
     assert plan.symbolic is not None
+
+
+# --- on a GPU profile: "balanced" -----------------------------------------------------------
+
+
+def test_auto_is_memory_on_a_cpu_and_balanced_on_a_gpu_profile(plans):
+    from autoshard.cost import PROFILES
+    from autoshard.passes.plan import preference
+
+    assert Config().prefer == "auto"
+    assert preference(Config(), PROFILES["cpu"]) == "memory"
+    for name in ("h100", "a100", "h200"):
+        assert preference(Config(), PROFILES[name]) == "balanced"
+    assert preference(Config(prefer="speed"), PROFILES["h100"]) == "speed"
+    assert _plan() == plans["memory"]  # the cpu profile, this machine's default
+
+
+@pytest.mark.parametrize("profile", ["h100", "a100", "h200"])
+def test_balanced_is_never_slower_or_heavier_than_fsdp2s_plan(profile):
+    """The default on a GPU profile: no slower and no heavier than FSDP2's plan; of the
+    plans that are, those within 2% of the fastest's step, the lightest."""
+    plan = _plan(device_profile=profile)
+    ref_peak, ref_step = plan.predicted["fsdp2_peak_bytes"], plan.predicted["fsdp2_step_s"]
+    assert plan.predicted["step_s"] <= ref_step and plan.predicted["peak_bytes"] <= ref_peak
+    fits = [c for c in plan.candidates if c["fits"] and c["step_s"] is not None
+            and c["step_s"] <= ref_step and c["peak_bytes"] <= ref_peak]
+    fastest = min(c["step_s"] for c in fits)
+    near = [c for c in fits if c["step_s"] <= fastest * (1 + NEAR)]
+    assert _chosen(plan)["peak_bytes"] == min(c["peak_bytes"] for c in near)
+    speed = _plan(device_profile=profile, prefer="speed")
+    assert plan.predicted["step_s"] <= speed.predicted["step_s"] * (1 + NEAR)
+
+
+def test_balanced_builds_fsdp2s_plan_on_a_graph_too_big_to_search_whole(monkeypatch):
+    """Past BIG_GRAPH nodes the search bisects for the first grouping that fits, which need
+    not be as fast as FSDP2's plan: that plan is built as a candidate, and taken when the
+    search finds nothing faster."""
+    from autoshard.passes import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "BIG_GRAPH", 10)
+    monkeypatch.setattr("autoshard.passes.auto.BIG_GRAPH", 10)
+    plan = _plan(device_profile="h100")
+    fsdp2 = _plan(device_profile="h100", policy="module", recompute=False,
+                  prefetch=Prefetch(depth=1), bucket=False, offload_activations=False,
+                  prefer="speed")
+    assert plan.predicted["fsdp2_step_s"] == pytest.approx(fsdp2.predicted["step_s"])
+    assert plan.predicted["step_s"] <= fsdp2.predicted["step_s"]
+    assert plan.predicted["peak_bytes"] <= fsdp2.predicted["peak_bytes"]
+    assert any(c["note"].startswith("FSDP2's plan") for c in plan.candidates)

@@ -473,7 +473,7 @@ def test_an_export_moves_between_cpu_and_gpu(tmp_path):
 
 # --- programs keyed the same on every device type ---------------------------------------------
 
-LEGACY_KEYS = {"cpu": "(('cpu', False, None),)",  # before 0.2.1, on a CPU and on a GPU
+LEGACY_KEYS = {"cpu": "(('cpu', False, None),)",  # before 0.3, on a CPU and on a GPU
                "cuda": "(('cuda', False, None), ('cpu', False, None))"}
 
 
