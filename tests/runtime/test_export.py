@@ -322,8 +322,9 @@ def test_every_strategy_and_a_2d_mesh_load_at_another_world_size(strategies, nam
     assert "refused" not in got, got.get("refused")
     assert not got["same"]  # planned again for 2 ranks on a 1-D mesh
     _same_step(ref, got, 1e-6)
-    assert got["strategy"] == ref["strategy"]
-    assert bool(got["replicas"]) == (ref["strategy"] == "zero1")
+    # "auto" searches the strategies again for 2 ranks, and may choose another
+    assert got["strategy"] == ref["strategy"] or export_workers.LOADED[name][0] == "auto"
+    assert bool(got["replicas"]) == (got["strategy"] == "zero1")
 
 
 def test_a_version_2_parameter_description_reads_as_before():
@@ -477,7 +478,7 @@ LEGACY_KEYS = {"cpu": "(('cpu', False, None),)",  # before 0.3, on a CPU and on 
                "cuda": "(('cuda', False, None), ('cpu', False, None))"}
 
 
-def _export_and_train(rank, world, root):
+def _export_tiny_and_train(rank, world, root):
     model = autoshard.autoshard(_tiny_gpt())
     x, _ = _data(0, world, rank)
     model(x)
@@ -494,7 +495,7 @@ def test_a_program_key_names_no_device_type_and_older_keys_still_load(tmp_path):
 
     assert _compat.autocast_state("cuda") == _compat.autocast_state("cpu")
     root = str(tmp_path / "e")
-    trained = run_ranks(1, _export_and_train, root)[0]
+    trained = run_ranks(1, _export_tiny_and_train, root)[0]
     manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
     key = manifest["programs"][0]["key"]
     neutral = repr(_compat.autocast_state("cpu"))
