@@ -8,9 +8,9 @@ model on the meta device): autoshard's default (``Config()``; on a GPU profile
 plan, the fastest, then the lightest within 2% of its step), the fastest that fits
 (``prefer="speed"``), and ``prefer="memory"``. FSDP2's plan is the one the planner predicts
 for it (one unit per repeated block plus the root, resharded after the forward but the
-root, nothing recomputed, prefetch of one), planned pinned here for every model (the
-default's search predicts it only for graphs it searches whole). Printed: each plan's predicted step and peak,
-the default's against FSDP2's, and ``plan.choice`` where the default is not the fastest.
+root, nothing recomputed, prefetch of one), planned pinned here for every model. Printed:
+each plan's predicted step and peak, the default's against FSDP2's, and ``plan.choice``
+where the default is not the fastest.
 
 Models: ``NAME:WORLD:SEQ`` at batch 1 per rank, from ``autoshard.examples.gpt_shapes``
 (``gpt_1_3b``, ``gpt_13b``, ...), ``autoshard.examples.llama_shapes`` (``llama3_8b``,
