@@ -595,6 +595,8 @@ def _captured(joint: _Joint, gm: fx.GraphModule, finputs: list, grad_mode: bool,
     cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
     cap.backward_taps = rec["btaps"] if has_backward else []
     _tag(cap, rec, grads_for)
+    if fold_alias_pairs(cap.gm.graph):  # autograd's t(t(w)) and detach(detach(x))
+        cap.gm.recompile()
     return cap
 
 
@@ -708,7 +710,6 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
                 t[meta.MODULE] = meta.tag(src, meta.MODULE)
         if n is rec["fwd_last"]:
             region = meta.BWD
-    fold_alias_pairs(gm.graph)
     gm.graph.lint()
     gm.recompile()
 

@@ -46,7 +46,7 @@ BAD = [
     ({"device_profile": "tpu"}, ValueError, "Config.device_profile='tpu' is not accepted"),
     ({"optimizer": "lion"}, ValueError, "Config.optimizer='lion' is not accepted"),
     ({"prefer": "fast"}, ValueError,
-     "Config.prefer='fast' is not accepted; use one of 'memory', 'speed'"),
+     "Config.prefer='fast' is not accepted; use one of 'auto', 'balanced', 'memory', 'speed'"),
     ({"policy": Module}, ValueError, "Config.policy=<class 'autoshard.config.Module'> is not "
                                      "accepted; use one of 'auto', 'module', 'size', "
                                      "'per-parameter', 'whole-model', Module(classes=..., "
