@@ -60,6 +60,7 @@ def test_units_shrink_with_the_budget():
     assert last_count > len(roomy.units)
 
 
+@pytest.mark.slow  # about 60 s: in the whole suite, not in CI's tier
 def test_no_plan_fits_names_the_smallest_budget_that_would():
     from torch.distributed.fsdp import OffloadPolicy
 
