@@ -7,9 +7,9 @@ written, on one stream, a copy holds up the compute queued behind it. On a GPU t
 runs the graphs ``route`` rewrites instead: each copy goes to one copy stream per direction
 (host to device, device to host), and event waits put back exactly the order the data needs::
 
-    compute  ─ a ─ b ─┬─ c ─ d ─ wait(ev) ─ e(reads y) ─ ...      (waits just before y's
-                      │ (y reads b's output)   ↑                    first reader)
-    d2h               └─ wait ─ copy y ─ record ev
+    compute  - a - b -+- c - d - wait(ev) - e(reads y) - ...      (waits just before y's
+                      | (y reads b's output)   ^                    first reader)
+    d2h               +- wait - copy y - record ev
 
 What ``route``'s graph guarantees, per copy node ``y``:
 
