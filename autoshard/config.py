@@ -9,6 +9,7 @@ import numbers
 import re
 import types
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
@@ -179,8 +180,8 @@ class Offload(CPUOffloadPolicy):
         self.__setattr__(name, None)
 
 
-# the flat Config fields these replace, each as (field, class, option): passing one is refused
-# naming the new spelling
+# the flat Config fields of 0.2 and before, each as (field, class, option) of its new spelling:
+# still read, with a DeprecationWarning naming it, until 0.5 (``_moved``)
 MOVED = {
     "module_classes": ("policy", "Module", "classes"),
     "module_pattern": ("policy", "Module", "pattern"),
@@ -191,6 +192,8 @@ MOVED = {
     "offload_state": ("offload_policy", "Offload", "state"),
     "offload_params": ("offload_policy", "Offload", "params"),
 }
+# what those versions defaulted the fields to (a flat name of an option that is off did nothing)
+_OLD_DEFAULTS = {"policy": "auto", "bucket": False, "prefetch": True, "offload_policy": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -632,30 +635,72 @@ _dataclass_init = Config.__init__
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
-    _refuse_moved(kwargs)
-    _dataclass_init(self, *args, **kwargs)
+    _dataclass_init(self, *args, **_moved(kwargs))
 
 
-def _refuse_moved(kwargs: dict) -> None:
-    """TypeError for the flat fields that moved into the option that turns them on, naming
-    the new spelling: ``Config(prefetch_depth=3) is now Config(prefetch=Prefetch(depth=3))``."""
-    old = [k for k in kwargs if k in MOVED]
-    if not old:
-        return
-    grouped: dict = {}
-    for k in old:
-        field, option, name = MOVED[k]
-        grouped.setdefault((field, option), []).append(f"{name}={kwargs[k]!r}")
-    policy = kwargs.get("offload_policy")
-    if ("offload_policy", "Offload") in grouped and isinstance(policy, CPUOffloadPolicy):
-        grouped["offload_policy", "Offload"].append(f"pin_memory={policy.pin_memory!r}")
-    given = ", ".join(f"{k}={kwargs[k]!r}" for k in old)
-    now = ", ".join(f"{field}={option}({', '.join(args)})"
-                    for (field, option), args in grouped.items())
-    names = ", ".join(dict.fromkeys(option for _, option in grouped))
-    raise TypeError(f"Config({given}) is now Config({now}) (from autoshard import {names}): "
-                    "an option that matters only when another is on lives inside the value "
-                    "that turns it on")
+def _moved(kwargs: dict) -> dict:
+    """``Config(**kwargs)``'s arguments with the flat names of 0.2 and before (``MOVED``) put
+    into the option that turns them on, as those versions read them, and a DeprecationWarning
+    naming the new spelling: ``Config(prefetch_depth=3)`` is ``Config(prefetch=
+    Prefetch(depth=3))``. A flat name whose option is off (``bucket_bytes`` without
+    ``bucket=True``) did nothing then and does nothing now; the warning says so."""
+    flat = {k: v for k, v in kwargs.items() if k in MOVED}
+    if not flat:
+        return kwargs
+    kwargs = {k: v for k, v in kwargs.items() if k not in MOVED}
+    joined: dict = {}
+    for k in flat:
+        field, option, _ = MOVED[k]
+        joined.setdefault((field, option), []).append(k)
+    now, idle = [], []
+    for (field, option), old in joined.items():
+        current = kwargs.get(field, _OLD_DEFAULTS[field])
+        names = {MOVED[k][2]: flat[k] for k in old}
+        value = _joined(current, option, names)
+        if value is None:
+            idle.append(f"{', '.join(old)} ({field}={current!r})")
+            continue
+        kwargs[field] = value
+        if not isinstance(current, type(value)):  # built here: spelled as the user would
+            value = f"{option}({', '.join(f'{k}={v!r}' for k, v in names.items())}" + (
+                f", pin_memory={value.pin_memory!r})" if option == "Offload" else ")")
+        now.append(f"{field}={value!s}")
+    options = ", ".join(dict.fromkeys(option for _, option in joined))
+    given = ", ".join(f"{k}={v!r}" for k, v in flat.items())
+    said = f"Config({given}) is deprecated and will be removed in autoshard 0.5"
+    if now:
+        said += f": write Config({', '.join(now)}) (from autoshard import {options})"
+    if idle:
+        said += f"; these do nothing while their option is off: {'; '.join(idle)}"
+    warnings.warn(said, DeprecationWarning, stacklevel=_outside())
+    return kwargs
+
+
+def _outside() -> int:
+    """The ``stacklevel`` of the first caller outside this module and ``dataclasses``
+    (``Config(...)`` or ``dataclasses.replace(config, ...)`` in the user's code), counted
+    from the function that calls this one."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename in (__file__, dataclasses.__file__):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _joined(current, option: str, names: dict):
+    """The value of a field that was ``current`` with the flat options ``names`` of the
+    class ``option`` joined to it; None where the option is off or another one is chosen."""
+    cls = {"Module": Module, "Size": Size, "Bucket": Bucket, "Prefetch": Prefetch,
+           "Offload": Offload}[option]
+    if isinstance(current, cls):
+        return dataclasses.replace(current, **names)
+    on = {"Module": current == "module", "Size": current == "size", "Bucket": current is True,
+          "Prefetch": current is True,
+          "Offload": isinstance(current, CPUOffloadPolicy)}[option]
+    if not on:
+        return None
+    if option == "Offload":
+        names = dict(names, pin_memory=current.pin_memory)
+    return cls(**names)
 
 
 def _regrouped(d: dict) -> dict:

@@ -274,44 +274,61 @@ def test_the_new_spellings_carry_their_options():
         assert getattr(autoshard.autoshard, name) is getattr(autoshard, name)
 
 
+# the flat names of 0.2 and before: each still read as those versions read it, until 0.5, with a
+# DeprecationWarning naming the new spelling
 MOVED = [
-    ({"prefetch_depth": 3}, "Config(prefetch_depth=3) is now Config(prefetch=Prefetch(depth=3)) "
-                            "(from autoshard import Prefetch)"),
-    ({"prefetch_bytes": "1MiB"}, "Config(prefetch_bytes='1MiB') is now "
-                                 "Config(prefetch=Prefetch(bytes='1MiB'))"),
-    ({"bucket_bytes": 4096}, "Config(bucket_bytes=4096) is now Config(bucket=Bucket(bytes=4096))"),
-    ({"offload_state": 0.5}, "Config(offload_state=0.5) is now "
-                             "Config(offload_policy=Offload(state=0.5)) (from autoshard import "
-                             "Offload)"),
-    ({"offload_params": 0.0}, "Config(offload_params=0.0) is now "
-                              "Config(offload_policy=Offload(params=0.0))"),
-    ({"module_classes": ["Block"]}, "Config(module_classes=['Block']) is now "
-                                    "Config(policy=Module(classes=['Block']))"),
-    ({"module_pattern": "blocks"}, "Config(module_pattern='blocks') is now "
-                                   "Config(policy=Module(pattern='blocks'))"),
-    ({"min_unit_numel": 10**6}, "Config(min_unit_numel=1000000) is now "
-                                "Config(policy=Size(min_numel=1000000))"),
+    ({"prefetch_depth": 3}, Config(prefetch=Prefetch(depth=3)),
+     "Config(prefetch_depth=3) is deprecated and will be removed in autoshard 0.5: write "
+     "Config(prefetch=Prefetch(depth=3)) (from autoshard import Prefetch)"),
+    ({"prefetch_bytes": "1MiB"}, Config(prefetch=Prefetch(bytes="1MiB")),
+     "write Config(prefetch=Prefetch(bytes='1MiB'))"),
+    ({"bucket": True, "bucket_bytes": 4096}, Config(bucket=Bucket(bytes=4096)),
+     "write Config(bucket=Bucket(bytes=4096)) (from autoshard import Bucket)"),
+    ({"offload_policy": CPUOffloadPolicy(), "offload_state": 0.5},
+     Config(offload_policy=Offload(state=0.5)),
+     "write Config(offload_policy=Offload(state=0.5, pin_memory=True)) (from autoshard import "
+     "Offload)"),
+    ({"offload_policy": Offload(state=0.5), "offload_params": 0.0},
+     Config(offload_policy=Offload(state=0.5, params=0.0)),
+     "write Config(offload_policy=Offload(state=0.5, params=0.0, pin_memory=True))"),
+    ({"policy": "module", "module_classes": ["Block"]}, Config(policy=Module(classes=["Block"])),
+     "write Config(policy=Module(classes=['Block']))"),
+    ({"policy": "module", "module_pattern": "blocks"}, Config(policy=Module(pattern="blocks")),
+     "write Config(policy=Module(pattern='blocks'))"),
+    ({"policy": "size", "min_unit_numel": 10**6}, Config(policy=Size(min_numel=10**6)),
+     "write Config(policy=Size(min_numel=1000000))"),
+    # a flat name whose option is off did nothing, and still does nothing
+    ({"bucket_bytes": 4096}, Config(),
+     "these do nothing while their option is off: bucket_bytes (bucket="),
+    ({"prefetch": False, "prefetch_depth": 3}, Config(prefetch=False),
+     "prefetch_depth (prefetch=False)"),
+    ({"module_classes": ["Block"]}, Config(), "module_classes (policy='auto')"),
+    ({"offload_state": 0.5}, Config(), "offload_state (offload_policy=None)"),
     # several at once are grouped by the option they move into, with what they join
     ({"policy": "module", "module_classes": ["Block"], "module_pattern": "h",
       "prefetch_depth": 1, "offload_policy": CPUOffloadPolicy(pin_memory=False),
       "offload_state": 0.25},
+     Config(policy=Module(classes=["Block"], pattern="h"), prefetch=Prefetch(depth=1),
+            offload_policy=Offload(state=0.25, pin_memory=False)),
      "Config(module_classes=['Block'], module_pattern='h', prefetch_depth=1, offload_state=0.25) "
-     "is now Config(policy=Module(classes=['Block'], pattern='h'), prefetch=Prefetch(depth=1), "
-     "offload_policy=Offload(state=0.25, pin_memory=False)) (from autoshard import Module, "
-     "Prefetch, Offload)"),
+     "is deprecated and will be removed in autoshard 0.5: write Config(policy=Module(classes="
+     "['Block'], pattern='h'), prefetch=Prefetch(depth=1), offload_policy=Offload(state=0.25, "
+     "pin_memory=False)) (from autoshard import Module, Prefetch, Offload)"),
 ]
 
 
-@pytest.mark.parametrize("kwargs,says", MOVED, ids=[list(k)[-1] for k, _ in MOVED])
-def test_each_flat_name_is_refused_naming_its_new_spelling(kwargs, says):
-    with pytest.raises(TypeError) as info:
-        Config(**kwargs)
-    assert says in str(info.value)
-    with pytest.raises(TypeError) as info:  # a changed copy too
-        dataclasses.replace(Config(), **kwargs)
-    assert says in str(info.value)
-    assert not any(hasattr(Config(), name) for name in kwargs if name != "policy"
-                   and name != "offload_policy")
+@pytest.mark.parametrize("kwargs,now,says", MOVED, ids=[list(k)[-1] for k, _, _ in MOVED])
+def test_each_flat_name_still_works_warning_of_its_new_spelling(kwargs, now, says):
+    with pytest.warns(DeprecationWarning, match="deprecated") as caught:
+        config = Config(**kwargs)
+    assert config == now
+    assert len(caught) == 1 and says in str(caught[0].message)
+    assert caught[0].filename == __file__  # the warning points at the user's line
+    with pytest.warns(DeprecationWarning) as caught:  # a changed copy too
+        again = dataclasses.replace(Config(), **kwargs)
+    assert again == now and says in str(caught[0].message)
+    assert caught[0].filename == __file__
+    assert not any(hasattr(config, name) for name in kwargs if name in autoshard.config.MOVED)
 
 
 ROUND_TRIP = [
