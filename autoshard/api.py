@@ -313,12 +313,18 @@ def _call(module, st: _State, args, kwargs):
     # the step counts only once every rank agreed to it: after a refusal the ranks are at the
     # same count again, so the next matching call trains
     step = st.agreement.step + 1
-    st.agreement(f"step {step}: {st.entry}", _describe(args, kwargs, key), exact=repr(key))
+    # a rank whose Python changed (a config that rank 0 alone saved) captures again, and then
+    # every rank does, so that all run the same collectives
+    found = _cached(st, key)
+    again = st.agreement(f"step {step}: {st.entry}", _describe(args, kwargs, key),
+                         exact=repr(key), flag=found is None)
     st.agreement.step = step
     tensors = flat_inputs(leaves)
     objects = [x for x in leaves if state.is_state(x)]
-    for _ in range(2):  # again only if a hook turned out to change values
-        prog = _program_for(module, st, args, kwargs, key)
+    for attempt in range(2):  # again only if a hook turned out to change values
+        if attempt:
+            found, again = _cached(st, key), False
+        prog = _program_for(module, st, args, kwargs, key, None if again else found)
         st.last = prog
         params = [mod._parameters[name] for mod, name in st.param_refs]
         buffers = [mod._buffers[name] for mod, name in st.buffer_refs]
@@ -346,11 +352,8 @@ def _call(module, st: _State, args, kwargs):
     return prog.unflatten(user, objects, written)
 
 
-def _program_for(module, st: _State, args, kwargs, key) -> Program:
-    """The program for this call: the one whose guards all hold, or a new capture. A float
-    attribute that changed is read as an input from then on; a change that cannot be
-    followed (a new unsharded parameter, a device move), or a signature captured
-    ``RECAPTURE_LIMIT`` times, is refused naming it."""
+def _cached(st: _State, key):
+    """The program for ``key`` whose guards all hold on this rank, or None."""
     prog = st.programs.get(key)
     if prog is not None and _holds(st, prog):
         return prog
@@ -358,7 +361,19 @@ def _program_for(module, st: _State, args, kwargs, key) -> Program:
         if other is not prog and _holds(st, other):
             st.programs[key] = other
             return other
-    if prog is not None and prog.captured.traced_hooks == st.traced_hooks:
+    return None
+
+
+def _program_for(module, st: _State, args, kwargs, key, found) -> Program:
+    """The program for this call: ``found`` (``_cached``'s, where every rank found one), or
+    a new capture. A float attribute that changed is read as an input from then on; a change
+    that cannot be followed (a new unsharded parameter, a device move), or a signature
+    captured ``RECAPTURE_LIMIT`` times, is refused naming it."""
+    if found is not None:
+        return found
+    prog = st.programs.get(key)
+    if prog is not None and prog.captured.traced_hooks == st.traced_hooks \
+            and not _holds(st, prog):
         _follow(module, st, prog.captured.guards)
     return _compile_for(module, st, args, kwargs, key, sharded=True)
 

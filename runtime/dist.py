@@ -292,20 +292,24 @@ class Agreement:
             track(agreement=self)
         return self._own
 
-    def __call__(self, what: str, detail: str = "", exact: str = "", explain=None) -> None:
+    def __call__(self, what: str, detail: str = "", exact: str = "", explain=None,
+                 flag: bool = False) -> bool:
         """Check that every rank is at ``what`` (which names the step and what it runs).
         ``detail`` (shapes and the like) is shown for each rank on a mismatch; ``exact`` is
         compared too but not shown. ``explain``: when every rank is at ``what`` but they
         differ, ``explain(details)`` (each rank's ``detail``, in mesh order) returns the
         error's text in place of the advice about steps; it runs on every rank, so it may
-        exchange more (``notes``, ``first_difference``)."""
+        exchange more (``notes``, ``first_difference``). Returns whether any rank set
+        ``flag`` (carried beside the digest, as ``any`` carries its flags: no exchange more)."""
         if self.world == 1 or self.fake:
-            return
+            return flag
         mine = f"{what}{': ' + detail if detail else ''}"
-        digest = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()
-        digests = self._gather(torch.tensor(list(digest), dtype=torch.uint8), what)
-        if len(set(digests)) > 1:
+        head = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()[:16]
+        bits = bytes([int(flag)]).ljust(16, b"\0")
+        got = self._gather(torch.tensor(list(head + bits), dtype=torch.uint8), what)
+        if len({g[:16] for g in got}) > 1:
             self._differ(what, mine, explain)
+        return any(g[16] for g in got)
 
     def any(self, what: str, flags: list) -> list:
         """``flags`` (booleans, the same number on every rank) ORed over the ranks: which
