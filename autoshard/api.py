@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import inspect
 import warnings
 from typing import Any, Optional
 
@@ -152,6 +154,20 @@ class ShardedModule(torch.nn.Module):
 
     _autoshard: _State
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """accelerate's mark of a model it has prepared: ``accelerator.prepare`` (and so the
+        Trainer) hands this model back as it is instead of wrapping it in
+        DistributedDataParallel, which cannot hold DTensor parameters; the model gathers and
+        reduces its own. accelerate's autocast is not put around it then, so an accelerate
+        configured for mixed precision is refused here, naming autoshard's own setting."""
+        _refuse_accelerate_autocast()
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value) -> None:
+        pass  # accelerate marks what it prepared; this model is marked from the start
+
     # Under torch.compile the step is opaque to TorchDynamo: it is a compiled graph already
     # (Config(compile=True) hands it to inductor), and its Python around the graph (guards,
     # agreement, hooks) is what Dynamo must not specialise on. One graph break at the call.
@@ -225,6 +241,19 @@ class ShardedModule(torch.nn.Module):
             raise TypeError("set_requires_gradient_sync takes True or False, got "
                             f"{requires_gradient_sync!r}")
         self._autoshard.grad_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DistributedDataParallel's context manager of the same name: the backward passes run
+        inside it reduce no gradient (``set_requires_gradient_sync(False)``); the first one
+        after it reduces them all. accelerate's ``no_sync`` and ``accumulate`` and the
+        Trainer's gradient accumulation call it."""
+        before = self._autoshard.grad_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(before)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """FSDP2's ``set_gradient_divide_factor``: from the next call, each reduced gradient
@@ -300,6 +329,25 @@ class ShardedModule(torch.nn.Module):
         localize_state_dict(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         optim.note_update(list(self.parameters()))
+
+
+def _refuse_accelerate_autocast() -> None:
+    """ValueError where accelerate (imported) is set up for mixed precision: it would not
+    apply to a sharded model, which would silently train in its parameters' dtype."""
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "AcceleratorState", None), "_shared_state", {})
+    precision = str(shared.get("_mixed_precision", "no"))
+    if precision not in ("no", "None"):
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision, precision)
+        raise ValueError(
+            f"accelerate's mixed_precision={precision!r} cannot reach a model autoshard "
+            "compiled (accelerate would put its autocast around the model, and leaves this "
+            "one as it is): set it in the model's Config instead, "
+            f"autoshard(model, config=Config(mp_policy=MixedPrecisionPolicy(param_dtype="
+            f"torch.{dtype}))) (from torch.distributed.fsdp import MixedPrecisionPolicy), "
+            "and leave accelerate's (the Trainer's bf16/fp16) off")
 
 
 def _call(module, st: _State, args, kwargs):
@@ -711,9 +759,23 @@ def _install_submodule_entries(model, st: _State) -> None:
 
 
 def _sharded_class(cls: type) -> type:
+    """The class a sharded ``cls`` becomes: ShardedModule's calls, ``cls``'s everything else,
+    and ``forward`` with ``cls.forward``'s signature and docstring, so a library that reads
+    the signature (the Trainer keeps only the batch columns forward names) sees the model's
+    own arguments."""
     if issubclass(cls, ShardedModule):
         return cls
-    return type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+
+    def forward(self, *args, **kwargs):
+        return ShardedModule.forward(self, *args, **kwargs)
+
+    forward.__doc__ = cls.forward.__doc__
+    try:
+        forward.__signature__ = inspect.signature(cls.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: (*args, **kwargs)
+        pass
+    return type(f"Sharded{cls.__name__}", (ShardedModule, cls),
+                {"__module__": cls.__module__, "forward": forward})
 
 
 _AT_START = "autoshard() (the Config and the model's parameters)"
