@@ -159,9 +159,45 @@ def _lightning_run(shard: bool) -> dict:
     return {"losses": module.losses, "params": _full(module.net, shard)}
 
 
+def _fabric_run(shard: bool) -> dict:
+    """Fabric's recipe: ``ModelParallelStrategy(parallelize_fn)``, where the model is
+    sharded over the data-parallel mesh; eager: the "ddp" strategy. 2 micro-batches per step,
+    the first under ``no_backward_sync``, gradients clipped by norm."""
+    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    def parallelize(model, mesh):
+        from autoshard import autoshard
+
+        return autoshard(model, mesh=mesh["data_parallel"])
+
+    strategy = (ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+                if shard else "ddp")
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1 + fabric.global_rank)
+    losses = []
+    for _ in range(STEPS):
+        for micro in range(2):
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, opt, max_norm=MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": _full(getattr(model, "module", model), shard)}
+
+
 def lightning_worker(rank, world, tmp):
     # Lightning reads a torchrun launch from these (and would start processes itself
     # without them)
     os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
-    return {"eager": _lightning_run(False), "sharded": _lightning_run(True)}
+    return {"eager": _lightning_run(False), "sharded": _lightning_run(True),
+            "fabric_eager": _fabric_run(False), "fabric_sharded": _fabric_run(True)}
 

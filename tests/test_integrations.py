@@ -1,4 +1,4 @@
-"""Where users already train: Hugging Face's Trainer, accelerate and Lightning take an
+"""Where users already train: Hugging Face's Trainer, accelerate, Lightning and Fabric take an
 autoshard model with their standard recipes, at 2 gloo ranks of a torchrun environment, and
 train it as they train the unsharded model (wrapped in DistributedDataParallel by the library):
 2 accumulated micro-batches per step, clipping that acts, a learning-rate schedule, and for
@@ -90,10 +90,16 @@ def test_accelerate_prepare_trains_a_sharded_model_as_the_unsharded_one(tmp_path
     assert _close_params(sharded["params"], eager["params"]) <= PARAM_TOL
 
 
-def test_lightning_model_parallel_strategy_trains_as_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory):
     pytest.importorskip("lightning")
-    got = run_ranks(2, lightning_worker, str(tmp_path), torchrun_env=True)[0]
-    eager, sharded = got["eager"], got["sharded"]
+    return run_ranks(2, lightning_worker, str(tmp_path_factory.mktemp("lightning")),
+                     torchrun_env=True)[0]
+
+
+@pytest.mark.parametrize("recipe", ["", "fabric_"])
+def test_lightning_and_fabric_model_parallel_strategy_train_as_ddp(lightning, recipe):
+    eager, sharded = lightning[f"{recipe}eager"], lightning[f"{recipe}sharded"]
     assert len(sharded["losses"]) == 2 * STEPS
     assert _close(sharded["losses"], eager["losses"]) <= LOSS_TOL
     assert _close_params(sharded["params"], eager["params"]) <= PARAM_TOL
