@@ -53,7 +53,8 @@ import torch.distributed as dist
 from autoshard._compat import pytree
 
 from autoshard import meta, progress
-from autoshard.capture import TENSOR, Captured, _class_name
+from autoshard.capture import _class_name
+from autoshard.captured import TENSOR, Captured
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard.spec import ParamSpec, hosted, placements_for, shards_over_mesh
