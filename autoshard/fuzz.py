@@ -41,6 +41,13 @@ import torch
 from autoshard.fuzz_spec import (CONFIG_DEFAULTS, LOOP_DEFAULTS, features, generate, precision_of,
                                  problems, same_value)
 from autoshard.fuzz_train import ReferenceRun, ShardedRun, drive
+# autoshard.fuzz's public names (docs/api.md), whichever module holds them
+from autoshard.fuzz_model import (FuzzAttention, FuzzComplex, FuzzConv, FuzzDouble,  # noqa: F401
+                                  FuzzLinear, FuzzMoE, FuzzNet, FuzzNorm, FuzzRow, FuzzRunning,
+                                  FuzzTwice, build_model)
+from autoshard.fuzz_spec import BLOCK_ODDS, BLOCKS, DIM, HEADS, LR, SEQ, VOCAB  # noqa: F401
+from autoshard.fuzz_train import (config_kwargs, global_batch, loss_of,  # noqa: F401
+                                  rank_batch)
 
 
 # (losses and other scalars, parameters and buffers, gradients): the largest difference over

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from autoshard import fuzz, fuzz_spec
+from autoshard import fuzz
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
@@ -69,7 +69,7 @@ def test_invalid_combinations_are_named():
 def test_the_sample_covers_every_feature():
     seen = {f for seed in SAMPLE for f in fuzz.features(fuzz.generate(seed))}
     seen |= {f for case in _regressions() for f in fuzz.features(case["spec"])}
-    for kind in fuzz_spec.BLOCKS:
+    for kind in fuzz.BLOCKS:
         assert f"block={kind}" in seen, kind
     for wanted in ("world=1", "world=2", "world=3", "world=4", "mesh=hsdp", "head=tied",
                    "accumulate=2", "sync=first_and_last", "warmup=eval", "optimizer=sgd",
