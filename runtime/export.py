@@ -58,7 +58,7 @@ from autoshard.captured import TENSOR, Captured
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard.spec import ParamSpec, hosted, placements_for, shards_over_mesh
-from autoshard.runtime import commit, dcpio, graphio
+from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, graphio
 
 FORMAT = "autoshard-export"
 # 2: the files under a data folder the manifest names; state by module path. 3: every
@@ -373,7 +373,7 @@ def export(model, path, *, inference: bool = True) -> None:
             "nothing to export yet: call the model (or sharded.precompile(*inputs)) once with each "
             "input signature the exported program should accept, then export")
     found = commit.state(path, MANIFEST, ("checkpoint.json",))
-    ranks("export", f"to {path}: {found}", explain=lambda seen: commit.differ("export", seen))
+    ranks("export", f"to {path}: {found}", explain=lambda seen: commit_ranks.differ("export", seen))
     if found not in ("free", "complete", "interrupted"):
         raise AutoshardError(f"cannot export to {path}: it is {found}, not an export; choose "
                              "a new path or remove it first")
@@ -400,7 +400,7 @@ def export(model, path, *, inference: bool = True) -> None:
         data = os.path.basename(folder)
         manifest = {
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
-            "autoshard": commit.version(), "world_size": mesh.size(),
+            "autoshard": commit_files.version(), "world_size": mesh.size(),
             "mesh_shape": list(mesh.shape),
             "device": device.type, "model": _class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
@@ -509,7 +509,7 @@ def read_manifest(path, *, verify: bool = True) -> dict:
     path = os.fspath(path)
     where = os.path.join(path, MANIFEST)
     manifest = commit.read_marker(path, MANIFEST, "export", _FIELDS)
-    commit.check_format(manifest, where, FORMAT, READS, "export")
+    commit_files.check_format(manifest, where, FORMAT, READS, "export")
     if manifest["version"] >= 2 and not isinstance(manifest.get("data"), str):
         raise AutoshardError(f"{where} has no field 'data' (the folder holding the export's "
                              "files): it was changed. Copy the export again, or export again.")
@@ -532,7 +532,7 @@ def read_manifest(path, *, verify: bool = True) -> dict:
             raise AutoshardError(f"{where}: the entry of file {rel!r} is not a size and a "
                                  "SHA-256: the file was changed. Copy the export again.")
     for entry in manifest["programs"]:
-        if not (commit.inside(path, entry["dir"])
+        if not (commit_files.inside(path, entry["dir"])
                 and f"{entry['dir']}/program.json" in manifest["files"]):
             raise AutoshardError(
                 f"{where}: the program of {entry['call']} is in the folder {entry['dir']!r}, "
@@ -540,7 +540,7 @@ def read_manifest(path, *, verify: bool = True) -> dict:
                 "are not listed): the file was changed, and nothing was read. Copy the export "
                 "again from a source you trust.")
     if verify:
-        commit.verify(path, manifest["files"], manifest["world_size"], "export")
+        commit_files.verify(path, manifest["files"], manifest["world_size"], "export")
         _nothing_unlisted(path, manifest)
     return manifest
 
@@ -636,7 +636,7 @@ def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool
     data = os.path.join(path, manifest["data"])
     if verify:  # what is read before the ranks can share the work
         model_json = f"{manifest['data']}/model.json".lstrip("/")
-        commit.verify(path, {model_json: manifest["files"].get(model_json, {
+        commit_files.verify(path, {model_json: manifest["files"].get(model_json, {
             "bytes": -1, "sha256": ""})}, manifest["world_size"], "export")
     model_doc = _read_json(os.path.join(data, "model.json"))
     stored = Config.from_dict(model_doc["config"])
@@ -659,7 +659,7 @@ def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool
     st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"],
                explain=lambda seen: _differ(path, seen))
     if verify:  # each file hashed by one rank
-        commit.verify(path, manifest["files"], manifest["world_size"], "export", st.ranks())
+        commit_files.verify(path, manifest["files"], manifest["world_size"], "export", st.ranks())
         _nothing_unlisted(path, manifest)
     _read_state(model, os.path.join(data, CHECKPOINT), manifest, path)
 
@@ -696,10 +696,10 @@ def _read_state(model, folder: str, manifest: dict, path: str) -> None:
     else:
         state = {"tensors": _tensors(model)}
     with progress.phase("loading the export's checkpoint"):
-        outcome = commit.attempt(lambda: dcpio.load(state, folder, ranks.group,
+        outcome = commit_ranks.attempt(lambda: dcpio.load(state, folder, ranks.group,
                                                     files=_listed(path, folder, manifest)),
                                  ranks.rank)
-    commit.settle(ranks, outcome, f"load of the export {path}", "nothing was built")
+    commit_ranks.settle(ranks, outcome, f"load of the export {path}", "nothing was built")
     if version == 1:
         set_model_state_dict(model, state["model"])
 

@@ -27,7 +27,7 @@ from harness import run_ranks, train_step
 import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.models import gpt_loss
-from autoshard.runtime import commit
+from autoshard.runtime import commit_files
 from autoshard.runtime import export as export_mod
 from autoshard.spec import ParamSpec
 
@@ -268,7 +268,7 @@ def _as_version_2(src, dst) -> None:
             p["placements"] = ["S0" if pl == "Shard(0)" else "R" for pl in p["placements"]]
         (dst / rel).write_text(json.dumps(doc, indent=1))
         manifest["files"][rel] = {"bytes": (dst / rel).stat().st_size,
-                                  "sha256": commit.sha256(str(dst / rel))}
+                                  "sha256": commit_files.sha256(str(dst / rel))}
     del manifest["mesh_shape"]
     manifest.update(version=2, hash=export_mod._content_hash(manifest["files"]))
     (dst / "manifest.json").write_text(json.dumps(manifest))
