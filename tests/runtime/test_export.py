@@ -29,6 +29,7 @@ from autoshard.errors import AutoshardError
 from autoshard.models import gpt_loss
 from autoshard.runtime import commit_files
 from autoshard.runtime import export as export_mod
+from autoshard.runtime import export_format
 from autoshard.spec import ParamSpec
 
 MODULE = "autoshard_export_test_models"
@@ -331,12 +332,12 @@ def test_a_version_2_parameter_description_reads_as_before():
     old = {"fqn": "w", "shape": [4, 2], "dtype": "float32", "requires_grad": True,
            "compute_dtype": "bfloat16", "reduce_dtype": "float32", "mesh_shape": [2],
            "placements": ["S0"], "device": "host", "grad_divide": None, "force_sum": False}
-    spec = export_mod._spec(old, 2)
+    spec = export_format.spec_from_doc(old, 2)
     assert spec == ParamSpec("w", (4, 2), torch.float32, True, torch.bfloat16, torch.float32,
                              mesh_shape=(2,), device="host")
     assert spec.placements == (Shard(0),) and not spec.replica
     with pytest.raises(AutoshardError, match=r"cannot be read \(ParamSpec 'w': no field"):
-        export_mod._spec(old, 3)
+        export_format.spec_from_doc(old, 3)
 
 
 # --- what a bad export says -------------------------------------------------------------
