@@ -557,7 +557,7 @@ def _install_entry(module, root_st: _State, name: str, fn) -> None:
 
 
 def _user_class_name(module) -> str:
-    from autoshard.capture import _class_name
+    from autoshard.capture import class_name as _class_name
 
     return _class_name(module)
 

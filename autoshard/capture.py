@@ -10,104 +10,24 @@ phase "capturing the training step" (``autoshard.progress``).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import linecache
-import os
-import re
-import traceback
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+
 from autoshard._compat import tree_flatten, tree_map, tree_unflatten
 
 from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, fold_alias_pairs, written_inputs
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
-
-@dataclasses.dataclass
-class Captured:
-    """A captured joint graph and how its flat inputs/outputs map to the user's call."""
-
-    gm: fx.GraphModule
-    params: list  # ParamSpec per parameter placeholder, in placeholder order
-    buffer_fqns: list
-    in_spec: Any  # pytree spec of (args, kwargs)
-    in_consts: list  # per input leaf: TENSOR for a tensor leaf, else the constant value
-    out_spec: Any  # pytree spec of the forward output
-    out_consts: list  # per output leaf: TENSOR for a tensor leaf, else the constant value
-    diff_outputs: list  # indices (among tensor output leaves) that get a tangent
-    input_grads: list  # indices (among tensor input leaves) whose gradient is returned
-    mutated_buffers: list  # FQNs of buffers the forward updates in place
-    has_backward: bool
-    # per gradient output, (OUT_GRAD, fqn) or (OUT_INPUT_GRAD, index): the tangents it depends
-    # on; when none of them is given (no loss reads those outputs) eager's gradient is None
-    grad_tangents: dict = dataclasses.field(default_factory=dict)
-    pristine: Any = None  # the joint graph as traced, before any pass (autoshard.check)
-    # what the forward read of the Python world (autoshard.guards): checked before each reuse
-    guards: Any = None
-    # hooked module calls (autoshard.hooks.Tap): their tensors are the last ``n_taps``
-    # tensor outputs of the forward, for the hooks run after it
-    taps: list = dataclasses.field(default_factory=list)
-    n_taps: int = 0
-    # (module, attribute) of float attributes read as graph inputs, after the tensor inputs
-    lifted: list = dataclasses.field(default_factory=list)
-    traced_hooks: frozenset = frozenset()  # hooks traced into the graph (hooks.Replaces)
-    # objects among the inputs the forward updates (autoshard.state): (input object number,
-    # its description after the forward); their new tensors are the last ``n_state``
-    # tensor outputs of the forward
-    state_in: list = dataclasses.field(default_factory=list)
-    n_state: int = 0
-    # module calls whose backward hooks run after the backward graph (hooks.BackwardTap),
-    # fed by its hook-gradient outputs
-    backward_taps: list = dataclasses.field(default_factory=list)
-    # the grad mode the forward was traced in (its backward ran with grad off, as autograd
-    # runs every backward formula without create_graph). Some kernels read it at run time
-    # and not only their arguments: the CPU LSTM/GRU kernel (oneDNN's) returns the workspace
-    # its backward needs only with grad on. So the forward graph runs in this mode.
-    grad_enabled: bool = False
+from autoshard.capture_errors import CheckDtypes, assert_value_checks, check_source, explain
+from autoshard.captured import Captured, NewState, StateIn, StateOut, TENSOR
 
 
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-@dataclasses.dataclass(frozen=True)
-class StateIn:
-    """An input leaf that is an object holding state: the ``index``-th such object of the
-    call; its ``n`` tensors are graph inputs at its place."""
-
-    index: int
-    n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class StateOut:
-    """An output leaf that is the call's ``index``-th input object, updated."""
-
-    index: int
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class NewState:
-    """An output leaf that is an object the forward created (``state.describe``)."""
-
-    description: Any
-
-
-class _TensorSlot:
-    """Marks a tensor leaf in ``in_consts``/``out_consts`` (None is a real constant there)."""
-
-    def __repr__(self) -> str:
-        return "TENSOR"
-
-    def __reduce__(self):
-        return "TENSOR"
-
-
-TENSOR = _TensorSlot()
 
 
 _tracing_depth = [0]
@@ -135,7 +55,7 @@ def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
     return fake_mode.from_tensor(t)
 
 
-def _class_name(mod: torch.nn.Module) -> str:
+def class_name(mod: torch.nn.Module) -> str:
     """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
     mro = guards.user_class(mod).__mro__
     wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
@@ -164,7 +84,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
     def pre(mod, args):
         name = names.get(id(mod))
         if name is not None:
-            stack.append((name, _class_name(mod)))
+            stack.append((name, class_name(mod)))
             publish()
 
     def post(mod, args, out):
@@ -175,7 +95,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
-    stack.append(("", _class_name(model)))
+    stack.append(("", class_name(model)))
     publish()
     try:
         yield
@@ -210,39 +130,6 @@ def _is_mutated(node: fx.Node) -> bool:
     """Whether any op writes into ``node``'s storage (directly or through a view)."""
     aliases = alias_closure(node)
     return any(a in written_inputs(u) for a in aliases for u in a.users)
-
-
-# aten ops whose kernels take all their tensors in one dtype ("mat1 and mat2 must have the
-# same dtype"); the fake kernels of some (mm, addmm) do not check it, so capture does
-_ONE_DTYPE = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot",
-                        "addr", "convolution"})
-
-
-class _DtypesDiffer(RuntimeError):
-    """An op got tensors of dtypes its kernel does not mix; ``func`` names it, as in the
-    fake tensor errors ``_explain`` reads."""
-
-    def __init__(self, func, operands: list):
-        self.func, self.operands = func, operands  # [(argument name, dtype)]
-        super().__init__(f"{func} got " + ", ".join(f"{n} {_dtype(d)}" for n, d in operands))
-
-
-class _CheckDtypes(_compat.TorchDispatchMode):
-    """While the forward is traced: refuse an op of ``_ONE_DTYPE`` given tensors of more
-    than one dtype, as its eager kernel would at run time, after the step's all-gathers."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket.__name__ in _ONE_DTYPE and func._overloadname == "default":
-            operands = [(a.name, v.dtype) for a, v in zip(func._schema.arguments, args)
-                        if isinstance(v, torch.Tensor)]
-            if len({d for _, d in operands}) > 1:
-                raise _DtypesDiffer(func, operands)
-        return func(*args, **kwargs)
-
-
-def _dtype(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def input_names(args, kwargs) -> list:
@@ -399,11 +286,11 @@ class _Joint:
         """The model's forward on ``values`` (FQN -> tensor), hooks tapped, module paths,
         checkpoint regions and the reads of the Python world recorded."""
         rec, model = self.rec, self.model
-        with _lifting(self.lifted, lifts), _compat.reparametrize(model, values), \
+        with _lifting(self.lifted, lifts), _compat.reparametrize(model, values),\
                 hooks.tapping(model, self.traced_hooks, rec["taps"], rec["tapped"],
-                              rec["btaps"], rec["hgrads"], rec["installed"]), \
-                _track_modules(model, self.stack), _track_checkpoints(), \
-                guards.recording(model) as reads, _traced(), _CheckDtypes():
+                              rec["btaps"], rec["hgrads"], rec["installed"]),\
+                _track_modules(model, self.stack), _track_checkpoints(),\
+                guards.recording(model) as reads, _traced(), CheckDtypes():
             rec["reads"] = reads
             out = _cast_floating(self.forward(model, *a, **kw), self.output_dtype)
         _compat.current_meta().pop("nn_module_stack", None)
@@ -453,10 +340,10 @@ class _Joint:
 
 
 def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModule:
-    """``joint`` traced on the fake tensors ``flat``; a failure is explained (``_explain``)
+    """``joint`` traced on the fake tensors ``flat``; a failure is explained (``explain``)
     naming the module, the op and the input of the call (``args``, ``kwargs``) at fault."""
     fake_mode = next((t.fake_mode for t in flat if _compat.is_fake(t)), None)
-    checks = (_compat.recording_value_checks(fake_mode, _check_source)
+    checks = (_compat.recording_value_checks(fake_mode, check_source)
               if fake_mode is not None and fake_mode.shape_env is not None
               else contextlib.nullcontext([]))
     with progress.phase("capturing the training step"):
@@ -465,97 +352,23 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
                 gm = _compat.make_fx(joint, tracing_mode="fake",
                                      decomposition_table=_compat.capture_decompositions())(
                     *flat)
-            _assert_value_checks(gm, found, joint.stack)
+            assert_value_checks(gm, found, joint.stack)
             return _compat.graph_module(gm, gm.graph)
         except AutoshardError:
             raise
         except Exception as exc:  # noqa: BLE001 - every capture failure gets the same explanation
-            raise _explain(exc, joint.stack, input_names(args, kwargs),
+            raise explain(exc, joint.stack, input_names(args, kwargs),
                            {p.compute_dtype for p in joint.params}) from exc
-
-
-def _check_source() -> str:
-    """The model's source statement making a check now: the innermost frame outside torch
-    and autoshard, or, when that frame is a checking helper (transformers'
-    ``torch_compilable_check``), the statement that called it; its whole text, all lines."""
-    frames = [f for f in traceback.extract_stack()[:-1] if _is_user_frame(f)]
-    if not frames:
-        return "(no user frame)"
-    frame = frames[-1]
-    if "check" in frame.name and len(frames) > 1:
-        frame = frames[-2]
-    lines = []
-    for k in range(frame.lineno, frame.lineno + 20):  # the statement: its lines up to where
-        lines.append(linecache.getline(frame.filename, k).strip())  # they parse whole
-        try:
-            ast.parse(" ".join(lines))
-            break
-        except SyntaxError:
-            continue
-    else:
-        lines = [frame.line or ""]
-    return f"{frame.filename}:{frame.lineno}: {' '.join(lines)}"
-
-
-def _assert_value_checks(gm: fx.GraphModule, found: list, stack: list) -> None:
-    """Each check the forward made on a tensor's value (``torch._check_tensor_all(t)``,
-    ``torch._check(t.item())``), traced as the value read ``aten._local_scalar_dense`` and an
-    assert deferred to run time (``found``: (expression, source) in order), becomes an
-    ``aten._assert_scalar`` of that read, naming the check's source: it runs in the step,
-    where eager runs it, and raises there when it fails. Any other use of a value read
-    (a size, a number in arithmetic, an assert on more than the read itself) is refused as
-    before, naming the module being traced (``stack``). Does nothing when the forward read
-    no value."""
-    reads = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target is torch.ops.aten._local_scalar_dense.default
-             and _compat.value_read(n.meta.get("val")) is not None]
-    if not reads and not found:
-        return
-    used = set()
-    for n in reads:
-        read = _compat.value_read(n.meta["val"])
-        claims = [k for k, (expr, _) in enumerate(found) if read[0] in expr.free_symbols]
-        if (n.users or not isinstance(n.meta["val"], torch.SymBool) or len(claims) != 1
-                or not _compat.asserts_true(found[claims[0]][0], read)):
-            _refuse_value_read(n, stack)
-        used.add(claims[0])
-        with gm.graph.inserting_after(n):
-            check = gm.graph.call_function(torch.ops.aten._assert_scalar.default, (
-                n, f"a check of the model failed in the captured step: {found[claims[0]][1]}"))
-        check.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-        check.meta["val"] = None
-    if len(used) != len(found):
-        raise AutoshardError(
-            "autoshard could not capture the training step: a check on a value depends on "
-            "more than one value read, or on none the graph holds: "
-            + "; ".join(src for k, (_, src) in enumerate(found) if k not in used))
-    gm.graph.lint()
-    gm.recompile()
-
-
-def _refuse_value_read(node: fx.Node, stack: list) -> None:
-    """The capture error for a value read (``.item()``) the forward uses beyond checking
-    it: the same as when the trace stops at the read."""
-    exc = _ValueRead(f"{node.name} = {node.target}", torch.ops.aten._local_scalar_dense.default)
-    raise _explain(exc, stack)
-
-
-class _ValueRead(Exception):
-    """A value read used beyond a check (``func``: the op, for ``_explain``)."""
-
-    def __init__(self, msg, func):
-        super().__init__(msg)
-        self.func = func
 
 
 def _refuse_outputs(model: torch.nn.Module, rec: dict) -> None:
     """Refuse a forward that reads what the graph cannot follow, or returns what a captured
     step cannot (a function, a class, a module)."""
-    guards.refuse_unfollowable(rec["reads"], _class_name(model))
+    guards.refuse_unfollowable(rec["reads"], class_name(model))
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
             raise AutoshardError(
-                f"{_class_name(model)}.forward returned a {type(leaf).__name__} among its "
+                f"{class_name(model)}.forward returned a {type(leaf).__name__} among its "
                 "outputs; a captured step returns tensors, plain Python values and objects "
                 "holding them (a KV cache), not functions, classes or modules."
             )
@@ -712,81 +525,3 @@ def _tag(cap: Captured, rec: dict, grads_for: list) -> None:
             region = meta.BWD
     gm.graph.lint()
     gm.recompile()
-
-
-# --- errors -----------------------------------------------------------------------------------
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _user_frame(exc: BaseException):
-    keep = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_frame(f)]
-    return keep[-1] if keep else None
-
-
-def _is_user_frame(f) -> bool:
-    """Whether the frame ``f`` is the model's code: outside torch, autoshard and Python's
-    own context managers."""
-    return (not f.filename.startswith(_TORCH_DIR)
-            and not f.filename.startswith(os.path.join(_OWN_DIR, "autoshard"))
-            and not f.filename.startswith(os.path.join(_OWN_DIR, "passes"))
-            and not f.filename.startswith(os.path.join(_OWN_DIR, "runtime"))
-            and not f.filename.startswith("<")
-            and "/contextlib.py" not in f.filename)
-
-
-def _explain(exc: BaseException, stack: list, inputs=(), param_dtypes=()) -> AutoshardError:
-    """The capture error for ``exc``, naming the module being traced (``stack``), the op and
-    the user's source line; ``inputs``, (name, leaf) of the call, and the parameters'
-    dtypes name the input of a dtype the model does not compute in."""
-    module = stack[-1][0] if stack else ""
-    module_desc = f"module '{module}' ({stack[-1][1]})" if stack else "the model"
-    op = getattr(exc, "func", None)
-    if op is None and type(exc).__name__ == "GuardOnDataDependentSymNode":
-        # Python branched on a value read: shapes are static, so a value read made the symbol
-        op = torch.ops.aten._local_scalar_dense.default
-    if op is None:  # e.g. "no fake impl registered for <CustomOpDef(ns::name)>"
-        found = re.search(r"\b([A-Za-z_]\w*::[A-Za-z_]\w*(?:\.\w+)?)", str(exc))
-        op = found.group(1) if found else None
-    frame = _user_frame(exc)
-    where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "(no user frame)"
-    dd = {"DataDependentOutputException", "GuardOnDataDependentSymNode"}
-    kind = type(exc).__name__
-    reads_value = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
-    if isinstance(exc, _DtypesDiffer):
-        got = ", ".join(f"{n} {_dtype(d)}" for n, d in exc.operands)
-        odd = {d for _, d in exc.operands} - set(param_dtypes)
-        named = [f"{n} {_dtype(x.dtype)}{list(x.shape)}" for n, x in inputs
-                 if isinstance(x, torch.Tensor) and x.dtype in odd]
-        what = (f"needs its tensors in one dtype but got {got}"
-                + (f" (the call's input {', '.join(named)})" if named else ""))
-        want = sorted(_dtype(d) for d in {d for _, d in exc.operands} - odd)
-        fix = ("Cast the input to the dtype the model computes in"
-               + (f" ({', '.join(want)}, e.g. x.to(torch.{want[0]}))" if want else "")
-               + " before the call: eager PyTorch refuses these dtypes at this op too.")
-    elif kind in dd or op in reads_value:
-        what = "reads a tensor's value in Python (data-dependent control flow)"
-        fix = (
-            "Compute both branches and select with torch.where, use torch.cond, or move the "
-            "value-dependent logic outside the model's forward."
-        )
-    elif kind == "DynamicOutputShapeException":
-        what = "calls an op whose output shape depends on tensor values"
-        fix = "Use a fixed-shape formulation (masking instead of nonzero/boolean indexing)."
-    elif kind in ("UnsupportedOperatorException", "UnsupportedFakeTensorException") or (
-        "fake" in str(exc).lower() and ("impl" in str(exc).lower() or "kernel" in str(exc).lower())
-    ):
-        what = "calls an op that has no fake (meta) kernel, so it cannot be traced without data"
-        fix = (
-            "Register one with torch.library.register_fake (or @torch.library.custom_op with "
-            "a register_fake implementation)."
-        )
-    else:
-        what = f"failed while being traced ({kind}: {str(exc).splitlines()[0][:300]})"
-        fix = "See the chained exception above for the failing call."
-    op_desc = f" op {op}" if op is not None else ""
-    return AutoshardError(
-        f"autoshard could not capture the training step: {module_desc}{op_desc} {what}.\n"
-        f"  at {where}\n  {fix}"
-    )

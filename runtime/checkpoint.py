@@ -32,7 +32,7 @@ from autoshard._compat import pytree
 
 from autoshard import progress
 from autoshard.errors import AutoshardError
-from autoshard.runtime import commit, dcpio
+from autoshard.runtime import commit, commit_files, commit_ranks, dcpio
 
 MARKER = "checkpoint.json"
 FORMAT = "autoshard-checkpoint"
@@ -64,7 +64,7 @@ def _save(path, model: torch.nn.Module, optimizer) -> None:
 
     def document(folder, files):
         return {"format": FORMAT, "version": VERSION, "torch": torch.__version__,
-                "autoshard": commit.version(), "world_size": agreement.world,
+                "autoshard": commit_files.version(), "world_size": agreement.world,
                 "contents": sorted(state), "files": files,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -102,17 +102,17 @@ def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.Incomp
         raise AutoshardError(f"{path} holds no optimizer state (it was saved without an "
                              "optimizer); load it without one, or save with the optimizer")
     agreement("load of a checkpoint", f"{path}: {doc['data'] if doc else 'plain DCP'}",
-              explain=lambda seen: commit.differ("load of a checkpoint", seen))
+              explain=lambda seen: commit_ranks.differ("load of a checkpoint", seen))
     if doc is not None:  # each file hashed by one rank
-        commit.verify(folder, doc["files"], doc["world_size"], "checkpoint", agreement)
+        commit_files.verify(folder, doc["files"], doc["world_size"], "checkpoint", agreement)
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                  _state(model, optimizer))
     skipped = []
     files = None if doc is None else set(doc["files"])
-    outcome = commit.attempt(lambda: skipped.append(dcpio.load(
+    outcome = commit_ranks.attempt(lambda: skipped.append(dcpio.load(
         state, folder, agreement.group, files=files, strict=strict, where=path)),
         agreement.rank)
-    commit.settle(agreement, outcome, f"load of the checkpoint {path}",
+    commit_ranks.settle(agreement, outcome, f"load of the checkpoint {path}",
                   "the model and the optimizer are as they were")
     with torch.no_grad():
         for fqn, t in module_state(model).items():
@@ -124,12 +124,12 @@ def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.Incomp
 
 def _folder(path: str):
     """The DCP folder to read and the marker (None for a plain DCP checkpoint), its fields
-    checked (not yet its files: ``commit.verify``)."""
+    checked (not yet its files: ``commit_files.verify``)."""
     if os.path.isfile(os.path.join(path, ".metadata")) and not os.path.exists(
             os.path.join(path, MARKER)):
         return path, None
     doc = commit.read_marker(path, MARKER, "checkpoint", _FIELDS)
-    commit.check_format(doc, os.path.join(path, MARKER), FORMAT, READS, "checkpoint")
+    commit_files.check_format(doc, os.path.join(path, MARKER), FORMAT, READS, "checkpoint")
     folder = os.path.join(path, doc["data"])
     if not all(isinstance(e, int) if doc["version"] == 1 else (
             isinstance(e, dict) and isinstance(e.get("bytes"), int)

@@ -44,7 +44,6 @@ import contextlib
 import contextvars
 import copy
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -55,9 +54,9 @@ import warnings
 import weakref
 from typing import Callable, Optional
 
-import torch.distributed as dist
-
 from autoshard.errors import AutoshardError
+from autoshard.runtime.commit_files import entries, fsync_dir, inside, listing
+from autoshard.runtime.commit_ranks import attempt, differ, exchange, settle
 
 try:
     import fcntl
@@ -109,7 +108,7 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     lock, busy = _lock_writes(path, what) if agreement.rank == 0 else (None, None)
     try:
         # rank 0's token, or why it cannot write (another job holds the path)
-        token = _exchange(agreement, {"busy": busy} if busy else uuid.uuid4().hex[:12],
+        token = exchange(agreement, {"busy": busy} if busy else uuid.uuid4().hex[:12],
                           doing, kept)[0]
         if isinstance(token, dict):
             raise AutoshardError(f"cannot write the {what} to {path}: another job is writing "
@@ -137,15 +136,6 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     finally:
         if lock is not None:
             _drop(lock, os.path.join(path, LOCK))
-
-
-def differ(what: str, seen: list) -> str:
-    """The error when the ranks are all at a ``what`` but name different paths (or see
-    different things there)."""
-    lines = "\n".join(f"  rank {r}: {d}" for r, d in enumerate(seen))
-    return (f"the ranks called the {what} with different paths, or see different things at "
-            f"the path (nothing was written):\n{lines}\nEvery rank must pass the same path, "
-            "on a file system every rank sees (a shared directory)")
 
 
 def read_marker(path, marker: str, what: str, fields: dict) -> dict:
@@ -199,63 +189,6 @@ def _kind_name(kind) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
-def attempt(fn, rank: int = 0) -> dict:
-    """{} when ``fn`` ran, else {rank: what stopped it}: this rank's error, or for DCP's
-    CheckpointException (which gathers every rank's), each failed rank's."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        fn()
-        return {}
-    except CheckpointException as e:
-        return {r: _cause(exc[0] if isinstance(exc, tuple) else exc)
-                for r, exc in e.failures.items()}
-    except Exception as e:  # noqa: BLE001 - reported on every rank, then raised there
-        return {rank: _cause(e)}
-
-
-def _cause(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:400] if text else ''}"
-
-
-def settle(agreement, outcome: dict, doing: str, kept: str,
-           folder: Optional[str] = None) -> None:
-    """Every rank learns how every rank's part of ``doing`` ended (``outcome``, from
-    ``attempt``); any failure is an AutoshardError on all, saying what is ``kept``."""
-    failed: dict = {}
-    for got in _exchange(agreement, outcome, doing, kept):
-        failed.update(got)
-    if not failed:
-        return
-    if agreement.rank == 0 and folder is not None:
-        shutil.rmtree(folder, ignore_errors=True)
-    ranks = sorted(failed)
-    lines = "\n".join(f"  rank {r}: {failed[r]}" for r in ranks)
-    raise AutoshardError(f"the {doing} failed on rank{'s' if len(ranks) > 1 else ''} "
-                         f"{', '.join(map(str, ranks))}; nothing was committed, and {kept}:"
-                         f"\n{lines}")
-
-
-def _exchange(agreement, mine, doing: str, kept: str) -> list:
-    """Each rank's ``mine``, in rank order (the agreement's group and timeout)."""
-    if agreement.world == 1 or agreement.fake:
-        return [mine]
-    got = [None] * agreement.world
-    try:
-        dist.all_gather_object(got, mine, group=agreement.group)
-    except Exception as e:  # noqa: BLE001 - a lost or stuck peer, whatever the backend says
-        peers = [r for r in range(agreement.world) if r != agreement.rank]
-        raise AutoshardError(
-            f"rank {agreement.rank}: the {doing} did not complete: no answer from "
-            f"peer ranks {peers} within {agreement.timeout_s:g} s (a rank was killed, ran out "
-            f"of space, or hangs); nothing was committed, and {kept}."
-            f"{' This rank saw: ' + str(mine) if mine else ''}\n  "
-            f"{str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__}"
-        ) from None
-    return got
-
-
 def _commit(path: str, marker: str, folder: str, document) -> None:
     doc = dict(document(folder), data=os.path.basename(folder))
     tmp = os.path.join(path, f".{marker}.{os.path.basename(folder)}")
@@ -264,7 +197,7 @@ def _commit(path: str, marker: str, folder: str, document) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, marker))
-    _fsync_dir(path)
+    fsync_dir(path)
 
 
 def _committed(path: str, marker: str, folder: str) -> bool:
@@ -542,7 +475,7 @@ def reading(path, marker: str, agreement=None, what: str = "load"):
 def _follow(agreement, held: Held, what: str) -> Held:
     """Every rank's ``Held`` of rank 0's folder: rank 0 holds it, so it is there."""
     agreement(what, held.path, explain=lambda seen: differ(what, seen))
-    path, doc = _exchange(agreement, (held.path, held.doc), f"{what} of {held.path}",
+    path, doc = exchange(agreement, (held.path, held.doc), f"{what} of {held.path}",
                           "nothing was read")[0]
     if path != held.path or not isinstance(doc, dict) or not isinstance(held.doc, dict) or (
             doc.get("data") == held.doc.get("data")):
@@ -553,179 +486,17 @@ def _follow(agreement, held: Held, what: str) -> Held:
     return mine
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def entries(folder: str, names: Optional[list] = None) -> dict:
-    """Every file under ``folder`` (or those of ``names``): relative path -> ``{"bytes": size,
-    "sha256": hex}``, what a reader checks before it reads anything (``verify``)."""
-    names = listing(folder) if names is None else names
-    return {rel: {"bytes": os.path.getsize(os.path.join(folder, rel)),
-                  "sha256": sha256(os.path.join(folder, rel))} for rel in names}
-
-
-def listing(folder: str) -> list:
-    """The relative paths (``/``-separated) of every file under ``folder``, sorted."""
-    out = []
-    for sub, _, names in os.walk(folder):
-        out += [os.path.relpath(os.path.join(sub, n), folder).replace(os.sep, "/")
-                for n in names]
-    return sorted(out)
-
-
 def _shared_entries(folder: str, agreement, doing: str, kept: str) -> dict:
     """``entries(folder)`` on every rank, each file hashed by one rank: rank 0's listing,
     every ``world``-th file from the rank's own index, so the hashing costs each rank its
     share of the bytes, as the write did."""
-    names = _exchange(agreement, listing(folder) if agreement.rank == 0 else None, doing,
+    names = exchange(agreement, listing(folder) if agreement.rank == 0 else None, doing,
                       kept)[0]
     mine: dict = {}
     share = names[agreement.rank::agreement.world] if not agreement.fake else names
     settle(agreement, attempt(lambda: mine.update(entries(folder, share)), agreement.rank),
            doing, kept, folder)
     files: dict = {}
-    for got in _exchange(agreement, mine, doing, kept):
+    for got in exchange(agreement, mine, doing, kept):
         files.update(got)
     return dict(sorted(files.items()))
-
-
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _plain(rel) -> bool:
-    """``rel`` is a plain relative path: ``/``-separated, no ``..``, ``.`` or empty part, not
-    absolute."""
-    return (isinstance(rel, str) and bool(rel) and not rel.startswith("/") and "\\" not in rel
-            and not os.path.isabs(rel)
-            and not any(p in ("", ".", "..") for p in rel.split("/")))
-
-
-def inside(root: str, rel) -> bool:
-    """``rel`` is a plain relative path that stays inside ``root`` once symlinks are
-    followed."""
-    if not _plain(rel):
-        return False
-    parts = rel.split("/")
-    real_root = os.path.realpath(root)
-    return os.path.realpath(os.path.join(root, *parts)) == os.path.join(real_root, *parts)
-
-
-def _real_files(root: str, tops: set) -> set:
-    """The relative paths of the regular files under ``root``'s entries ``tops``, reached
-    without following a symlink (one walk, where ``inside`` per file would resolve each)."""
-    out = set()
-    for top in tops:
-        base = os.path.join(root, top)
-        if os.path.islink(base):
-            continue
-        if os.path.isfile(base):
-            out.add(top)
-            continue
-        for sub, _, names in os.walk(base):  # a symlinked folder is listed, not entered
-            rel = os.path.relpath(sub, root).replace(os.sep, "/")
-            out.update(f"{rel}/{n}" for n in names if not os.path.islink(os.path.join(sub, n)))
-    return out
-
-
-def verify(root: str, files: dict, world_size: int, what: str, agreement=None) -> None:
-    """Every file of ``files`` (relative path -> an ``entries`` entry, or a size alone, as
-    checkpoints before format 2 recorded) is a plain file inside ``root``, whole and, where a
-    SHA-256 is recorded, unchanged; AutoshardError naming the file and what is wrong. With
-    ``agreement`` (every rank calls it) each file is hashed by one rank and every rank
-    raises the first problem any rank found."""
-    if agreement is None or agreement.world == 1 or agreement.fake:
-        _verify(root, files, world_size, what, hashed=set(files))
-        return
-    names = sorted(files)
-    problem = None
-    try:
-        _verify(root, files, world_size, what,
-                hashed=set(names[agreement.rank::agreement.world]))
-    except AutoshardError as e:
-        problem = str(e)
-    found = [p for p in _exchange(agreement, problem, f"check of the {what} at {root}",
-                                  "nothing was read") if p]
-    if found:
-        raise AutoshardError(found[0])
-
-
-def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> None:
-    real = _real_files(root, {rel.split("/")[0] for rel in files if _plain(rel)})
-    for rel, entry in files.items():
-        full = os.path.join(root, rel)
-        if not _plain(rel) or (rel not in real and os.path.lexists(full)):
-            raise AutoshardError(
-                f"the {what} at {root} lists the file {rel!r}, which is not a plain relative "
-                f"path inside it (an absolute path, '..', or a symlink out): the {what} was "
-                f"changed, and nothing was read. Copy the {what} again from a source you trust.")
-        size, digest = (entry, None) if isinstance(entry, int) else (entry["bytes"],
-                                                                     entry["sha256"])
-        got = os.path.getsize(full) if rel in real else None
-        if got is None:
-            raise AutoshardError(f"{full} is missing{whose(rel, world_size)}. Copy the whole "
-                                 f"{what} directory, every rank's files included.")
-        if got != size:
-            raise AutoshardError(
-                f"{full} is {got} bytes, but the {what} wrote {size}: it is truncated or was "
-                f"changed{whose(rel, world_size)}. Copy it again from the {what}'s source, or "
-                f"write the {what} again.")
-        if digest is not None and rel in hashed and sha256(full) != digest:
-            raise AutoshardError(
-                f"{full} does not match the SHA-256 the {what} records{whose(rel, world_size)}"
-                f": it is corrupt or was changed after it was written. Copy it again from "
-                f"the {what}'s source, or write the {what} again.")
-
-
-def version() -> str:
-    """This autoshard's version (``autoshard.__version__``)."""
-    import autoshard
-
-    return autoshard.__version__
-
-
-def check_format(doc: dict, where: str, fmt: str, reads: tuple, what: str) -> None:
-    """Refuse a marker of another format or of a version this autoshard cannot read, naming
-    both; warn when the torch or autoshard that wrote it differs from this one."""
-    import warnings
-
-    import torch
-
-    if doc["format"] != fmt:
-        raise AutoshardError(f"{where} is format {doc['format']!r}, not an autoshard {what} "
-                             f"({fmt!r})")
-    if doc["version"] not in reads:
-        raise AutoshardError(
-            f"{where} is {what} format version {doc['version']} (written by autoshard "
-            f"{doc['autoshard']}, torch {doc['torch']}); this autoshard {version()} reads "
-            f"version{'s' if len(reads) > 1 else ''} {', '.join(map(str, reads))}. Load it "
-            f"with the autoshard that wrote it, or write the {what} again with this one.")
-    mine = {"torch": torch.__version__, "autoshard": version()}
-    changed = [f"{k} {doc[k]} (this process: {mine[k]})" for k in mine if doc[k] != mine[k]]
-    if changed:
-        warnings.warn(f"{where} was written by {', '.join(changed)}; its format version "
-                      f"{doc['version']} is one this autoshard reads, so it loads",
-                      stacklevel=3)
-
-
-def whose(rel: str, world_size: int) -> str:
-    """For a DCP shard file (``__R_0.distcp``), which rank wrote it."""
-    name = os.path.basename(rel)
-    if name.startswith("__") and name.endswith(".distcp"):
-        return (f" (the shards rank {name[2:].split('_')[0]} wrote, of the {world_size} "
-                "ranks that wrote them)")
-    return ""

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from autoshard import _compat, meta
 from autoshard._compat import tree_unflatten
-from autoshard.capture import TENSOR
+from autoshard.captured import TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
 from autoshard.runtime import streams
@@ -215,7 +215,7 @@ class Program:
         objects holding state, and ``written``, the tensors the forward left in objects
         (``autoshard.state``), for the outputs that are such objects."""
         from autoshard import state
-        from autoshard.capture import NewState, StateOut
+        from autoshard.captured import NewState, StateOut
 
         it = iter(user)
         leaves = [next(it) if c is TENSOR else objects[c.index] if isinstance(c, StateOut)

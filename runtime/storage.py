@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 from autoshard import _compat
 from autoshard.spec import ON_HOST, param_specs
 from autoshard.runtime import optim
-from autoshard.runtime.materialize import _Materializer, _Slot, _slots, init_steps
+from autoshard.runtime.init_order import Slot, slots_of
+from autoshard.runtime.materialize import materialize
 
 
 def fqn_aliases(model: torch.nn.Module) -> dict:
@@ -154,7 +155,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
     and buffers are allocated full size on ``device``, initialised, sliced to this rank's rows
     and freed before the next module, so host/device memory peaks near this rank's shards plus
     the largest module. They are initialised as building the model on ``device`` would
-    (``materialize.init_steps``: the ops a constructor run under ``deferred_init()``
+    (``init_order.init_steps``: the ops a constructor run under ``deferred_init()``
     recorded, or each layer's ``reset_parameters()`` and a Hugging Face model's
     ``_init_weights``), then by ``param_init_fn(module)`` if given, children first; with the
     same seed, the shards are bitwise the rows of the model built on ``device``. A meta
@@ -168,12 +169,12 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
     is a GPU and ``pin_memory``, and marks it ``ON_HOST``.
     """
     last = mesh.get_local_rank(mesh.ndim - 1)
-    slots = _slots(model)
+    slots = slots_of(model)
     if specs is None:
         specs = param_specs(model, mesh_shape=tuple(mesh.shape))
     specs = {s.fqn: s for s in specs}
 
-    def local(slot: _Slot, full: torch.Tensor) -> torch.Tensor:
+    def local(slot: Slot, full: torch.Tensor) -> torch.Tensor:
         if not slot.is_param:
             return full.detach()
         lay = specs[slot.fqn].layout
@@ -186,10 +187,7 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
 
     flags, values = [], {}
     if any(s.meta for s in slots.values()):
-        steps = init_steps(model, param_init_fn)
-        mat = _Materializer(model, slots, steps, device, local)
-        mat.run()
-        values = {tid: mat.tensors[id(s)] for tid, s in slots.items() if id(s) in mat.tensors}
+        values, steps = materialize(model, slots, device, local, param_init_fn)
         flags = [(s.module, "_is_hf_initialized", True) for s in steps
                  if s.label.endswith("._init_weights")]
 
@@ -214,7 +212,7 @@ def _index(spec, last: int) -> int:
     return last if spec.shards > 1 else 0
 
 
-def _shard(slot: _Slot, value, spec, mesh, rank: int, device: torch.device,
+def _shard(slot: Slot, value, spec, mesh, rank: int, device: torch.device,
            pin_memory: bool) -> torch.nn.Parameter:
     """The new DTensor parameter of ``slot``: this rank's rows of ``value`` (the materialised
     shard) or of the tensor, placed as ``spec`` says."""

@@ -162,7 +162,7 @@ def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_b
 
 
 def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing():
-    from autoshard.passes.plan import offload_choice, recompute_choices
+    from autoshard.passes.candidates import offload_choice, recompute_choices
     from autoshard import Config
     from autoshard.cost import PROFILES
 
@@ -188,6 +188,7 @@ def test_on_a_big_graph_the_search_finds_the_same_offload_plan(monkeypatch):
     over a ladder that now holds offload choices; the plan is the one the full search
     picks."""
     import autoshard.passes.plan as plan_mod
+    import autoshard.passes.search as search_mod
     from autoshard.cost import PROFILES
 
     h100 = PROFILES["h100"]
@@ -196,6 +197,7 @@ def test_on_a_big_graph_the_search_finds_the_same_offload_plan(monkeypatch):
     budget = _plan(slow, offload=False, layers=2).predicted["peak_bytes"] - 2**20
     full = _plan(slow, budget, layers=2)
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)
+    monkeypatch.setattr(search_mod, "BIG_GRAPH", 0)
     big = _plan(slow, budget, layers=2)
     assert big.recompute == full.recompute and big.recompute.startswith("offload")
     assert big.predicted == full.predicted

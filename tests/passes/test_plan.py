@@ -5,7 +5,7 @@ import torch
 
 import autoshard
 from autoshard.models import GPT
-from autoshard.passes.plan import first_choices, recompute_choices
+from autoshard.passes.candidates import first_choices, recompute_choices
 
 INPUTS = (torch.randint(0, 96, (16, 32)),)
 
@@ -104,6 +104,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
     import dataclasses
 
     import autoshard.passes.plan as plan_mod
+    import autoshard.passes.search as search_mod
     from autoshard.cost import PROFILES
 
     free = dataclasses.replace(PROFILES["h100"], name="free", alpha=0.0, beta=0.0)
@@ -114,6 +115,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
 
     roomy = search()
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)
+    monkeypatch.setattr(search_mod, "BIG_GRAPH", 0)
     big = search()
     assert big.predicted == roomy.predicted and big.recompute == roomy.recompute == "none"
     notes = [c["note"] for c in big.candidates]

@@ -138,6 +138,7 @@ def test_balanced_builds_fsdp2s_plan_on_a_graph_too_big_to_search_whole(monkeypa
     from autoshard.passes import plan as plan_mod
 
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 10)
+    monkeypatch.setattr("autoshard.passes.search.BIG_GRAPH", 10)
     monkeypatch.setattr("autoshard.passes.auto.BIG_GRAPH", 10)
     plan = _plan(device_profile="h100")
     fsdp2 = _plan(device_profile="h100", policy="module", recompute=False,

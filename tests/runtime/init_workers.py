@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from autoshard import autoshard
 from autoshard import deferred_init as autoshard_deferred_init
-from autoshard.runtime.materialize import init_steps
+from autoshard.runtime.init_order import init_steps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):

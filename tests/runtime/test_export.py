@@ -27,8 +27,9 @@ from harness import run_ranks, train_step
 import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.models import gpt_loss
-from autoshard.runtime import commit
+from autoshard.runtime import commit_files
 from autoshard.runtime import export as export_mod
+from autoshard.runtime import export_format
 from autoshard.spec import ParamSpec
 
 MODULE = "autoshard_export_test_models"
@@ -268,7 +269,7 @@ def _as_version_2(src, dst) -> None:
             p["placements"] = ["S0" if pl == "Shard(0)" else "R" for pl in p["placements"]]
         (dst / rel).write_text(json.dumps(doc, indent=1))
         manifest["files"][rel] = {"bytes": (dst / rel).stat().st_size,
-                                  "sha256": commit.sha256(str(dst / rel))}
+                                  "sha256": commit_files.sha256(str(dst / rel))}
     del manifest["mesh_shape"]
     manifest.update(version=2, hash=export_mod._content_hash(manifest["files"]))
     (dst / "manifest.json").write_text(json.dumps(manifest))
@@ -331,12 +332,12 @@ def test_a_version_2_parameter_description_reads_as_before():
     old = {"fqn": "w", "shape": [4, 2], "dtype": "float32", "requires_grad": True,
            "compute_dtype": "bfloat16", "reduce_dtype": "float32", "mesh_shape": [2],
            "placements": ["S0"], "device": "host", "grad_divide": None, "force_sum": False}
-    spec = export_mod._spec(old, 2)
+    spec = export_format.spec_from_doc(old, 2)
     assert spec == ParamSpec("w", (4, 2), torch.float32, True, torch.bfloat16, torch.float32,
                              mesh_shape=(2,), device="host")
     assert spec.placements == (Shard(0),) and not spec.replica
     with pytest.raises(AutoshardError, match=r"cannot be read \(ParamSpec 'w': no field"):
-        export_mod._spec(old, 3)
+        export_format.spec_from_doc(old, 3)
 
 
 # --- what a bad export says -------------------------------------------------------------

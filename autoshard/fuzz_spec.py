@@ -1,0 +1,192 @@
+"""The fuzzer's cases as data: ``generate(seed)`` makes a JSON spec, ``problems(spec)`` says
+which rules it breaks, ``features(spec)`` what it exercises.
+
+A spec names a model (blocks of ``fuzz_model``), a training loop and a Config; nothing
+here builds or runs one, so the generator and the shrinker (``fuzz.py``) can make and
+check specs without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+
+# --- the spec ---------------------------------------------------------------------------------
+
+BLOCKS = ("linear", "linear_nobias", "layernorm", "rmsnorm", "attention", "conv", "moe",
+          "frozen", "twice", "running", "row1", "complex", "float64")
+# relative odds of each block kind; complex parameters are rarer (one known failure class
+# must not drown the others in a sample)
+BLOCK_ODDS = {k: 1.0 for k in BLOCKS} | {"complex": 0.4, "float64": 0.6}
+HEADS = ("tied", "untied", "untied_bias")
+
+LOOP_DEFAULTS = {
+    "steps": 2,            # optimizer steps
+    "batch": 2,            # rows per rank per micro-batch
+    "seq": None,           # sequence length per step (None: 8 each)
+    "accumulate": 1,       # micro-batches per step
+    "sync": "last",        # which micro-batches reduce: last, always, first_and_last
+    "warmup": None,        # a call before the first step: None, "eval", "no_grad"
+    "precision": "fp32",   # or "autocast_bf16"
+    "optimizer": "adamw",  # adamw, sgd, in_backward (AdamW per parameter, stepped in its hook)
+    "param_groups": False,
+    "clip": None,          # clip_grad_norm_ max norm
+    "zero_grad": "none",   # set_to_none: "none"; zeros: "zeros"
+    "eval": None,          # after each step: None, "eval" (eval mode, no_grad), "no_grad"
+    "hook": None,          # {"kind": "observe" | "modify", "at": step, "target": index}
+    "checkpoint": None,    # {"at": s}: save after step s, load after step s + 1
+}
+CONFIG_DEFAULTS = {
+    "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
+    "bucket": None, "prefetch": True, "reshard_after_forward": "auto", "mp": None,
+    "gradient_divide_factor": None, "force_sum_reduction_for_comms": False, "verify": False,
+}
+DIM, VOCAB, SEQ = 16, 32, 8
+LR = {"adamw": 1e-2, "in_backward": 1e-2, "sgd": 5e-2}
+
+
+def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = None) -> dict:
+    """The spec of case ``seed``: the same seed gives the same spec. ``factory``
+    (``MODULE:FACTORY``): the user's model, and only loops and Configs are drawn."""
+    rng = random.Random(seed)
+    world = rng.choice(list(world_sizes))
+    mesh = "hsdp" if world == 4 and rng.random() < 0.3 else "1d"
+    if factory is not None:
+        model = {"factory": factory}
+    else:
+        kinds = list(BLOCK_ODDS)
+        model = {"dim": DIM, "vocab": VOCAB, "head": rng.choice(HEADS),
+                 "blocks": [{"kind": k} for k in rng.choices(
+                     kinds, weights=[BLOCK_ODDS[k] for k in kinds], k=rng.randint(1, 4))]}
+    steps = rng.choice([2, 2, 3])
+    accumulate = rng.choice([1, 1, 2, 3])
+    loop = dict(LOOP_DEFAULTS)
+    loop.update(
+        steps=steps, accumulate=accumulate,
+        sync=rng.choice(["last", "last", "always", "first_and_last"]) if accumulate > 1
+        else "last",
+        warmup=rng.choice([None, None, "eval", "no_grad"]),
+        precision="autocast_bf16" if rng.random() < 0.2 else "fp32",
+        optimizer=rng.choice(["adamw", "sgd", "in_backward"]),
+        param_groups=rng.random() < 0.3,
+        clip=0.5 if rng.random() < 0.3 else None,
+        zero_grad=rng.choice(["none", "zeros"]),
+        eval=rng.choice([None, None, "eval", "no_grad"]),
+        hook={"kind": rng.choice(["observe", "modify"]), "at": rng.randrange(steps),
+              "target": rng.randrange(8)} if rng.random() < 0.25 else None,
+        seq=[rng.choice([6, 8, 10]) for _ in range(steps)] if (
+            factory is None and rng.random() < 0.25) else None,
+        checkpoint={"at": rng.randrange(steps - 1)} if rng.random() < 0.2 else None,
+    )
+    strategies = ["zero3", "zero2"] if mesh == "hsdp" else ["zero3", "zero3", "zero2",
+                                                             "zero1", "ddp"]
+    strategy = rng.choice(strategies)
+    raf = ["auto", True, False, "search"] + ([2] if world == 4 and mesh == "1d" else [])
+    config = dict(CONFIG_DEFAULTS)
+    config.update(
+        strategy=strategy,
+        policy=rng.choice(["auto", "module", "size", "per-parameter", "whole-model"]),
+        recompute=rng.choice([True, False, "blocks", "auto"]),
+        offload=rng.choice(["cpu", "half"]) if strategy in ("zero3", "zero2")
+        and rng.random() < 0.2 else None,
+        bucket=rng.choice([None, True, False]),
+        prefetch=rng.choice([True, False, 1]),
+        reshard_after_forward="auto" if strategy == "zero2" else rng.choice(raf),
+        mp="bf16" if rng.random() < 0.15 else None,
+        gradient_divide_factor=1.0 if rng.random() < 0.15 else None,
+        force_sum_reduction_for_comms=rng.random() < 0.15,
+        verify=rng.random() < 0.2,
+    )
+    spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
+            "config": config}
+    _fix(spec)
+    assert not problems(spec), (problems(spec), spec)
+    return spec
+
+
+def _fix(spec: dict) -> None:
+    """Make the combinations ``problems`` refuses valid (the generator's side of the rules)."""
+    loop, config = spec["loop"], spec["config"]
+    if precision_of(spec) == "bf16":
+        loop["optimizer"] = "sgd"
+    if loop["optimizer"] == "in_backward":
+        loop["clip"] = None
+    if any(b["kind"] == "float64" for b in spec["model"].get("blocks", ())):
+        config["mp"] = None
+
+
+def problems(spec: dict) -> list:
+    """Why ``spec`` is not a case to run (empty: it is). These are combinations autoshard
+    refuses by design or that have no eager meaning; the generator never makes them, and the
+    shrinker skips them."""
+    out = []
+    world, loop, config = spec["world"], spec["loop"], spec["config"]
+    model = spec["model"]
+    if not 1 <= world <= 8:
+        out.append("world size from 1 to 8")
+    if spec["mesh"] == "hsdp" and world != 4:
+        out.append("the 2 x 2 HSDP mesh needs 4 ranks")
+    if spec["mesh"] == "hsdp" and config["strategy"] not in ("zero3", "zero2"):
+        out.append("a 2-D mesh takes zero3 or zero2")
+    raf = config["reshard_after_forward"]
+    shard = 2 if spec["mesh"] == "hsdp" else world
+    if isinstance(raf, int) and not isinstance(raf, bool) and (raf < 1 or shard % raf):
+        out.append(f"reshard_after_forward={raf} must divide the shard size {shard}")
+    if config["strategy"] == "zero2" and raf != "auto":
+        out.append("zero2 keeps reshard_after_forward at auto")
+    if config["offload"] and config["strategy"] in ("ddp", "zero1"):
+        out.append("offload needs zero3 or zero2")
+    if precision_of(spec) == "bf16" and loop["optimizer"] != "sgd":
+        out.append("bf16 cases use SGD (AdamW's first step is sign(g): rounding near zero "
+                   "would become lr-sized differences)")
+    if loop["optimizer"] == "in_backward" and loop["clip"] is not None:
+        out.append("an optimizer stepped in backward leaves nothing to clip")
+    if loop["steps"] < 1 or loop["accumulate"] < 1:
+        out.append("at least one step and one micro-batch")
+    if loop["seq"] is not None and len(loop["seq"]) != loop["steps"]:
+        out.append("one sequence length per step")
+    if loop["hook"] is not None and loop["hook"]["at"] >= loop["steps"]:
+        out.append("the hook is registered at a step that runs")
+    if loop["checkpoint"] is not None and loop["checkpoint"]["at"] + 1 >= loop["steps"]:
+        out.append("a checkpoint is loaded one step after it is saved")
+    if "factory" not in model and any(b["kind"] not in BLOCKS for b in model["blocks"]):
+        out.append("unknown block kind")
+    if config["mp"] is not None and any(b["kind"] == "float64" for b in model.get("blocks", ())):
+        out.append("a MixedPrecisionPolicy casts the float64 block's parameter to its "
+                   "param_dtype, which the block's float64 matmul cannot take (FSDP2's cast "
+                   "too); autoshard refuses it at capture, naming the dtypes")
+    return out
+
+
+def same_value(a, b) -> bool:
+    """Equal and of one type: ``prefetch=1`` (a depth) is not ``prefetch=True``."""
+    return type(a) is type(b) and a == b
+
+
+def precision_of(spec: dict) -> str:
+    return "bf16" if (spec["loop"]["precision"] == "autocast_bf16"
+                      or spec["config"]["mp"] == "bf16") else "fp32"
+
+
+def features(spec: dict) -> list:
+    """What a case exercises, as ``name=value`` strings (defaults left out), for coverage
+    counts."""
+    out = [f"world={spec['world']}", f"mesh={spec['mesh']}"]
+    model = spec["model"]
+    if "factory" in model:
+        out.append("model=factory")
+    else:
+        out.append(f"head={model['head']}")
+        out += [f"block={k}" for k in sorted({b["kind"] for b in model["blocks"]})]
+    for part, defaults in (("loop", LOOP_DEFAULTS), ("config", CONFIG_DEFAULTS)):
+        for key, default in defaults.items():
+            value = spec[part][key]
+            if key in ("batch",) or same_value(value, default):
+                continue
+            if key == "seq":
+                value = "changes" if len(set(value)) > 1 else "fixed"
+            elif isinstance(value, dict):
+                value = value.get("kind", "on")
+            out.append(f"{key}={value}")
+    return out

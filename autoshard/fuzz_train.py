@@ -1,0 +1,384 @@
+"""One case's training, the same calls on both sides: ``drive(run)`` runs the spec's loop on
+a ``ShardedRun`` (one gloo rank, the model under autoshard) or a ``ReferenceRun`` (the
+unsharded eager model, fed every rank's batch in turn).
+
+The data, the loss, the optimizers, hooks and the Config a spec asks for are made here,
+one way for both sides, so that what ``fuzz.compare`` finds is autoshard's difference.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard.fuzz_model import build_model
+from autoshard.fuzz_spec import LR, SEQ
+
+
+# --- data and loss ----------------------------------------------------------------------------
+
+
+def _seq(loop: dict, step: int) -> int:
+    seq = loop["seq"]
+    return SEQ if seq is None else seq[min(step, len(seq) - 1)]
+
+
+def global_batch(spec: dict, model: nn.Module, step: int, micro: int) -> tuple:
+    """(inputs, targets) of every rank at (step, micro), rows rank-major; targets None for a
+    factory model (its loss is a fixed projection of the outputs)."""
+    loop, world = spec["loop"], spec["world"]
+    rows, seq = world * loop["batch"], _seq(loop, max(step, 0))
+    seed = (spec["seed"] * 1_000_003 + (step + 7) * 1_009 + micro) % 2**62
+    if "factory" in spec["model"]:
+        from autoshard.check import default_inputs
+        from autoshard.factory import load_factory
+
+        torch.manual_seed(seed)
+        inputs = default_inputs(model, load_factory(spec["model"]["factory"]), rows, seq)
+        return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), None
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, spec["model"]["vocab"], (rows, seq + 1), generator=gen)
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def rank_batch(spec: dict, batch: tuple, rank: int) -> tuple:
+    inputs, targets = batch
+    world = spec["world"]
+
+    def part(x):
+        return x.chunk(world)[rank].contiguous() if isinstance(x, torch.Tensor) else x
+
+    return tuple(part(x) for x in inputs), (None if targets is None else part(targets))
+
+
+def loss_of(out, targets) -> torch.Tensor:
+    """Cross-entropy over the targets; for a factory model (no targets) a fixed random
+    projection of every floating output (as ``autoshard.check``'s default loss, but also of
+    outputs that need no gradient: an evaluation call's), scaled by their size."""
+    if targets is None:
+        gen = torch.Generator().manual_seed(0)
+        leaves = _float_leaves(out)
+        total = sum((t.float() * torch.randn(tuple(t.shape), generator=gen)).sum()
+                    for t in leaves)
+        return total / max(1, sum(t.numel() for t in leaves)) ** 0.5
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
+def _float_leaves(out) -> list:
+    from autoshard._compat import tree_leaves
+
+    return [t for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _scalar(out, targets) -> float:
+    """One number for an output (an evaluation call's): its loss."""
+    return float(loss_of(out, targets).detach())
+
+
+def _autocast(loop: dict):
+    import contextlib
+
+    if loop["precision"] == "autocast_bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _synced(sync: str, micro: int, k: int) -> bool:
+    return (micro == k - 1 or sync == "always" or (sync == "first_and_last" and micro == 0))
+
+
+def _hook_target(model: nn.Module, index: int) -> tuple:
+    """The module a hook goes on: the index-th (mod count) module a forward calls."""
+    mods = [(n, m) for n, m in model.named_modules()
+            if n and not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    return mods[index % len(mods)]
+
+
+def _make_optimizers(model: nn.Module, loop: dict):
+    """One optimizer (or one per parameter, for in_backward) over ``model``'s parameters,
+    grouped by name the same way on both sides."""
+    kind, lr = loop["optimizer"], LR[loop["optimizer"]]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def make(params, lr_, wd):
+        if kind == "sgd":
+            return torch.optim.SGD(params, lr=lr_, momentum=0.9, weight_decay=wd)
+        return torch.optim.AdamW(params, lr=lr_, weight_decay=wd)
+
+    def group_of(name, p):
+        return 0 if (p.dim() >= 2 and name.endswith("weight")) else 1
+
+    if kind == "in_backward":
+        return {p: make([p], lr * (0.5 if loop["param_groups"] and group_of(n, p) else 1),
+                        0.01) for n, p in named}
+    if not loop["param_groups"]:
+        return make([p for _, p in named], lr, 0.01)
+    groups = [{"params": [p for n, p in named if group_of(n, p) == g],
+               "lr": lr * (1, 0.5)[g], "weight_decay": (0.1, 0.0)[g]} for g in (0, 1)]
+    return make([g for g in groups if g["params"]], lr, 0.01)
+
+
+# --- one training loop, for both sides --------------------------------------------------------
+
+
+def drive(run) -> None:
+    """The case's training loop, the same calls in the same order on the sharded ranks and
+    the reference (``run`` is a ``ShardedRun`` or a ``ReferenceRun``)."""
+    loop = run.spec["loop"]
+    k = loop["accumulate"]
+    if loop["warmup"]:
+        run.evaluate(-1, loop["warmup"])
+    for step in range(loop["steps"]):
+        if loop["hook"] is not None and loop["hook"]["at"] == step:
+            run.add_hook(loop["hook"])
+        for micro in range(k):
+            run.micro(step, micro, _synced(loop["sync"], micro, k))
+        if loop["optimizer"] != "in_backward":
+            if loop["clip"] is not None:
+                run.clip(loop["clip"])
+            run.step()
+        if loop["eval"]:
+            run.evaluate(step, loop["eval"])
+        ck = loop["checkpoint"]
+        if ck is not None and step == ck["at"]:
+            run.save()
+        if ck is not None and step == ck["at"] + 1:
+            run.load()
+    # the probe: one synchronised backward whose gradients are compared, with no step after
+    # (an optimizer stepped in backward steps in it, on both sides)
+    run.micro(loop["steps"], 0, True)
+
+
+class ShardedRun:
+    def __init__(self, spec: dict, rank: int, tmp: str):
+        from autoshard import Config, autoshard
+
+        self.spec, self.rank, self.tmp = spec, rank, tmp
+        self.records = []
+        self.hook_values = []
+        model = build_model(spec)
+        mesh = None
+        if spec["mesh"] == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, spec["world"] // 2),
+                                    mesh_dim_names=("replicate", "shard"))
+        self.model = autoshard(model, mesh=mesh, config=Config(**config_kwargs(spec)))
+        self.opt = _make_optimizers(self.model, spec["loop"])
+        if spec["loop"]["optimizer"] == "in_backward":
+            for p, opt in self.opt.items():
+                p.register_post_accumulate_grad_hook(_step_in_backward(opt))
+
+    def _batch(self, step, micro):
+        return rank_batch(self.spec, global_batch(self.spec, self.model, step, micro),
+                          self.rank)
+
+    def micro(self, step, micro, sync):
+        if self.spec["loop"]["accumulate"] > 1:
+            self.model.set_requires_gradient_sync(sync)
+        inputs, targets = self._batch(step, micro)
+        with _autocast(self.spec["loop"]):
+            loss = loss_of(self.model(*inputs), targets)
+        loss.backward()
+        self.records.append(("loss", step, micro, loss.item()))
+
+    def evaluate(self, step, mode):
+        inputs, targets = self._batch(step, 97)
+        if mode == "eval":
+            self.model.eval()
+        with torch.no_grad(), _autocast(self.spec["loop"]):
+            value = _scalar(self.model(*inputs), targets)
+        self.model.train()
+        self.records.append((mode, step, 0, value))
+
+    def clip(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.records.append(("clip", -1, 0, float(norm)))
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=self.spec["loop"]["zero_grad"] == "none")
+
+    def add_hook(self, hook):
+        _, module = _hook_target(self.model, hook["target"])
+        module.register_forward_hook(_forward_hook(hook["kind"], self.hook_values))
+
+    def save(self):
+        import autoshard
+
+        opt = None if isinstance(self.opt, dict) else self.opt
+        autoshard.save(os.path.join(self.tmp, "ckpt"), self.model, opt)
+
+    def load(self):
+        import autoshard
+
+        opt = None if isinstance(self.opt, dict) else self.opt
+        autoshard.load_checkpoint(os.path.join(self.tmp, "ckpt"), self.model, opt)
+
+    def finish(self) -> dict:
+        full = {k: v.detach().clone() for k, v in self.model.full_state_dict().items()}
+        grads = {}
+        for name, p in self.model.named_parameters():
+            g = p.grad
+            if g is not None and hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            grads[name] = None if g is None else g.detach().clone()
+        buffers = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        return {"records": self.records, "hooks": self.hook_values,
+                "params": full if self.rank == 0 else None,
+                "grads": grads if self.rank == 0 else None, "buffers": buffers}
+
+
+def _step_in_backward(opt):
+    def hook(p):
+        opt.step()
+        opt.zero_grad()
+    return hook
+
+
+def _forward_hook(kind: str, values: list):
+    """"observe": records the output's norm on every call, returns None; "modify": returns
+    the output halved, and records nothing (a hook that returns a value is traced into the
+    step, where its Python side effects run at capture only, and a Python float of a tensor
+    is refused there)."""
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            return None
+        if kind == "modify":
+            return output * 0.5
+        values.append(float(output.detach().float().norm()))
+        return None
+    return hook
+
+
+class ReferenceRun:
+    """The unsharded eager twin: every micro-batch runs each rank's rows in turn, with that
+    rank's buffers, and backpropagates the ranks' losses summed and divided as the reduction
+    does (their mean, or by ``gradient_divide_factor``)."""
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.world = spec["world"]
+        self.model = build_model(spec)
+        self.records = []
+        self.hook_values = [[] for _ in range(self.world)]
+        self.current = 0
+        self.buffers = [{n: b.detach().clone() for n, b in self.model.named_buffers()}
+                        for _ in range(self.world)]
+        self.opt = _make_optimizers(self.model, spec["loop"])
+        self.divide = spec["config"]["gradient_divide_factor"] or float(self.world)
+        self.mp = spec["config"]["mp"] == "bf16"
+
+    def _forward(self, rank, inputs):
+        """The model on one rank's inputs with that rank's buffers; under the bf16 policy
+        with its parameters cast to bf16 as the all-gather does (gradients flow back to the
+        float32 parameters through the cast)."""
+        self.current = rank
+        for name, value in self.buffers[rank].items():
+            mod, _, attr = name.rpartition(".")
+            self.model.get_submodule(mod)._buffers[attr] = value
+        if not self.mp:
+            return self.model(*inputs)
+        params = {n: (p.to(torch.bfloat16) if p.is_floating_point() else p)
+                  for n, p in self.model.named_parameters()}
+        return torch.func.functional_call(self.model, params, inputs)
+
+    def _batches(self, step, micro):
+        batch = global_batch(self.spec, self.model, step, micro)
+        return [rank_batch(self.spec, batch, r) for r in range(self.world)]
+
+    def micro(self, step, micro, sync):
+        total, values = 0.0, []
+        for rank, (inputs, targets) in enumerate(self._batches(step, micro)):
+            with _autocast(self.spec["loop"]):
+                loss = loss_of(self._forward(rank, inputs), targets)
+            values.append(loss.item())
+            total = total + loss
+        (total / self.divide).backward()
+        self.records.append(("loss", step, micro, values))
+        if self.spec["loop"]["optimizer"] == "in_backward" and sync:
+            for p, opt in self.opt.items():
+                if p.grad is not None:
+                    opt.step()
+                    opt.zero_grad()
+
+    def evaluate(self, step, mode):
+        values = []
+        if mode == "eval":
+            self.model.eval()
+        for rank, (inputs, targets) in enumerate(self._batches(step, 97)):
+            with torch.no_grad(), _autocast(self.spec["loop"]):
+                values.append(_scalar(self._forward(rank, inputs), targets))
+        self.model.train()
+        self.records.append((mode, step, 0, values))
+
+    def clip(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.records.append(("clip", -1, 0, [float(norm)] * self.world))
+
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=self.spec["loop"]["zero_grad"] == "none")
+
+    def add_hook(self, hook):
+        _, module = _hook_target(self.model, hook["target"])
+        run = self
+
+        values = [[] for _ in range(self.world)]
+        self.hook_values = values if hook["kind"] == "observe" else self.hook_values
+
+        class _Current(list):  # the list of the rank whose rows run now
+            def append(self, v):
+                values[run.current].append(v)
+
+        module.register_forward_hook(_forward_hook(hook["kind"], _Current()))
+
+    def save(self):
+        self.saved = (copy.deepcopy(self.model.state_dict()),
+                      None if isinstance(self.opt, dict) else copy.deepcopy(self.opt.state_dict()),
+                      {n: b.clone() for n, b in self.buffers[0].items()})
+
+    def load(self):
+        """Back to the saved state; the buffers every rank loads are rank 0's (a checkpoint
+        holds one copy of a replicated tensor)."""
+        model_state, opt_state, buffers = self.saved
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(model_state[name])
+        if opt_state is not None:
+            self.opt.load_state_dict(opt_state)
+        self.buffers = [{n: b.clone() for n, b in buffers.items()} for _ in range(self.world)]
+
+    def finish(self) -> dict:
+        params = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                  if k not in dict(self.model.named_buffers())}
+        grads = {n: None if p.grad is None else p.grad.detach().clone()
+                 for n, p in self.model.named_parameters()}
+        return {"records": self.records, "hooks": self.hook_values, "params": params,
+                "grads": grads, "buffers": self.buffers}
+
+
+def config_kwargs(spec: dict) -> dict:
+    """The spec's Config fields as ``Config(**...)`` takes them."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    from autoshard.config import Offload, Prefetch
+
+    c = dict(spec["config"])
+    out = {k: c[k] for k in ("strategy", "policy", "recompute", "bucket",
+                             "reshard_after_forward", "gradient_divide_factor",
+                             "force_sum_reduction_for_comms", "verify")}
+    out["prefetch"] = Prefetch(depth=c["prefetch"]) if isinstance(c["prefetch"], int) and not\
+        isinstance(c["prefetch"], bool) else c["prefetch"]
+    out["offload_policy"] = {None: None, "cpu": CPUOffloadPolicy(pin_memory=False),
+                             "half": Offload(state=0.5, pin_memory=False)}[c["offload"]]
+    out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32) if c["mp"] else None
+    out["timeout"] = 120
+    return out
