@@ -311,10 +311,12 @@ def _candidates(spec: dict):
         if model["head"] != "untied":
             yield variant(model=dict(model, head="untied"))
     for key, default in LOOP_DEFAULTS.items():
-        if key not in ("steps", "batch") and not same_value(spec["loop"][key], default):
+        # .get: a spec written before a feature existed lacks its key (the default)
+        if key not in ("steps", "batch") and not same_value(spec["loop"].get(key, default),
+                                                             default):
             yield variant(**{f"loop__{key}": default})
     for key, default in CONFIG_DEFAULTS.items():
-        if not same_value(spec["config"][key], default):
+        if not same_value(spec["config"].get(key, default), default):
             yield variant(**{f"config__{key}": default})
     loop = spec["loop"]
     if loop["accumulate"] > 2:

@@ -175,9 +175,14 @@ class FuzzNet(nn.Module):
         self.head = nn.Linear(d, v, bias=model["head"] == "untied_bias")
         if model["head"] == "tied":
             self.head.weight = self.emb.weight
+        # a plain attribute forward reads and a loop may change on one rank only (as a
+        # Trainer's save writes the model's config on rank 0): loop "rank_local"
+        self.notes: list = []
 
     def forward(self, x):
         h = self.emb(x)
+        if any(n < 0 for n in self.notes):  # never: the notes change what is read, not computed
+            h = -h
         for block in self.blocks:
             h = block(h)
         return self.head(h)

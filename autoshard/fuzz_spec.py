@@ -36,6 +36,7 @@ LOOP_DEFAULTS = {
     "eval": None,          # after each step: None, "eval" (eval mode, no_grad), "no_grad"
     "hook": None,          # {"kind": "observe" | "modify", "at": step, "target": index}
     "checkpoint": None,    # {"at": s}: save after step s, load after step s + 1
+    "rank_local": None,    # {"at": s}: after step s rank 0 alone changes what forward reads
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -98,6 +99,9 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         force_sum_reduction_for_comms=rng.random() < 0.15,
         verify=rng.random() < 0.2,
     )
+    # drawn last, so that the draws above make for each seed what they made before it
+    loop["rank_local"] = {"at": rng.randrange(steps)} if (
+        world > 1 and factory is None and rng.random() < 0.3) else None
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -181,7 +185,7 @@ def features(spec: dict) -> list:
         out += [f"block={k}" for k in sorted({b["kind"] for b in model["blocks"]})]
     for part, defaults in (("loop", LOOP_DEFAULTS), ("config", CONFIG_DEFAULTS)):
         for key, default in defaults.items():
-            value = spec[part][key]
+            value = spec[part].get(key, default)  # a spec older than the feature: default
             if key in ("batch",) or same_value(value, default):
                 continue
             if key == "seq":

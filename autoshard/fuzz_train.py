@@ -149,6 +149,9 @@ def drive(run) -> None:
             run.save()
         if ck is not None and step == ck["at"] + 1:
             run.load()
+        rank_local = loop.get("rank_local")  # absent from specs older than it
+        if rank_local is not None and step == rank_local["at"]:
+            run.note(step)
     # the probe: one synchronised backward whose gradients are compared, with no step after
     # (an optimizer stepped in backward steps in it, on both sides)
     run.micro(loop["steps"], 0, True)
@@ -214,6 +217,12 @@ class ShardedRun:
 
         opt = None if isinstance(self.opt, dict) else self.opt
         autoshard.save(os.path.join(self.tmp, "ckpt"), self.model, opt)
+
+    def note(self, step):
+        """Rank 0 alone changes a plain attribute forward reads, computing nothing with it:
+        every rank must capture the step again and train on as before."""
+        if self.rank == 0:
+            self.model.notes.append(step)
 
     def load(self):
         import autoshard
@@ -338,6 +347,9 @@ class ReferenceRun:
                 values[run.current].append(v)
 
         module.register_forward_hook(_forward_hook(hook["kind"], _Current()))
+
+    def note(self, step):
+        """Nothing: rank 0's change computes nothing, so eager trains on as before."""
 
     def save(self):
         self.saved = (copy.deepcopy(self.model.state_dict()),

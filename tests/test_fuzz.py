@@ -21,8 +21,9 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # The fixed sample: seeds whose cases together cover every block kind, loop feature, Config
 # value and world size 1 to 4 (a greedy cover over seeds 0-199; the test below checks), plus
 # a few more. Before the accumulation and complex-collective fixes, 16 fails as the
-# accumulation regression does, 91 as the ddp one and 78 as the complex one
-# (docs/correctness.md lists the classes).
+# accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
+# captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
+# the classes).
 SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 108, 144)
 
 
@@ -78,7 +79,8 @@ def test_the_sample_covers_every_feature():
                    "seq=changes", "checkpoint=on", "strategy=zero1", "strategy=ddp",
                    "strategy=zero2", "mp=bf16", "offload=cpu", "reshard_after_forward=2",
                    "recompute=blocks", "bucket=True", "prefetch=1",
-                   "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True"):
+                   "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
+                   "rank_local=on"):
         assert wanted in seen, wanted
 
 
