@@ -40,7 +40,8 @@ def _version() -> str:
 __version__ = _version()
 
 from autoshard.errors import AutoshardError  # noqa: E402
-from autoshard.config import Bucket, Config, Module, Offload, Prefetch, Size  # noqa: E402
+from autoshard.config import Config  # noqa: E402
+from autoshard.options import Bucket, Module, Offload, Prefetch, Size  # noqa: E402
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 from autoshard.check import CheckReport, check  # noqa: E402

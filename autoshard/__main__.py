@@ -66,7 +66,8 @@ def _plan_config(args) -> tuple:
     """The plan's Config and world size (a pair under --replicate) from the arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from autoshard.config import Config, Offload
+    from autoshard.config import Config
+    from autoshard.options import Offload
 
     _world_size(args)
     if args.replicate < 1 or args.world_size % args.replicate:

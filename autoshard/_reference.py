@@ -22,7 +22,8 @@ import re
 import sys
 import textwrap
 
-from autoshard.config import Bucket, Config, Module, Offload, Prefetch, Size
+from autoshard.config import Config
+from autoshard.options import Bucket, Module, Offload, Prefetch, Size
 
 WIDTH = 100
 COMMAND = "python -m autoshard._reference"

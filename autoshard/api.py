@@ -17,7 +17,8 @@ from autoshard.config import Config
 from autoshard.errors import AutoshardError
 from autoshard import _compat, hooks, state
 from autoshard._compat import tree_flatten
-from autoshard.config import check_names, offloads
+from autoshard.config import offloads
+from autoshard.config_model import check_names
 from autoshard.plans import Plan
 from autoshard.runtime import dist as _dist
 from autoshard.runtime import optim

@@ -5,15 +5,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import numbers
-import re
 import types
 import sys
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from torch.distributed.fsdp import CPUOffloadPolicy  # Offload is one
+
+from autoshard.config_history import moved_kwargs, offload_from_dict, regrouped
+from autoshard.options import (Bucket, Module, Offload, Prefetch, Size, check_flag, check_one_of,
+                               check_size)
 
 if TYPE_CHECKING:  # the fields' annotations only; imported where a value is checked
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -24,176 +25,9 @@ POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
 PREFER = ("auto", "balanced", "memory", "speed")  # Config.prefer
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-INT64_MAX = 2**63 - 1  # the largest size or count torch (and C++) can hold: 8 EiB as bytes
 # the longest Config.timeout: a week, far below what gloo's and NCCL's timers can hold
 # (gloo refuses about 9.2e12 s, where its microseconds pass an int64's range)
 MAX_TIMEOUT_S = 7 * 24 * 3600
-
-
-def parse_bytes(value: Union[int, float, str, None], name: str = "size") -> Optional[int]:
-    """``80GiB``, ``1.5e9``, ``512MB`` or an int -> bytes (None stays None). A size is
-    positive, finite and at most ``INT64_MAX`` bytes; ``name`` (e.g. "Config.memory_budget") is
-    what an error calls the value."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a size such as 512MiB or 1e9, got {value!r}")
-    if isinstance(value, numbers.Real):
-        number = value
-    else:
-        m = re.fullmatch(r"\s*((?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*",
-                         str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name}: cannot read {value!r} as a size; write e.g. 80GiB, "
-                             "512MB or 1e9")
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not 1 <= number <= INT64_MAX:  # NaN compares False, infinity too large
-        raise ValueError(f"{name}={value!r} must be positive and finite, from 1 byte to "
-                         f"2**63 - 1 bytes (8 EiB): a size such as 512MiB")
-    return int(number)
-
-
-# The options that matter only when another option turns them on live inside the value that
-# does: Config(prefetch=Prefetch(depth=3)), Config(policy=Size(min_numel=...)). Each checks its
-# values when built and cannot change after.
-
-@dataclasses.dataclass(frozen=True)
-class Bucket:
-    """``Config(bucket=Bucket(bytes=...))``: merge adjacent units smaller than ``bytes`` into
-    one collective. ``bytes``: a size, as ``Config.memory_budget``; None (default): the size
-    below which a collective is latency-bound under the cost model."""
-
-    bytes: Union[int, str, None] = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "bytes", _size("bucket.bytes", self.bytes))
-
-
-@dataclasses.dataclass(frozen=True)
-class Prefetch:
-    """``Config(prefetch=Prefetch(depth=2, bytes=None))``: issue each unit's all-gather up to
-    ``depth`` units ahead, with at most ``bytes`` gathered bytes in flight (a size, as
-    ``Config.memory_budget``; None: no byte bound). ``prefetch=True`` is ``Prefetch()``."""
-
-    depth: int = 2
-    bytes: Union[int, str, None] = None
-
-    def __post_init__(self):
-        _count("prefetch.depth", self.depth, "(how many units ahead an all-gather may be "
-               "issued; use prefetch=False for none)")
-        object.__setattr__(self, "bytes", _size("prefetch.bytes", self.bytes))
-
-
-@dataclasses.dataclass(frozen=True)
-class Module:
-    """``Config(policy=Module(classes=None, pattern=None))``: the "module" policy. ``classes``:
-    the class names (or classes) whose modules are units; ``pattern``: a regular expression,
-    and every module whose path it matches whole (``re.fullmatch``) is a unit. Neither (the
-    default, and ``policy="module"``): each repeated block of a ModuleList/Sequential."""
-
-    classes: Optional[Sequence[Union[str, type]]] = None
-    pattern: Optional[str] = None
-
-    def __post_init__(self):
-        classes = self.classes
-        if classes is not None:
-            if isinstance(classes, (str, type)):
-                classes = [classes]
-            if not isinstance(classes, (list, tuple)) or not all(
-                    isinstance(c, (str, type)) for c in classes):
-                raise TypeError("Config.policy.classes must be a list of class names or "
-                                f"classes, got {self.classes!r}")
-            # names, in a tuple: what check_names and an export's record compare
-            object.__setattr__(self, "classes", tuple(c if isinstance(c, str) else c.__name__
-                                                      for c in classes))
-        if self.pattern is not None:
-            if not isinstance(self.pattern, str):
-                raise TypeError("Config.policy.pattern must be a regular expression string, "
-                                f"got {self.pattern!r}")
-            try:
-                re.compile(self.pattern)
-            except re.error as e:
-                raise ValueError(f"Config.policy.pattern={self.pattern!r} is not a valid "
-                                 f"regular expression: {e}") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class Size:
-    """``Config(policy=Size(min_numel=10**8))``: the "size" policy, parameters in first-use
-    order grouped until a unit holds ``min_numel`` elements (the last unit may hold fewer).
-    ``policy="size"`` is ``Size()``."""
-
-    min_numel: int = 10**8
-
-    def __post_init__(self):
-        _count("policy.min_numel", self.min_numel, "(elements per unit of the size policy)")
-
-
-@dataclasses.dataclass(init=False, repr=False)
-class Offload(CPUOffloadPolicy):
-    """``Config(offload_policy=Offload(state=None, params=None, pin_memory=True))``: torch's
-    ``CPUOffloadPolicy`` (the sharded state in host memory), with two fractions:
-
-    ``state``: of the sharded state kept in host memory, by elements, the last parameters in
-    the model's order first; the rest, with its optimizer step, stays on the device, as
-    ZeRO-Offload's partial offload does. None: all of it, as FSDP2.
-
-    ``params``: of the units resharded after the forward (the first in forward order), those
-    whose shards are copied to the device again for the backward's all-gather; the others
-    hold the forward's copy on the device until then. 1.0: every all-gather copies its shards
-    in, as FSDP2 does; 0.0: none again; rounded to whole units. None: the planner's choice.
-
-    Like a Config it cannot change once built: ``dataclasses.replace`` makes a changed copy."""
-
-    state: Optional[float] = None
-    params: Optional[float] = None
-
-    def __init__(self, state: Optional[float] = None, params: Optional[float] = None,
-                 pin_memory: bool = True):
-        _flag("offload_policy.pin_memory", pin_memory)
-        if state is not None and (isinstance(state, bool) or not isinstance(state, (int, float))
-                                  or not 0 < state <= 1):
-            raise ValueError(f"Config.offload_policy.state must be a fraction above 0 and at "
-                             f"most 1 (of the sharded state kept in host memory) or None, got "
-                             f"{state!r}")
-        if params is not None and (isinstance(params, bool)
-                                   or not isinstance(params, (int, float))
-                                   or not 0 <= params <= 1):
-            raise ValueError(f"Config.offload_policy.params must be a fraction from 0 to 1 (of "
-                             f"the offloaded units whose shards are copied in again for the "
-                             f"backward) or None, got {params!r}")
-        for name, value in (("pin_memory", pin_memory), ("state", state), ("params", params)):
-            object.__setattr__(self, name, value)
-
-    def __repr__(self) -> str:
-        return (f"Offload(state={self.state!r}, params={self.params!r}, "
-                f"pin_memory={self.pin_memory!r})")
-
-    def __setattr__(self, name: str, value) -> None:
-        raise dataclasses.FrozenInstanceError(
-            f"Offload is frozen: Offload.{name} cannot change after Offload(...) checked it; "
-            f"make a changed copy with dataclasses.replace(offload, {name}=...)")
-
-    def __delattr__(self, name: str) -> None:
-        self.__setattr__(name, None)
-
-
-# the flat Config fields of 0.2 and before, each as (field, class, option) of its new spelling:
-# still read, with a DeprecationWarning naming it, until 0.5 (``_moved``)
-MOVED = {
-    "module_classes": ("policy", "Module", "classes"),
-    "module_pattern": ("policy", "Module", "pattern"),
-    "min_unit_numel": ("policy", "Size", "min_numel"),
-    "bucket_bytes": ("bucket", "Bucket", "bytes"),
-    "prefetch_depth": ("prefetch", "Prefetch", "depth"),
-    "prefetch_bytes": ("prefetch", "Prefetch", "bytes"),
-    "offload_state": ("offload_policy", "Offload", "state"),
-    "offload_params": ("offload_policy", "Offload", "params"),
-}
-# what those versions defaulted the fields to (a flat name of an option that is off did nothing)
-_OLD_DEFAULTS = {"policy": "auto", "bucket": False, "prefetch": True, "offload_policy": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,19 +299,19 @@ class Config:
     def _check_choices(self) -> None:
         """The fields that take one of a few values, and how they combine."""
         if not isinstance(self.policy, (Module, Size)):
-            _one_of("policy", self.policy, POLICIES,
+            check_one_of("policy", self.policy, POLICIES,
                     ", Module(classes=..., pattern=...), Size(min_numel=...), or pass "
                     "explicit units=[[fqn, ...], ...]")
-        _one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
-        _one_of("prefer", self.prefer, PREFER)
+        check_one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
+        check_one_of("prefer", self.prefer, PREFER)
         raf = self.reshard_after_forward
         if not isinstance(raf, int) or isinstance(raf, bool) or raf < 1:
-            _one_of("reshard_after_forward", raf, (True, False, "auto", "search"),
+            check_one_of("reshard_after_forward", raf, (True, False, "auto", "search"),
                     ", or an int k >= 1 dividing the shard dimension's size (hpZ: groups of k "
                     "ranks)")
         from autoshard.spec import STRATEGIES
 
-        _one_of("strategy", self.strategy, STRATEGIES)
+        check_one_of("strategy", self.strategy, STRATEGIES)
         if self.strategy == "zero2" and self.reshard_after_forward != "auto":
             raise ValueError(
                 f"Config(strategy='zero2') keeps every unit gathered from forward to backward; "
@@ -488,7 +322,7 @@ class Config:
         """The switches (``prefetch`` and ``bucket`` with their options), and ``recompute``
         (a choice or a per-block dict)."""
         for name in ("verify", "partial_mesh", "compile", "force_sum_reduction_for_comms"):
-            _flag(name, getattr(self, name))
+            check_flag(name, getattr(self, name))
         if not isinstance(self.prefetch, (bool, Prefetch)):
             raise TypeError("Config.prefetch must be True, False or Prefetch(depth=..., "
                             f"bytes=...), got {self.prefetch!r}")
@@ -500,9 +334,9 @@ class Config:
             # a read-only copy: the caller's dict may change, and the Config may not
             self._set("recompute", types.MappingProxyType(dict(self.recompute)))
         else:
-            _one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
+            check_one_of("recompute", self.recompute, (True, False, "blocks", "auto"),
                     " or {block path: 'keep' | 'min-cut' | 'block' | 'offload'}")
-        _one_of("offload_activations", self.offload_activations, (None, True, False))
+        check_one_of("offload_activations", self.offload_activations, (None, True, False))
         if self.offload_activations and not (self.recompute is True
                                              or self.recompute == "auto"):
             raise ValueError(
@@ -513,7 +347,7 @@ class Config:
 
     def _check_numbers(self) -> None:
         """The budget, the timeout and the divide factor: in range, normalised."""
-        self._set("memory_budget", _size("memory_budget", self.memory_budget))
+        self._set("memory_budget", check_size("memory_budget", self.memory_budget))
         if isinstance(self.timeout, datetime.timedelta):
             self._set("timeout", self.timeout.total_seconds())
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not (
@@ -548,7 +382,7 @@ class Config:
             from autoshard.cost import DeviceProfile, PROFILES
 
             if not isinstance(self.device_profile, DeviceProfile):
-                _one_of("device_profile", self.device_profile, tuple(PROFILES),
+                check_one_of("device_profile", self.device_profile, tuple(PROFILES),
                         ", a DeviceProfile (autoshard.cost.calibrate()) or None")
         if self.units is not None:
             self._set("units", _units(self.units))
@@ -599,7 +433,7 @@ class Config:
         import torch
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        d = _regrouped(d)
+        d = regrouped(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -621,7 +455,7 @@ class Config:
                 **{k: getattr(torch, v) if k.endswith("dtype") and v is not None else v
                    for k, v in mp.items()})
         if d.get("offload_policy") is not None:
-            d["offload_policy"] = _offload_from_dict(d["offload_policy"])
+            d["offload_policy"] = offload_from_dict(d["offload_policy"])
         prof = d.get("device_profile")
         if isinstance(prof, dict):
             from autoshard.cost import DeviceProfile
@@ -635,110 +469,7 @@ _dataclass_init = Config.__init__
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
-    _dataclass_init(self, *args, **_moved(kwargs))
-
-
-def _moved(kwargs: dict) -> dict:
-    """``Config(**kwargs)``'s arguments with the flat names of 0.2 and before (``MOVED``) put
-    into the option that turns them on, as those versions read them, and a DeprecationWarning
-    naming the new spelling: ``Config(prefetch_depth=3)`` is ``Config(prefetch=
-    Prefetch(depth=3))``. A flat name whose option is off (``bucket_bytes`` without
-    ``bucket=True``) did nothing then and does nothing now; the warning says so."""
-    flat = {k: v for k, v in kwargs.items() if k in MOVED}
-    if not flat:
-        return kwargs
-    kwargs = {k: v for k, v in kwargs.items() if k not in MOVED}
-    joined: dict = {}
-    for k in flat:
-        field, option, _ = MOVED[k]
-        joined.setdefault((field, option), []).append(k)
-    now, idle = [], []
-    for (field, option), old in joined.items():
-        current = kwargs.get(field, _OLD_DEFAULTS[field])
-        names = {MOVED[k][2]: flat[k] for k in old}
-        value = _joined(current, option, names)
-        if value is None:
-            idle.append(f"{', '.join(old)} ({field}={current!r})")
-            continue
-        kwargs[field] = value
-        if not isinstance(current, type(value)):  # built here: spelled as the user would
-            value = f"{option}({', '.join(f'{k}={v!r}' for k, v in names.items())}" + (
-                f", pin_memory={value.pin_memory!r})" if option == "Offload" else ")")
-        now.append(f"{field}={value!s}")
-    options = ", ".join(dict.fromkeys(option for _, option in joined))
-    given = ", ".join(f"{k}={v!r}" for k, v in flat.items())
-    said = f"Config({given}) is deprecated and will be removed in autoshard 0.5"
-    if now:
-        said += f": write Config({', '.join(now)}) (from autoshard import {options})"
-    if idle:
-        said += f"; these do nothing while their option is off: {'; '.join(idle)}"
-    warnings.warn(said, DeprecationWarning, stacklevel=_outside())
-    return kwargs
-
-
-def _outside() -> int:
-    """The ``stacklevel`` of the first caller outside this module and ``dataclasses``
-    (``Config(...)`` or ``dataclasses.replace(config, ...)`` in the user's code), counted
-    from the function that calls this one."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename in (__file__, dataclasses.__file__):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _joined(current, option: str, names: dict):
-    """The value of a field that was ``current`` with the flat options ``names`` of the
-    class ``option`` joined to it; None where the option is off or another one is chosen."""
-    cls = {"Module": Module, "Size": Size, "Bucket": Bucket, "Prefetch": Prefetch,
-           "Offload": Offload}[option]
-    if isinstance(current, cls):
-        return dataclasses.replace(current, **names)
-    on = {"Module": current == "module", "Size": current == "size", "Bucket": current is True,
-          "Prefetch": current is True,
-          "Offload": isinstance(current, CPUOffloadPolicy)}[option]
-    if not on:
-        return None
-    if option == "Offload":
-        names = dict(names, pin_memory=current.pin_memory)
-    return cls(**names)
-
-
-def _regrouped(d: dict) -> dict:
-    """A copy of a ``to_dict`` record in the current shape: the flat fields an earlier
-    version wrote (``MOVED``) go into the option that turns them on, and a bucket decided by
-    the policy is None again (those versions stored the decision)."""
-    d = dict(d)
-    old = {k: d.pop(k) for k in MOVED if k in d}
-    if not old:
-        return d
-    policy, units = d.get("policy", "auto"), d.get("units")
-    if policy == "module" and (old.get("module_classes") or old.get("module_pattern")):
-        d["policy"] = {"name": "module", "classes": old.get("module_classes"),
-                       "pattern": old.get("module_pattern")}
-    if policy == "size" and old.get("min_unit_numel", Size.min_numel) != Size.min_numel:
-        d["policy"] = {"name": "size", "min_numel": old["min_unit_numel"]}
-    bucket = d.get("bucket")
-    if bucket and old.get("bucket_bytes") is not None:
-        d["bucket"] = {"bytes": old["bucket_bytes"]}
-    elif bucket == (units is None and policy == "per-parameter"):
-        d["bucket"] = None
-    depth, cap = old.get("prefetch_depth", 2), old.get("prefetch_bytes")
-    if d.get("prefetch", True) and (depth != 2 or cap is not None):
-        d["prefetch"] = {"depth": depth, "bytes": cap}
-    off = d.get("offload_policy")
-    state, params = old.get("offload_state"), old.get("offload_params")
-    if off is not None and off.get("cpu") and (state is not None or params is not None):
-        d["offload_policy"] = dict(off, state=state, params=params)
-    return d
-
-
-def _offload_from_dict(off: dict):
-    from torch.distributed.fsdp import OffloadPolicy
-
-    if "state" in off or "params" in off:
-        return Offload(state=off.get("state"), params=off.get("params"),
-                       pin_memory=off["pin_memory"])
-    return CPUOffloadPolicy(pin_memory=off["pin_memory"]) if off["cpu"] else OffloadPolicy()
+    _dataclass_init(self, *args, **moved_kwargs(kwargs))
 
 
 def _frozen(self, name: str, value=None):
@@ -802,66 +533,6 @@ def _recompute_blocks(modes: dict) -> None:
                              "'block' or 'offload'")
 
 
-def reshard_group_size(setting, shard_size: int):
-    """``Config.reshard_after_forward`` on a shard dimension of ``shard_size`` ranks: an int
-    ``k`` becomes ``True`` (k = 1), ``False`` (k = the shard size) or stays ``k``; other
-    settings are returned as they are. ``ValueError`` naming the value and the shard size
-    when ``k`` does not divide it."""
-    if isinstance(setting, bool) or not isinstance(setting, int):
-        return setting
-    if setting < 1 or shard_size % setting:
-        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
-        raise ValueError(
-            f"Config.reshard_after_forward={setting} must divide the shard dimension's size "
-            f"{shard_size} (hpZ groups of k consecutive ranks of it); accepted: "
-            f"{', '.join(map(str, divisors))}, True, False, 'auto' or 'search'")
-    return True if setting == 1 else False if setting == shard_size else setting
-
-
-def reshard_group_sizes(setting, shard_size: int, ranks_per_node: int = 0) -> tuple:
-    """The hpZ group sizes a plan under ``setting`` may use on a shard dimension of
-    ``shard_size`` ranks: an int's own (if neither 1 nor the shard size); for "search",
-    every divisor ``k`` with ``1 < k < shard_size`` (and ``k <= ranks_per_node`` when that
-    is known, so the backward all-gather stays within a node); none otherwise."""
-    k = reshard_group_size(setting, shard_size)
-    if not isinstance(k, bool) and isinstance(k, int):
-        return (k,)
-    if setting != "search":
-        return ()
-    return tuple(d for d in range(2, shard_size) if shard_size % d == 0
-                 and (ranks_per_node <= 0 or d <= ranks_per_node))
-
-
-def _one_of(name: str, value, accepted: tuple, more: str = "") -> None:
-    # same type and value: True must not pass for 1, nor 1 for True
-    if not any(type(value) is type(a) and value == a for a in accepted):
-        raise ValueError(f"Config.{name}={value!r} is not accepted; use one of "
-                         f"{', '.join(repr(a) for a in accepted)}{more}")
-
-
-def _flag(name: str, value, more: str = "") -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"Config.{name} must be True or False{' ' + more if more else ''}, "
-                        f"got {value!r}")
-
-
-def _count(name: str, value, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
-        raise ValueError(f"Config.{name} must be a positive int {what}, at most 2**63 - 1, "
-                         f"got {value!r}")
-
-
-def _size(name: str, value) -> Optional[int]:
-    """A byte size: positive, or None for the default."""
-    if isinstance(value, bool):
-        raise TypeError(f"Config.{name} must be a size such as 512MiB or 1e9, or None for "
-                        f"the default, got {value!r}")
-    try:
-        return parse_bytes(value, f"Config.{name}")
-    except ValueError as e:
-        raise ValueError(f"{e}, or None for the default") from None
-
-
 def _units(units) -> list:
     shape_msg = ("Config.units must be a list of lists of parameter FQNs, e.g. "
                  "[['layers.0.weight', 'layers.0.bias'], ['layers.1.weight']]")
@@ -884,59 +555,3 @@ def _units(units) -> list:
     return tuple(out)  # tuples: a frozen Config holds nothing that changes in place
 
 
-def check_names(config: Config, model) -> None:
-    """Every name ``config`` gives must name something of ``model``: a module class in
-    ``Module.classes``, a module path ``Module.pattern`` matches, each parameter FQN of
-    ``units`` and each block path of a ``recompute`` dict. ``Config`` cannot check these
-    alone; a name that matches nothing would otherwise be ignored silently. ValueError lists
-    what the model has, and the close matches."""
-    owner = type(model).__name__
-    modules = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if p]
-    paths = [p for p, _ in modules]
-    module = config.policy if isinstance(config.policy, Module) else Module()
-    if module.classes:
-        present = list(dict.fromkeys(type(m).__name__ for _, m in modules))
-        for name in module.classes:
-            if name not in present:
-                raise ValueError(f"Config.policy.classes names {name!r}, but no submodule of "
-                                 f"{owner} is of that class; "
-                                 + _known(name, present, "its classes"))
-    if module.pattern is not None:
-        rx = re.compile(module.pattern)
-        if not any(rx.fullmatch(p) for p in paths):
-            raise ValueError(f"Config.policy.pattern={module.pattern!r} matches no "
-                             f"module path of {owner} whole (re.fullmatch); "
-                             + _known(module.pattern, paths, "its module paths"))
-    if config.units is not None:
-        fqns = [f for f, _ in model.named_parameters(remove_duplicate=False)]
-        known = set(fqns)
-        for i, unit in enumerate(config.units):
-            for name in unit:
-                if name not in known:
-                    raise ValueError(f"Config.units[{i}] names {name!r}, which is not a "
-                                     f"parameter of {owner}; "
-                                     + _known(name, fqns, "its parameters"))
-    if isinstance(config.recompute, Mapping):
-        from autoshard.passes.units import repeated_blocks
-
-        blocks = repeated_blocks(model)
-        known = set(paths)
-        for path in config.recompute:
-            if path not in known and path != "*":  # "*": every saved activation (offload)
-                raise ValueError(
-                    f"Config.recompute names block {path!r}, which is not a module of "
-                    f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks
-                                          else "its modules", shown=blocks or paths))
-
-
-def _known(name: str, names: list, what: str, shown: Optional[list] = None,
-           limit: int = 12) -> str:
-    """``what: a, b, ...``: the first ``limit`` of ``shown`` (default ``names``), then the
-    close matches to ``name`` among ``names``."""
-    import difflib
-
-    shown = names if shown is None else shown
-    more = f", ... ({len(shown) - limit} more)" if len(shown) > limit else ""
-    out = f"{what}: {', '.join(shown[:limit]) or 'none'}{more}"
-    close = difflib.get_close_matches(name, names, n=3)
-    return out + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")

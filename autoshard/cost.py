@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _compat, meta
-from autoshard.config import INT64_MAX
+from autoshard.options import INT64_MAX
 from autoshard.graph import _aliased_arg
 
 

@@ -380,7 +380,7 @@ def config_kwargs(spec: dict) -> dict:
     """The spec's Config fields as ``Config(**...)`` takes them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    from autoshard.config import Offload, Prefetch
+    from autoshard.options import Offload, Prefetch
 
     c = dict(spec["config"])
     out = {k: c[k] for k in ("strategy", "policy", "recompute", "bucket",

@@ -344,7 +344,7 @@ class Plan:
         from the symbolic memory expression."""
         import sympy
 
-        from autoshard.config import parse_bytes
+        from autoshard.options import parse_bytes
 
         if "memory" not in self.symbolic:
             raise ValueError("this plan has no symbolic memory; make it with "

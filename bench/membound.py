@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autoshard.config import parse_bytes
+from autoshard.options import parse_bytes
 from bench.compare import (MODELS, _blocks, _build, _peak, _step, _to, batch_for, parser,
                            init_rank, spawn)
 

@@ -79,7 +79,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from autoshard.config import reshard_group_size
+from autoshard.config_model import reshard_group_size
 from autoshard.plans import _fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
@@ -204,7 +204,7 @@ class Planner:
         to the search, no module tree (an exported program), parameters not sharded
         (``strategy="ddp"``), or under "memory" a graph over ``BIG_GRAPH`` nodes (planned
         by bisection for the budget, where the extra lowering is seconds)."""
-        from autoshard.config import Prefetch
+        from autoshard.options import Prefetch
 
         config, ctx = self.config, self.ctx
         if (prefer == "speed" or not self._searched() or ctx.model is None

@@ -1,0 +1,98 @@
+"""A Config read against what it is applied to: the names it gives checked against the model
+(``check_names``), and ``reshard_after_forward`` against a shard dimension's size."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Optional
+
+from autoshard.config import Config
+from autoshard.options import Module
+
+def reshard_group_size(setting, shard_size: int):
+    """``Config.reshard_after_forward`` on a shard dimension of ``shard_size`` ranks: an int
+    ``k`` becomes ``True`` (k = 1), ``False`` (k = the shard size) or stays ``k``; other
+    settings are returned as they are. ``ValueError`` naming the value and the shard size
+    when ``k`` does not divide it."""
+    if isinstance(setting, bool) or not isinstance(setting, int):
+        return setting
+    if setting < 1 or shard_size % setting:
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise ValueError(
+            f"Config.reshard_after_forward={setting} must divide the shard dimension's size "
+            f"{shard_size} (hpZ groups of k consecutive ranks of it); accepted: "
+            f"{', '.join(map(str, divisors))}, True, False, 'auto' or 'search'")
+    return True if setting == 1 else False if setting == shard_size else setting
+
+
+def reshard_group_sizes(setting, shard_size: int, ranks_per_node: int = 0) -> tuple:
+    """The hpZ group sizes a plan under ``setting`` may use on a shard dimension of
+    ``shard_size`` ranks: an int's own (if neither 1 nor the shard size); for "search",
+    every divisor ``k`` with ``1 < k < shard_size`` (and ``k <= ranks_per_node`` when that
+    is known, so the backward all-gather stays within a node); none otherwise."""
+    k = reshard_group_size(setting, shard_size)
+    if not isinstance(k, bool) and isinstance(k, int):
+        return (k,)
+    if setting != "search":
+        return ()
+    return tuple(d for d in range(2, shard_size) if shard_size % d == 0
+                 and (ranks_per_node <= 0 or d <= ranks_per_node))
+
+
+def check_names(config: Config, model) -> None:
+    """Every name ``config`` gives must name something of ``model``: a module class in
+    ``Module.classes``, a module path ``Module.pattern`` matches, each parameter FQN of
+    ``units`` and each block path of a ``recompute`` dict. ``Config`` cannot check these
+    alone; a name that matches nothing would otherwise be ignored silently. ValueError lists
+    what the model has, and the close matches."""
+    owner = type(model).__name__
+    modules = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if p]
+    paths = [p for p, _ in modules]
+    module = config.policy if isinstance(config.policy, Module) else Module()
+    if module.classes:
+        present = list(dict.fromkeys(type(m).__name__ for _, m in modules))
+        for name in module.classes:
+            if name not in present:
+                raise ValueError(f"Config.policy.classes names {name!r}, but no submodule of "
+                                 f"{owner} is of that class; "
+                                 + _known(name, present, "its classes"))
+    if module.pattern is not None:
+        rx = re.compile(module.pattern)
+        if not any(rx.fullmatch(p) for p in paths):
+            raise ValueError(f"Config.policy.pattern={module.pattern!r} matches no "
+                             f"module path of {owner} whole (re.fullmatch); "
+                             + _known(module.pattern, paths, "its module paths"))
+    if config.units is not None:
+        fqns = [f for f, _ in model.named_parameters(remove_duplicate=False)]
+        known = set(fqns)
+        for i, unit in enumerate(config.units):
+            for name in unit:
+                if name not in known:
+                    raise ValueError(f"Config.units[{i}] names {name!r}, which is not a "
+                                     f"parameter of {owner}; "
+                                     + _known(name, fqns, "its parameters"))
+    if isinstance(config.recompute, Mapping):
+        from autoshard.passes.units import repeated_blocks
+
+        blocks = repeated_blocks(model)
+        known = set(paths)
+        for path in config.recompute:
+            if path not in known and path != "*":  # "*": every saved activation (offload)
+                raise ValueError(
+                    f"Config.recompute names block {path!r}, which is not a module of "
+                    f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks
+                                          else "its modules", shown=blocks or paths))
+
+
+def _known(name: str, names: list, what: str, shown: Optional[list] = None,
+           limit: int = 12) -> str:
+    """``what: a, b, ...``: the first ``limit`` of ``shown`` (default ``names``), then the
+    close matches to ``name`` among ``names``."""
+    import difflib
+
+    shown = names if shown is None else shown
+    more = f", ... ({len(shown) - limit} more)" if len(shown) > limit else ""
+    out = f"{what}: {', '.join(shown[:limit]) or 'none'}{more}"
+    close = difflib.get_close_matches(name, names, n=3)
+    return out + (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else "")
