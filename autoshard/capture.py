@@ -35,7 +35,7 @@ _tracing_depth = [0]
 
 def tracing() -> bool:
     """Whether a capture is tracing a forward now (a submodule's or method's entry then
-    runs the original code, to be traced; see ``api._install_entry``)."""
+    runs the original code, to be traced; see ``calls.install_entry``)."""
     return _tracing_depth[0] > 0
 
 

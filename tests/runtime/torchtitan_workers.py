@@ -126,22 +126,22 @@ def _autoshard(tt, rank, world, mesh, root):
     summed as torchtitan sets them (``set_gradient_divide_factor(1.0)``). Counts the
     captures of each entry (the model's forward, ``lm_head`` called by the loss)."""
     from autoshard import autoshard
-    from autoshard import api
+    from autoshard import calls
 
     captures: dict = {}
-    compile_ = api._compile
+    compile_ = calls.capture_and_compile
 
     def counting(module, st, *args, **kwargs):
         captures[st.entry] = captures.get(st.entry, 0) + 1
         return compile_(module, st, *args, **kwargs)
 
-    api._compile = counting
+    calls.capture_and_compile = counting
     try:
         sharded = autoshard(build_model(tt), mesh=mesh)
         sharded.set_gradient_divide_factor(1.0)
         out = train(tt, sharded, rank, world, mesh)
     finally:
-        api._compile = compile_
+        calls.capture_and_compile = compile_
     out["params"] = sharded.full_state_dict()
     out["captures"] = captures
     out["reduction"] = sharded.plan.reduction
