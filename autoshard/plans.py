@@ -13,20 +13,9 @@ import textwrap
 from fractions import Fraction
 from typing import Optional
 
-import torch.fx as fx
 from tabulate import tabulate
 
 from autoshard import meta
-
-_SHOWN = {
-    meta.AG_ISSUE: "all_gather",
-    meta.AG_WAIT: "wait",
-    meta.RS_ISSUE: "reduce_scatter",
-    meta.RS_WAIT: "wait",
-    meta.AR_ISSUE: "all_reduce",
-    meta.AR_WAIT: "wait",
-    meta.FREE: "free",
-}
 
 
 WIDTH = 100  # columns every table fits
@@ -149,7 +138,7 @@ class Plan:
         rows = [[c["recompute"], offload_label(c.get("offload"), c.get("offload_params")),
                  c["units"] if c["units"] is not None else "-", c.get("reshard", "-"),
                  f"{c['step_s'] * 1e3:.3f} ms" if c["step_s"] is not None else "-",
-                 _fmt_bytes(c["peak_bytes"]) if c["peak_bytes"] is not None else "-",
+                 fmt_bytes(c["peak_bytes"]) if c["peak_bytes"] is not None else "-",
                  yes_no.get(c["fits"], "-"),
                  "chosen" if c.get("chosen") else c.get("note", "")]
                 for c in self.candidates]
@@ -166,7 +155,7 @@ class Plan:
         return (f"every plan: {', '.join(reversed(shared))}\n" if shared else "") + table
 
     def units_table(self) -> str:
-        rows = [(u.index, u.name, len(u.fqns), u.numel, _fmt_bytes(u.bytes),
+        rows = [(u.index, u.name, len(u.fqns), u.numel, fmt_bytes(u.bytes),
                  "kept" if u.kept else "resharded, shards held" if u.held
                  else f"resharded to groups of {u.group}" if u.group else "resharded")
                 + ((_home(u.hosted),) if self.offload else ())
@@ -183,7 +172,7 @@ class Plan:
         if ops is None:
             ops = {e.op for e in self.schedule} - (set() if frees else {"free"})
         rows = [(i, e.region, f"{e.unit}:{names.get(e.unit, '?')}",
-                 f"{e.op} ({e.ranks} ranks)" if e.ranks else e.op, _fmt_bytes(e.bytes),
+                 f"{e.op} ({e.ranks} ranks)" if e.ranks else e.op, fmt_bytes(e.bytes),
                  _where(e),
                  e.serves or "-")
                 for i, e in enumerate(self.schedule) if e.op in ops]
@@ -208,33 +197,33 @@ class Plan:
             ("units", len(self.units)),
             ("activation recomputation", self.recompute or "-"),
             *([("activations offloaded to host memory",
-                f"{_fmt_bytes(sum(self.offloaded_activations.values()))} from "
+                f"{fmt_bytes(sum(self.offloaded_activations.values()))} from "
                 f"{len(self.offloaded_activations)} blocks")] if self.offloaded_activations
               else []),
             ("resharded after forward", self.reshard or "-"),
             *([("gradients accumulated locally (no sync)",
-                _fmt_bytes(p["local_grad_bytes"]))] if p.get("local_grad_bytes") else []),
+                fmt_bytes(p["local_grad_bytes"]))] if p.get("local_grad_bytes") else []),
             ("predicted step time", f"{p['step_s'] * 1e3:.3f} ms"),
             ("  compute", f"{p['compute_s'] * 1e3:.3f} ms"),
             ("  exposed communication", f"{p['exposed_comm_s'] * 1e3:.3f} ms"),
-            ("communication per step (buffers)", _fmt_bytes(p["comm_bytes"])),
-            ("sent per rank per step", _fmt_bytes(p["sent_bytes"])),
+            ("communication per step (buffers)", fmt_bytes(p["comm_bytes"])),
+            ("sent per rank per step", fmt_bytes(p["sent_bytes"])),
             ("  ranks' agreement (outside the graphs)",
              f"{2 + (self.strategy == 'zero1')} all-gathers of {AGREEMENT_BYTES} B per rank"
              if self.world_size > 1 else "none (one rank)"),
-            ("peak memory per rank", f"{_fmt_bytes(p['peak_bytes'])} at {p['peak_at']}"),
-            ("  model state (params + grads + optimizer)", _fmt_bytes(p["model_state_bytes"])),
+            ("peak memory per rank", f"{fmt_bytes(p['peak_bytes'])} at {p['peak_at']}"),
+            ("  model state (params + grads + optimizer)", fmt_bytes(p["model_state_bytes"])),
             *([("FSDP2's plan (predicted)",
-                f"{p['fsdp2_step_s'] * 1e3:.3f} ms, peak {_fmt_bytes(p['fsdp2_peak_bytes'])}: "
+                f"{p['fsdp2_step_s'] * 1e3:.3f} ms, peak {fmt_bytes(p['fsdp2_peak_bytes'])}: "
                 f"this plan's {p['step_s'] / p['fsdp2_step_s']:.2f}x, "
                 f"{p['peak_bytes'] / p['fsdp2_peak_bytes']:.2f}x")]
               if p.get("fsdp2_peak_bytes") else []),
-            *([("  offloaded to host memory", _fmt_bytes(p["host_state_bytes"])),
+            *([("  offloaded to host memory", fmt_bytes(p["host_state_bytes"])),
                ("  offload", offload_label(self.offload, self.offload_params))]
               if p.get("host_state_bytes") else []),
-            *([("host memory peak per rank", _fmt_bytes(p["host_peak_bytes"]))]
+            *([("host memory peak per rank", fmt_bytes(p["host_peak_bytes"]))]
               if self.offloaded_activations and p.get("host_peak_bytes") else []),
-            ("  memory budget", _fmt_bytes(self.memory_budget)),
+            ("  memory budget", fmt_bytes(self.memory_budget)),
         ]
         for k, v in self.symbolic.items():
             rows.append((f"{k} (symbolic)", v))
@@ -282,7 +271,7 @@ class Plan:
                 op = name.split(" ")[0]
                 if entry is not None and (entry.op, entry.unit) == (op, unit):
                     args.update(unit_name=names.get(unit, "?"), bytes=entry.bytes)
-                    name = f"{op} {names.get(unit, '?')} ({_fmt_bytes(entry.bytes)})"
+                    name = f"{op} {names.get(unit, '?')} ({fmt_bytes(entry.bytes)})"
                 else:
                     name = f"{op} {names.get(unit, '?')}"
                     args["unit_name"] = names.get(unit, "?")
@@ -321,12 +310,12 @@ class Plan:
         if peak is not None:
             where = module_label(line[peak][3], line[peak][2])
             ax.plot([peak], [top / scale], "o", color="black", ms=4, label="peak")
-            ax.annotate(f"peak {_fmt_bytes(top)} at {where}", (peak, top / scale),
+            ax.annotate(f"peak {fmt_bytes(top)} at {where}", (peak, top / scale),
                         xytext=(0, 8), textcoords="offset points", fontsize=8,
                         ha="right" if peak > len(line) / 2 else "left")
         if self.memory_budget:
             ax.axhline(self.memory_budget / scale, color="red", lw=0.8,
-                       label=f"memory budget {_fmt_bytes(self.memory_budget)}"
+                       label=f"memory budget {fmt_bytes(self.memory_budget)}"
                        + (" (above the plot)" if self.memory_budget > 1.5 * top else ""))
             if self.memory_budget > 1.5 * top:
                 ax.set_ylim(0, top / scale * 1.2)
@@ -380,119 +369,12 @@ class Plan:
                 f"\n\n{why}")
 
 
-def _fmt_bytes(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
-
-
-def read_schedule(graphs) -> list:
-    """ScheduleEntry per communication node of ``graphs`` (forward first, then backward)."""
-    entries = []
-    for gm in graphs:
-        if gm is None:
-            continue
-        where = node_modules(gm)
-        serves = _served(gm, where)
-        prev = None
-        for n in gm.graph.nodes:
-            kind = meta.tag(n, meta.COMM)
-            if kind in _SHOWN:
-                if kind == meta.FREE:
-                    size = sum(meta.val_bytes(t) for t in n.args[0])
-                elif kind in (meta.RS_ISSUE, meta.AR_ISSUE):
-                    size = meta.val_bytes(n.args[0])
-                else:
-                    size = meta.val_bytes(n)
-                entries.append(
-                    ScheduleEntry(
-                        region=meta.tag(n, meta.REGION),
-                        unit=meta.tag(n, meta.UNIT),
-                        op=_SHOWN[kind],
-                        bytes=size,
-                        after=prev.name if prev is not None else "(start)",
-                        module=where[prev] if prev is not None else "",
-                        serves=serves.get(n, ""),
-                        ranks=meta.tag(n, meta.GROUP, 0) if kind == meta.AG_ISSUE else 0,
-                    )
-                )
-            elif _is_compute(n):
-                prev = n
-    return entries
-
-
-def _is_compute(n) -> bool:
-    return n.op == "call_function" and not meta.is_comm(n)
-
-
-_STEPS = (("ag_", "all-gather"), ("all_gather", "all-gather"), ("rs_", "reduce-scatter"),
-          ("reduce_scatter", "reduce-scatter"), ("ar_", "all-reduce"),
-          ("all_reduce", "all-reduce"), ("free", "free"), ("h2d", "copy to the device"),
-          ("d2h", "copy to the host"))
-
-
-def node_modules(gm, units=None) -> dict:
-    """Per node of ``gm``, the module path the plan names it by: its module tag; for a
-    communication node its step and unit (``"all-gather of blocks.1"``, ``units``: the unit
-    names by index); for an op with no tag (made by a pass, or by autograd for no module) the
-    op's before it."""
-    out, last = {}, ""
-    for n in gm.graph.nodes:
-        kind, path = meta.tag(n, meta.COMM), meta.tag(n, meta.MODULE)
-        if kind is not None:
-            step = next((v for k, v in _STEPS if kind.startswith(k)), kind)
-            unit = meta.tag(n, meta.UNIT)
-            out[n] = f"{step} of {(units or {}).get(unit, f'unit {unit}')}"
-        else:
-            out[n] = last = path if path is not None else last
-    return out
-
-
-def _served(gm, where: dict) -> dict:
-    """Per collective issue and wait of ``gm``, the module path of the op it serves
-    (``ScheduleEntry.serves``); ``where``: ``node_modules``."""
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    readers = {}  # unit -> positions of the ops reading its gathered parameters
-    for n in nodes:
-        if _is_compute(n):
-            for a in n.all_input_nodes:
-                if meta.tag(a, meta.COMM) == meta.AG_UNPACK:
-                    readers.setdefault(meta.tag(a, meta.UNIT), []).append(pos[n])
-    out = {}
-    for n in nodes:
-        kind = meta.tag(n, meta.COMM)
-        if kind == meta.AG_WAIT:
-            after = [p for p in readers.get(meta.tag(n, meta.UNIT), ()) if p > pos[n]]
-            if after:
-                out[n] = where[nodes[min(after)]]
-        elif kind in (meta.RS_ISSUE, meta.AR_ISSUE):
-            made = _makers(n.args[0])
-            if made:
-                out[n] = where[max(made, key=pos.__getitem__)]
-    for n in nodes:  # an issue serves what its wait does, and the other way round
-        if meta.is_wait(n) and isinstance(n.args[0], fx.Node):
-            issue = n.args[0]
-            if issue in out or n in out:
-                out[issue] = out[n] = out.get(issue, out.get(n))
-    return out
-
-
-def _makers(node) -> list:
-    """The compute ops whose values ``node`` is packed from (through communication nodes)."""
-    seen, todo, out = set(), [node], []
-    while todo:
-        n = todo.pop()
-        if n in seen or not isinstance(n, fx.Node):
-            continue
-        seen.add(n)
-        if _is_compute(n):
-            out.append(n)
-        elif meta.is_comm(n) and not meta.is_collective_issue(n) and not meta.is_wait(n):
-            todo.extend(n.all_input_nodes)
-    return out
 
 
 def module_label(path, region=None) -> str:
@@ -600,77 +482,3 @@ def offload_label(state: float, params: Optional[float] = None) -> str:
     if params is None or params <= 0:
         return label
     return label + (" + params" if params >= 1 else f" + params {share(params)}")
-
-
-def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, profile=None,
-              budget: int = 0, policy: str = "", model_state_bytes: int = 0,
-              host_state_bytes: int = 0, offload: float = 0.0,
-              offload_params: Optional[float] = None, reshard: str = "",
-              recompute=("", None), candidates=(), strategy: str = "zero3",
-              mesh_shape=(), grad_sync: bool = True) -> Plan:
-    infos = []
-    for u in units:
-        numel = sum(_numel(specs[f].shape) for f in u.fqns)
-        nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
-        host = sum(_numel(specs[f].shape) for f in u.fqns if specs[f].device == "host")
-        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held,
-                              host / numel if numel else 0.0, u.group))
-    plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
-                recompute=recompute[0], recompute_blocks=recompute[1],
-                offload=offload, offload_params=offload_params if offload else None,
-                reshard=reshard, strategy=strategy, mesh_shape=list(mesh_shape),
-                grad_sync=grad_sync, candidates=[dict(c) for c in candidates],
-                reduction=_reduction(specs.values()))
-    plan.offloaded_activations = _offloaded_activations(graphs[0], recompute[1])
-    if profile is not None:
-        plan.device = profile.to_dict()
-    if prediction is not None:
-        p = prediction
-        plan.predicted = {
-            "step_s": p.total, "compute_s": p.compute, "exposed_comm_s": p.exposed_comm,
-            "peak_bytes": p.peak_bytes, "peak_at": p.peak_at, "comm_bytes": p.comm_bytes,
-            "sent_bytes": p.sent_bytes, "model_state_bytes": model_state_bytes,
-            "host_state_bytes": host_state_bytes, "host_peak_bytes": p.host_peak_bytes,
-            "both_peak_bytes": p.both_peak_bytes,
-        }
-        names = {u.index: u.name for u in units}
-        where = {(g, n.name): path for g, gm in zip((meta.FWD, meta.BWD), graphs)
-                 if gm is not None for n, path in node_modules(gm, names).items()}
-        graph, _, node = p.peak_at.partition(":")
-        plan.predicted["peak_at"] = (module_label(where.get((graph, node), ""), graph)
-                                     if node else p.peak_at)
-        plan.memory_timeline = [[t, b, g, where.get((g, n), "")] for t, b, g, n in p.timeline]
-        plan.events = p.events
-    return plan
-
-
-def _offloaded_activations(fwd, modes) -> dict:
-    """``Plan.offloaded_activations`` of a forward graph: its copies to the host, by the
-    block ``modes`` offloads that made them (else by module path)."""
-    from autoshard.passes.offload import offloaded_bytes
-
-    if fwd is None:
-        return {}
-    blocks = sorted((p for p, m in (modes or {}).items() if m == "offload"), key=len,
-                    reverse=True)
-    out: dict = {}
-    for path, nbytes in offloaded_bytes(fwd).items():
-        key = next((b for b in blocks if path == b or path.startswith(b + ".")), path)
-        out[key] = out.get(key, 0) + nbytes
-    return out
-
-
-def _reduction(specs) -> str:
-    """How the plan's gradients are reduced, as ``Plan.reduction`` says it."""
-    s = next(iter(specs), None)
-    if s is None or s.scaling[0] == "avg":
-        return "mean"
-    out = "mean" if s.grad_divide is None else f"sum / {s.grad_divide:g}"
-    return out + (", sum collectives" if s.force_sum else "")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

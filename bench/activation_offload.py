@@ -91,7 +91,7 @@ def largest(plan_of, limit: int, say) -> tuple:
 
 def main(argv=None) -> None:
     from autoshard.examples import llama_shapes
-    from autoshard.plans import _fmt_bytes
+    from autoshard.plans import fmt_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3_8b:8,llama3_70b:64",
@@ -130,8 +130,8 @@ def main(argv=None) -> None:
                 continue
             p = plan.predicted
             rows.append((model, world, seq, name, batch, plan.recompute,
-                         _fmt_bytes(sum(plan.offloaded_activations.values())),
-                         _fmt_bytes(p["peak_bytes"]), f"{p['step_s'] * 1e3:.0f} ms", spent))
+                         fmt_bytes(sum(plan.offloaded_activations.values())),
+                         fmt_bytes(p["peak_bytes"]), f"{p['step_s'] * 1e3:.0f} ms", spent))
     print(tabulate(rows, headers=["model", "ranks", "seq", "plan", "batch",
                                   "recompute at it", "offloaded/rank", "peak/rank", "step",
                                   "planning"]))

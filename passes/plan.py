@@ -80,7 +80,7 @@ from typing import Optional
 import torch.fx as fx
 
 from autoshard.config_model import reshard_group_size
-from autoshard.plans import _fmt_bytes
+from autoshard.plans import fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
                                          shard_size)
@@ -271,7 +271,7 @@ class Planner:
     def _finish(self, best: Lowered, candidates: list, strategy: str):
         """The Plan of ``best`` (split): its schedule and prediction, the candidates, the gathers
         after the optimizer step, and why it is not enough when it does not fit."""
-        from autoshard.plans import make_plan
+        from autoshard.passes.readout import make_plan
 
         ctx, config, pred = best.ctx, self.config, best.prediction
         specs = {p.fqn: p for p in ctx.captured.params}
@@ -333,7 +333,7 @@ def _choice(plan, reference, prefer: str) -> Optional[str]:
     slower = 100 * (chosen["step_s"] / fastest["step_s"] - 1)
     if prefer == "balanced":
         bound = (f"FSDP2's plan's predicted step and peak ({reference.total * 1e3:.3f} ms, "
-                 f"{_fmt_bytes(peak)})")
+                 f"{fmt_bytes(peak)})")
         if fastest["peak_bytes"] > peak and chosen["peak_bytes"] <= peak:
             return (f"the fastest plan peaks at {fastest['peak_bytes'] / peak:.2f}x FSDP2's "
                     f"plan's predicted peak; chose the fastest within {bound}, "
@@ -348,7 +348,7 @@ def _choice(plan, reference, prefer: str) -> Optional[str]:
     if fastest["peak_bytes"] <= PEAK_TARGET * peak:
         return None
     head = (f"the fastest plan peaks at {fastest['peak_bytes'] / peak:.2f}x FSDP2's plan's "
-            f"predicted peak ({_fmt_bytes(peak)})")
+            f"predicted peak ({fmt_bytes(peak)})")
     if chosen["step_s"] > fastest["step_s"]:
         return (f"{head}; chose the fastest within {PEAK_TARGET}x "
                 f"({chosen['peak_bytes'] / peak:.2f}x), {slower:.0f}% slower; "
@@ -365,12 +365,12 @@ def _unfit(plan, ctx, config) -> str:
 
     budget, world_size = ctx.memory_budget, plan.world_size
     return (
-        f"no plan fits the memory budget of {_fmt_bytes(budget)} per rank on "
+        f"no plan fits the memory budget of {fmt_bytes(budget)} per rank on "
         f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
         f"recomputation, {len(ctx.units)} units"
         + (f", the model state in host memory (offload: "
            f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
-        + f") needs {_fmt_bytes(plan.predicted['peak_bytes'])}. "
+        + f") needs {fmt_bytes(plan.predicted['peak_bytes'])}. "
         "Raise Config.memory_budget to at least that, shard over more ranks, use a "
         "smaller batch" + (", or Config(recompute=True) to recompute activations"
                            if config.recompute is False else "") + ".")

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from autoshard.config_model import reshard_group_sizes
 from autoshard.graph import clone_graph
-from autoshard.plans import _fmt_bytes
+from autoshard.plans import fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, first_choices, lower, offload_choice,
                                          offloaded_blocks, placed_context, recompute_choices,
@@ -98,7 +98,7 @@ class Search:
                     "recompute": "-", "offload": offload, "offload_params": None,
                     "units": None, "step_s": None, "peak_bytes": least + back, "fits": False,
                     "note": f"the least peak with all of the state on the host plus the "
-                            f"{_fmt_bytes(back)} of optimizer state this brings back exceeds "
+                            f"{fmt_bytes(back)} of optimizer state this brings back exceeds "
                             "the budget"})
                 self.searched[key] = False
                 return False
@@ -332,8 +332,8 @@ class _Placement:
             return False
         self.search.candidates.append(self.row(
             label, units=None, step_s=None, peak_bytes=None, fits=False,
-            note=f"its offloaded activations ({_fmt_bytes(moved)} per rank) exceed the host "
-                 f"memory per device ({_fmt_bytes(limit)}, DeviceProfile.host_memory)"))
+            note=f"its offloaded activations ({fmt_bytes(moved)} per rank) exceed the host "
+                 f"memory per device ({fmt_bytes(limit)}, DeviceProfile.host_memory)"))
         return True
 
     def unit_candidates(self, ch: _Choice) -> list:

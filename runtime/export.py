@@ -260,7 +260,7 @@ def describe(path, *, verify: bool = True) -> str:
     call, the plan's prediction (memory included), its units and its schedule."""
     from tabulate import tabulate
 
-    from autoshard.plans import _fmt_bytes
+    from autoshard.plans import fmt_bytes
 
     manifest = read_manifest(path, verify=verify)
     files = manifest["files"]
@@ -273,7 +273,7 @@ def describe(path, *, verify: bool = True) -> str:
         ("compiled for", f"{manifest['world_size']} ranks{_mesh_text(manifest)}, "
                          f"{manifest['device']}"),
         ("programs", len(manifest["programs"])),
-        ("files", f"{len(files)}, {_fmt_bytes(sum(e['bytes'] for e in files.values()))} "
+        ("files", f"{len(files)}, {fmt_bytes(sum(e['bytes'] for e in files.values()))} "
                   f"({shards} checkpoint shard files)"),
         ("content hash", manifest["hash"] + (" (verified)" if verify else "")),
     ]

@@ -76,7 +76,7 @@ def test_no_plan_fits_names_the_smallest_budget_that_would():
         whole = {**{f"blocks.{i}": "block" for i in range(4)}, "*": "offload"}
         finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute=whole,
                        offload_policy=Offload(params=1.0) if offload is None else offload)
-        assert autoshard.plans._fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
+        assert autoshard.plans.fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
         # and that budget is enough
         _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"],
               offload_policy=offload)

@@ -51,7 +51,7 @@ def test_the_default_takes_the_fastest_plan_within_the_target_and_says_why(plans
     slower = round(100 * (plan.predicted["step_s"] / fastest["step_s"] - 1))
     assert plan.choice == (
         f"the fastest plan peaks at {fastest['peak_bytes'] / ref_peak:.2f}x FSDP2's plan's "
-        f"predicted peak ({autoshard.plans._fmt_bytes(ref_peak)}); chose the fastest within "
+        f"predicted peak ({autoshard.plans.fmt_bytes(ref_peak)}); chose the fastest within "
         f"{PEAK_TARGET}x ({plan.predicted['peak_bytes'] / ref_peak:.2f}x), {slower}% slower; "
         "Config(prefer='speed') takes the fastest")
     text = " ".join(str(plan).split())
