@@ -293,8 +293,29 @@ def _sharded_class(cls: type) -> type:
         forward.__signature__ = inspect.signature(cls.forward)
     except (TypeError, ValueError):  # a forward inspect cannot read: (*args, **kwargs)
         pass
-    return type(f"Sharded{cls.__name__}", (ShardedModule, cls),
-                {"__module__": cls.__module__, "forward": forward})
+    methods = {"__module__": cls.__module__, "forward": forward}
+    if callable(getattr(cls, "save_pretrained", None)):  # a Hugging Face model
+        methods["save_pretrained"] = _save_pretrained(cls.save_pretrained)
+    return type(f"Sharded{cls.__name__}", (ShardedModule, cls), methods)
+
+
+def _save_pretrained(save):
+    """A Hugging Face model's ``save_pretrained``, refused without ``state_dict``: the
+    model's own state holds this rank's shards, which safetensors cannot write (it fails
+    deep inside, "invalid python storage"), and rank 0 alone calls it."""
+
+    def save_pretrained(self, *args, state_dict=None, **kwargs):
+        if state_dict is None:
+            raise AutoshardError(
+                f"{type(self).__name__}.save_pretrained: this model holds one shard of each "
+                "weight on each rank. Gather them on every rank, full = "
+                "sharded.full_state_dict(rank0_only=True), and on rank 0 call "
+                "save_pretrained(path, state_dict=full); for a Trainer's checkpoints use "
+                "`from autoshard.integrations import Trainer`, which does it.")
+        return save(self, *args, state_dict=state_dict, **kwargs)
+
+    save_pretrained.__doc__ = save.__doc__
+    return save_pretrained
 
 
 _AT_START = "autoshard() (the Config and the model's parameters)"
