@@ -49,14 +49,14 @@ k only, to bound planning time: under the cost model a smaller group's backward 
 never slower, so the least k that fits is the fastest hpZ plan. Offload: the whole search runs
 on the device first and, with no ``Config.offload_policy``, only if nothing fits, again with all of
 the sharded state in host memory; if a plan fits then, again for the least of
-``OFFLOAD_STATE`` that fits, by bisection (the state of the last parameters first,
+``search.OFFLOAD_STATE`` that fits, by bisection (the state of the last parameters first,
 ``autoshard.spec.hosted``; peaks fall as more is offloaded). A fraction is not searched when
 the least peak tried with all of the state on the host, plus the optimizer state it brings back
 onto the device (held all step), exceeds the budget. Among plans equally fast, the one with
 less state on the host is kept. Offloaded, each unit candidate is tried with none of the
 resharded units copying their shards in again for the backward (all hold the forward's copy
 on the device); if that does not fit, with all of them, then with the least of
-``OFFLOAD_PARAMS`` between that fits, by bisection (for one grouping, fewer copies is faster
+``search.OFFLOAD_PARAMS`` between that fits, by bisection (for one grouping, fewer copies is faster
 and takes more memory).
 
 Memory against FSDP2 (``Config.prefer="memory"``, the default): before the search, FSDP2's
