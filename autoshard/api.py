@@ -15,7 +15,7 @@ from autoshard import compiler, state
 from autoshard._compat import tree_flatten
 from autoshard.calls import (CallState, call, call_key, compile_for, install_entry,
                              install_submodule_entries, refuse_accelerate_autocast,
-                             tensor_refs, user_class_name)
+                             split_inputs, tensor_refs, user_class_name)
 from autoshard.config import Config, offloads
 from autoshard.config_model import check_names
 from autoshard.errors import AutoshardError
@@ -251,7 +251,7 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
     device = torch.device(device)
 
     def one(inputs, cfg):
-        args, kwargs = _split_inputs(inputs)
+        args, kwargs = split_inputs(inputs)
         return compiler.compile_step(model, type(model).forward, args, kwargs,
                                      world_size=world_size, group_name="plan", device=device,
                                      config=cfg, progress=progress, from_shallow=True)[2]
@@ -267,14 +267,6 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
         p3 = one(make_inputs(batch, 2 * seq), pinned)
         p.symbolic = compiler.fit_symbolic(p, p2, p3, batch, seq)
     return p
-
-
-def _split_inputs(example_inputs):
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 def _sharded_class(cls: type) -> type:
@@ -471,7 +463,7 @@ def _example(example_inputs, device):
     the mesh's ``device``."""
     if example_inputs is None:
         return None
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     for x in tree_flatten((args, kwargs))[0]:
         if isinstance(x, torch.Tensor) and x.device != device:
             raise AutoshardError(

@@ -502,3 +502,13 @@ def install_submodule_entries(model, st: CallState) -> None:
             continue
         st.entry_names[id(mod)] = path
         install_entry(mod, st, "forward", type(mod).forward)
+
+
+def split_inputs(example_inputs):
+    """Example inputs as ``(args, kwargs)``: a dict is keyword inputs, a tuple or list the
+    positional ones, anything else the one positional input."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}

@@ -18,6 +18,7 @@ import torch
 
 from autoshard import _compat
 from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.calls import split_inputs
 from autoshard.check_report import cast_floating, within_tolerance
 
 
@@ -107,12 +108,6 @@ def fresh_inputs(example_inputs):
 
     leaves, spec = tree_flatten(example_inputs)
     return tree_unflatten([one(x) for x in leaves], spec)
-
-
-def split_inputs(example_inputs):
-    from autoshard.api import _split_inputs
-
-    return _split_inputs(example_inputs)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from autoshard import _compat, meta
 from autoshard.options import INT64_MAX
-from autoshard.graph import _aliased_arg
+from autoshard.graph import aliased_arg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +77,24 @@ class DeviceProfile:
         return dataclasses.asdict(self)
 
 
-_BIG = sys.float_info.max  # the largest finite float: a larger number overflows the model
+MAX_FINITE = sys.float_info.max  # the largest finite float: a larger number overflows the model
 # each number of a DeviceProfile: (whether a value is accepted, what it must be)
 _PROFILE_NUMBERS = {
-    "matmul_flops": (lambda v: 0 < v <= _BIG, "a positive, finite number of FLOP/s"),
-    "mem_bandwidth": (lambda v: 0 < v <= _BIG, "a positive, finite number of bytes/s"),
-    "alpha": (lambda v: 0 <= v <= _BIG,
+    "matmul_flops": (lambda v: 0 < v <= MAX_FINITE, "a positive, finite number of FLOP/s"),
+    "mem_bandwidth": (lambda v: 0 < v <= MAX_FINITE, "a positive, finite number of bytes/s"),
+    "alpha": (lambda v: 0 <= v <= MAX_FINITE,
               "a finite number of seconds per collective step, 0 or more"),
-    "beta": (lambda v: 0 <= v <= _BIG, "a finite number of seconds per byte, 0 or more"),
+    "beta": (lambda v: 0 <= v <= MAX_FINITE, "a finite number of seconds per byte, 0 or more"),
     "memory": (lambda v: 0 < v <= INT64_MAX, "a positive number of bytes, at most 2**63 - 1"),
     "efficiency": (lambda v: 0 < v <= 1, "a fraction of the peak FLOP/s above 0 and at most 1"),
-    "collective_scratch": (lambda v: 0 <= v <= _BIG,
+    "collective_scratch": (lambda v: 0 <= v <= MAX_FINITE,
                            "a finite fraction of a collective's buffer, 0 or more"),
     "comm_overlap": (lambda v: 0 <= v <= 1, "a fraction of a collective's time from 0 to 1"),
-    "host_bandwidth": (lambda v: 0 <= v <= _BIG,
+    "host_bandwidth": (lambda v: 0 <= v <= MAX_FINITE,
                        "a finite number of bytes/s, 0 or more (0: the host is the device)"),
     "ranks_per_node": (lambda v: 0 <= v <= INT64_MAX and v == int(v),
                        "a whole number of ranks per node, 0 or more (0: all on one link)"),
-    "inter_beta": (lambda v: 0 <= v <= _BIG,
+    "inter_beta": (lambda v: 0 <= v <= MAX_FINITE,
                    "a finite number of seconds per byte between nodes, 0 or more (0: beta)"),
     "host_memory": (lambda v: 0 <= v <= INT64_MAX,
                     "a number of bytes from 0 (not bounded) to 2**63 - 1"),
@@ -260,7 +260,7 @@ def node_time(node: fx.Node, profile: DeviceProfile) -> float:
 def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
     if node.op != "call_function" or meta.is_collective_issue(node) or meta.is_wait(node):
         return 0.0
-    if meta.is_free(node) or _aliased_arg(node) is not None or node.target in _NO_WORK:
+    if meta.is_free(node) or aliased_arg(node) is not None or node.target in _NO_WORK:
         return 0.0
     if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0

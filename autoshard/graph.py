@@ -58,14 +58,14 @@ def fold_alias_pairs(graph: fx.Graph) -> int:
     return gone
 
 
-def _aliased_arg(node: fx.Node) -> Optional[fx.Node]:
+def aliased_arg(node: fx.Node) -> Optional[fx.Node]:
     """The input whose storage ``node``'s output shares (a view or an in-place result)."""
     if node.op != "call_function":
         return None
     target = node.target
     if target is operator.getitem:
         src = node.args[0]
-        return src if isinstance(src, fx.Node) and _aliased_arg(src) is not None else None
+        return src if isinstance(src, fx.Node) and aliased_arg(src) is not None else None
     slots = _ALIAS_SLOTS.get(target)
     if slots is None:
         slots = _ALIAS_SLOTS[target] = _alias_slots(target)
@@ -165,7 +165,7 @@ def alias_base(node: fx.Node) -> fx.Node:
     """The node that owns the storage ``node`` reads (itself unless it is a view)."""
     seen = set()
     while True:
-        src = _aliased_arg(node)
+        src = aliased_arg(node)
         if src is None or src in seen:
             return node
         seen.add(node)
@@ -179,7 +179,7 @@ def alias_closure(root: fx.Node) -> list:
         n = stack.pop()
         out.append(n)
         for u in n.users:
-            if u not in seen and _aliased_arg(u) is n:
+            if u not in seen and aliased_arg(u) is n:
                 seen.add(u)
                 stack.append(u)
     return out
@@ -371,7 +371,7 @@ def storage_roots(nodes: Iterable[fx.Node]) -> list:
         n
         for n in nodes
         if n.op == "call_function"
-        and _aliased_arg(n) is None
+        and aliased_arg(n) is None
         and isinstance(n.meta.get("val"), torch.Tensor)
     ]
 

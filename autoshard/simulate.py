@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from autoshard import meta
 from autoshard.cost import DeviceProfile, collective_time, node_time, ring_rounds
-from autoshard.graph import _aliased_arg
+from autoshard.graph import aliased_arg
 
 
 @dataclasses.dataclass
@@ -215,7 +215,7 @@ class _Sim:
                     if self.reading.get(t, 0.0) <= self.tc:
                         mem.free(sids[t])
             elif isinstance(n.meta.get("val"), torch.Tensor):
-                src = _aliased_arg(n)
+                src = aliased_arg(n)
                 sids[n] = sids.get(src) if src is not None else (None if n in uncounted else n)
                 if sids[n] is not None:  # a gradient shard copied out lands in host memory
                     mem.acquire(sids[n], _size(n), host=kind == meta.D2H or (
@@ -325,11 +325,12 @@ def activations(joint: fx.GraphModule, host: bool = False) -> tuple:
     backward reads them (``autoshard.passes.collectives``), so what is counted is live in any
     plan. ``host``: whether offloaded activations' host copies are host memory (a profile
     with a host link), their copies then taken as instant (the least the device holds)."""
-    from autoshard.cost import _BIG
+    from autoshard.cost import MAX_FINITE
     from autoshard.graph import param_derived
 
     # counts bytes, not time
-    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1, host_bandwidth=_BIG if host else 0),
+    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1,
+                             host_bandwidth=MAX_FINITE if host else 0),
                0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:

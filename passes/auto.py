@@ -135,18 +135,18 @@ def auto_candidates(gm, ctx, order, options) -> list:
 def _groupings(ctx, order, specs, options) -> list:
     """Every candidate grouping of the parameters ``order`` (in first-use order), once each:
     the fixed policies' and the DP's for each cap."""
-    from autoshard.passes.units import _module_groups, _size_groups, span_names
+    from autoshard.passes.units import module_groups, size_groups, span_names
 
     profile = ctx.profile
     seg = _Segments(order, specs, profile)
     total = seg.size[-1]
     groupings = [[("root", list(order))], [(f, [f]) for f in order]]
-    mod = _module_groups(ctx.model, order, options) if ctx.model is not None else []
+    mod = module_groups(ctx.model, order, options) if ctx.model is not None else []
     if mod:
         rest = [f for f in order if f not in {x for _, g in mod for x in g}]
         groupings.append(mod + ([("root", rest)] if rest else []))
     numel = {f: math.prod(specs[f].shape) for f in order}
-    groupings.append(_size_groups(order, numel, options.get("min_numel", 10**8)))
+    groupings.append(size_groups(order, numel, options.get("min_numel", 10**8)))
     caps = {max(unit_bytes(g, specs) for _, g in c) for c in groupings[2:]}
     caps |= {total >> k for k in range(1, 7)}
     for cap in sorted(caps, reverse=True):
@@ -203,9 +203,9 @@ def tries(gm, ctx, options, order=None) -> list:
         return cache["tries"]
     if order is None:
         from autoshard import meta
-        from autoshard.passes.units import _first_use_order
+        from autoshard.passes.units import first_use_order
 
-        order = [meta.tag(n, meta.FQN) for n in _first_use_order(gm)]
+        order = [meta.tag(n, meta.FQN) for n in first_use_order(gm)]
     cands = auto_candidates(gm, ctx, order, options)
     finest = next(c for c in cands if len(c[2]) == len(order))  # one unit per parameter
     fitting = [c for c in cands if c[1] <= ctx.memory_budget and c is not finest]

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from autoshard import _compat, meta
 from autoshard.graph import (
-    _aliased_arg,
+    aliased_arg,
     alias_closure,
     mutated_storages,
     param_derived,
@@ -63,7 +63,7 @@ def offloadable(gm: fx.GraphModule, blocks=None) -> list:
         val = n.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.numel() == 0 or meta.is_comm(n):
             continue
-        if _aliased_arg(n) is not None or not _in_blocks(n, blocks):
+        if aliased_arg(n) is not None or not _in_blocks(n, blocks):
             continue
         aliases = alias_closure(n)
         users = [u for a in aliases for u in a.users]

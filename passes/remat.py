@@ -28,7 +28,7 @@ import torch.fx as fx
 from autoshard import _compat, meta
 from autoshard.cost import tensor_bytes
 from autoshard.graph import (
-    _aliased_arg,
+    aliased_arg,
     copy_into_backward,
     mutated_storages,
     reads_mutated,
@@ -56,7 +56,7 @@ def _recomputable(n: fx.Node, mutated: set, region) -> bool:
         return False
     # inside a torch.utils.checkpoint region (or a block the plan recomputes whole)
     # recomputation was asked for: any op
-    return (t in _CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
+    return (t in _CHEAP or torch.Tag.pointwise in t.tags or aliased_arg(n) is not None
             or region(n) is not None)
 
 

@@ -86,7 +86,7 @@ def _span_name(fqns, under: dict) -> str:
     return f"{paths[0] or 'root'}..{paths[-1] or 'root'}"
 
 
-def _first_use_order(gm: fx.GraphModule) -> list:
+def first_use_order(gm: fx.GraphModule) -> list:
     """Parameter placeholders in order of first use (unused ones last), ties by FQN order."""
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     phs = [n for n in gm.graph.nodes if meta.is_param(n)]
@@ -94,7 +94,7 @@ def _first_use_order(gm: fx.GraphModule) -> list:
     return sorted(phs, key=lambda n: (min((pos[u] for u in n.users), default=end), pos[n]))
 
 
-def _module_groups(model, order, options) -> list:
+def module_groups(model, order, options) -> list:
     classes, pattern = options.get("classes"), options.get("pattern")
     if classes or pattern:
         rx = re.compile(pattern) if pattern else None
@@ -115,7 +115,7 @@ def _module_groups(model, order, options) -> list:
     return groups
 
 
-def _size_groups(order, numel, min_numel) -> list:
+def size_groups(order, numel, min_numel) -> list:
     groups, cur, n = [], [], 0
     for f in order:
         cur.append(f)
@@ -147,7 +147,7 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
     again first; an int k: none kept, each resharded to groups of k, ``Unit.group``).
     Never changes the graph's nodes.
     """
-    phs = _first_use_order(gm)
+    phs = first_use_order(gm)
     order = [meta.tag(n, meta.FQN) for n in phs]
     canonical = {f: f for f in order}
     canonical.update({k: v for k, v in ctx.fqn_aliases.items() if v in canonical})
@@ -177,10 +177,10 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
             groups.append(fq)
         groups = list(zip(span_names(groups, order), groups))
     elif policy == "module" and ctx.model is not None:
-        groups = _module_groups(ctx.model, order, options)
+        groups = module_groups(ctx.model, order, options)
     elif policy == "size":
         numel = {f: math.prod(specs[f].shape) for f in order}
-        groups = _size_groups(order, numel, options.get("min_numel", 10**8))
+        groups = size_groups(order, numel, options.get("min_numel", 10**8))
     elif policy == "per-parameter":
         groups = [(f, [f]) for f in order]
     elif policy == "whole-model":

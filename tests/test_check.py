@@ -153,7 +153,7 @@ def test_a_wrong_op_in_the_backward_is_named(monkeypatch):
 
 def _unsafe_recomputable(n, mutated, region):
     """Recompute any cheap op, even one that reads a tensor written in place later."""
-    from autoshard.graph import _aliased_arg, written_inputs
+    from autoshard.graph import aliased_arg, written_inputs
     from autoshard.passes import remat
 
     t = n.target
@@ -163,7 +163,7 @@ def _unsafe_recomputable(n, mutated, region):
         return True
     if not isinstance(t, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in t.tags:
         return False
-    return t in remat._CHEAP or torch.Tag.pointwise in t.tags or _aliased_arg(n) is not None
+    return t in remat._CHEAP or torch.Tag.pointwise in t.tags or aliased_arg(n) is not None
 
 
 def test_an_unsafe_recomputation_is_named(monkeypatch):

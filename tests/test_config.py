@@ -329,7 +329,8 @@ def test_each_flat_name_still_works_warning_of_its_new_spelling(kwargs, now, say
         again = dataclasses.replace(Config(), **kwargs)
     assert again == now and says in str(caught[0].message)
     assert caught[0].filename == __file__
-    assert not any(hasattr(config, name) for name in kwargs if name in autoshard.config_history.MOVED)
+    moved = autoshard.config_history.MOVED
+    assert not any(hasattr(config, name) for name in kwargs if name in moved)
 
 
 ROUND_TRIP = [

@@ -20,7 +20,7 @@ import autoshard
 from autoshard.compiler import compile_step
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.graph import _aliased_arg
+from autoshard.graph import aliased_arg
 from autoshard.models import GPT
 from autoshard.runtime import commit
 from autoshard.runtime import export as export_mod
@@ -95,7 +95,7 @@ def assert_same_vals(a, b):
     assert {k: v for k, v in sa.items() if k in phs} == {k: v for k, v in sb.items() if k in phs}
     views = 0
     for n in b.graph.nodes:
-        base = _aliased_arg(n) if getattr(n.target, "namespace", None) == "aten" else None
+        base = aliased_arg(n) if getattr(n.target, "namespace", None) == "aten" else None
         if n.name in sb and base is not None and base.name in sb:
             assert sb[n.name] == sb[base.name], n.name
             views += 1
