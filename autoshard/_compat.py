@@ -302,27 +302,6 @@ def allocation_events(prof) -> list:
     return sorted(out)
 
 
-# --- capture decompositions -------------------------------------------------------------------
-
-
-def capture_decompositions() -> dict:
-    """Ops capture rewrites while tracing (make_fx ``decomposition_table``).
-
-    ``aten._grouped_mm`` (mixture-of-experts grouped GEMM) becomes ``autoshard::grouped_mm``:
-    the same kernel in eager, but with a fake kernel for every floating dtype (torch's meta
-    kernel accepts bf16 only). The table is consulted below autograd, so the ``_grouped_mm``
-    calls of its backward formula are rewritten as well."""
-    import torch
-
-    from autoshard.runtime.ops import grouped_mm_op
-
-    table = {}
-    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
-    if grouped is not None and "default" in grouped.overloads():
-        table[grouped.default] = grouped_mm_op
-    return table
-
-
 # --- lazily compiled graph modules ------------------------------------------------------------
 
 

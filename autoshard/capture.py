@@ -22,6 +22,7 @@ from autoshard._compat import tree_flatten, tree_map, tree_unflatten
 from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, fold_alias_pairs, written_inputs
+from autoshard.ops import capture_decompositions
 from autoshard.spec import ParamSpec, param_specs  # noqa: F401 (re-exported)
 from autoshard.capture_errors import CheckDtypes, assert_value_checks, check_source, explain
 from autoshard.captured import Captured, NewState, StateIn, StateOut, TENSOR
@@ -350,7 +351,7 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
         try:
             with _compat.preserve_node_meta(), checks as found:
                 gm = _compat.make_fx(joint, tracing_mode="fake",
-                                     decomposition_table=_compat.capture_decompositions())(
+                                     decomposition_table=capture_decompositions())(
                     *flat)
             assert_value_checks(gm, found, joint.stack)
             return _compat.graph_module(gm, gm.graph)

@@ -1,6 +1,6 @@
 """What capture hands on: the ``Captured`` joint graph and how its flat inputs and outputs map
 to the user's call (``TENSOR`` for a tensor leaf, ``StateIn``/``StateOut``/``NewState`` for
-objects holding state).
+objects holding state); and what the split pass hands the runtime, ``SplitProgram``.
 
 Plain data, apart from the tracer in ``capture.py``, so that the planner, the runtime and
 export read a capture without importing how it is made.
@@ -91,3 +91,19 @@ class _TensorSlot:
 
 
 TENSOR = _TensorSlot()
+
+
+@dataclasses.dataclass
+class SplitProgram:
+    """Forward: (param shards, buffers, inputs) -> (outputs, mutated buffers, saved).
+    Backward: (saved, tangents, accumulated gradients) -> (gradient shards, input
+    gradients)."""
+
+    fwd: fx.GraphModule
+    bwd: fx.GraphModule | None
+    fwd_roles: list  # role of each forward output before the saved tensors
+    bwd_roles: list  # role of each backward output
+    saved: list  # names of the joint-graph nodes saved across
+    n_tangents: int
+    # backward inputs after the tangents: the FQN of each accumulated gradient (grad_acc)
+    acc_fqns: list = dataclasses.field(default_factory=list)

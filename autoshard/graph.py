@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from autoshard import _compat, meta
 from autoshard._compat import tree_flatten, tree_map, tree_unflatten
+from autoshard.ops import free_op
 
 
 def to_nx(graph: fx.Graph) -> nx.DiGraph:
@@ -344,7 +345,6 @@ def insert_free(gm: fx.GraphModule, roots: Iterable[fx.Node], tags_of: Callable)
 
     Roots whose storage escapes through the graph output, or that are placeholders, are left
     alone. Returns the free nodes."""
-    from autoshard.runtime.ops import free_op
 
     pos = positions(gm.graph)
     groups: dict = {}

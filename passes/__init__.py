@@ -65,7 +65,7 @@ class PassContext:
     units: Optional[list] = None  # list[Unit], set by assign_units
     prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
-    split: Any = None  # autoshard.passes.split.SplitProgram, set by split
+    split: Any = None  # autoshard.captured.SplitProgram, set by split
     # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes),
     # the fraction of the sharded state it keeps on the host, that state's bytes
     # (autoshard.spec.model_state_bytes)

@@ -20,6 +20,7 @@ from autoshard.graph import (
     splice,
     storage_roots,
 )
+from autoshard.ops import chunk_op
 
 # the out= form: it reaches the backend's plain all-gather (``_allgather_base``, what FSDP2
 # calls); the allocating form goes through the coalesced all-gather, which in gloo corrupts
@@ -188,7 +189,6 @@ def _insert_chunk(gm, unit: int, new: list, k: int, sub: str) -> fx.Node:
     """hpZ: after the last forward read of the gathered buffer a forward gather made
     (``new``), a copy of this rank's 1/k of it (``autoshard::chunk``) for the backward's
     all-gather within its group of ``k``; the buffer is freed after it as before."""
-    from autoshard.runtime.ops import chunk_op
 
     waited = next(n for n in new if meta.tag(n, meta.COMM) == meta.AG_WAIT)
     pos = positions(gm.graph)

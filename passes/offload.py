@@ -29,6 +29,7 @@ from autoshard.graph import (
     param_derived,
     positions,
 )
+from autoshard.ops import free_op
 
 _TO_COPY = torch.ops.aten._to_copy.default
 HOST = torch.device("cpu")
@@ -131,7 +132,6 @@ def offload_activations_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphMod
     is tagged ``offloaded`` with ``x``'s name. The forward's other values and every value
     computed are as before. Does nothing when no value qualifies or with no backward.
     """
-    from autoshard.runtime.ops import free_op
 
     blocks = options.get("blocks")
     if blocks is not None and not blocks:

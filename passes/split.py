@@ -7,22 +7,7 @@ import dataclasses
 import torch.fx as fx
 
 from autoshard import _compat, meta
-
-
-@dataclasses.dataclass
-class SplitProgram:
-    """Forward: (param shards, buffers, inputs) -> (outputs, mutated buffers, saved).
-    Backward: (saved, tangents, accumulated gradients) -> (gradient shards, input
-    gradients)."""
-
-    fwd: fx.GraphModule
-    bwd: fx.GraphModule | None
-    fwd_roles: list  # role of each forward output before the saved tensors
-    bwd_roles: list  # role of each backward output
-    saved: list  # names of the joint-graph nodes saved across
-    n_tangents: int
-    # backward inputs after the tangents: the FQN of each accumulated gradient (grad_acc)
-    acc_fqns: list = dataclasses.field(default_factory=list)
+from autoshard.captured import SplitProgram
 
 
 def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:

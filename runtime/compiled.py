@@ -10,7 +10,7 @@ as example inputs. Before that, two rewrites make the graph functional, as induc
   ``all_gather_into_tensor`` (inductor allocates the buffer itself), and what else read the
   buffer (the forward returns it for the backward to free) reads the gathered tensor;
 - the concatenation of a unit's gradients for its reduce-scatter becomes ``autoshard::pack``,
-  which inductor leaves as one call (see ``autoshard.runtime.ops``);
+  which inductor leaves as one call (see ``autoshard.ops``);
 - the ``autoshard::free`` nodes go: inductor releases every buffer after its last use, where
   the plan frees it, and the backward takes its inputs boxed, so saved activations and kept
   units still die at their last use.
@@ -33,7 +33,7 @@ import torch.fx as fx
 from autoshard import meta
 from autoshard.errors import AutoshardError
 from autoshard.graph import clone_graph
-from autoshard.runtime.ops import pack_op
+from autoshard.ops import pack_op
 
 _FUNCOL = torch.ops._c10d_functional
 _AG_OUT = _FUNCOL.all_gather_into_tensor_out.default

@@ -58,6 +58,7 @@ from autoshard.runtime.export_load import read_json, read_manifest
 # autoshard.runtime.export's public names (docs/api.md), whichever module holds them
 from autoshard.runtime.export_format import OUTPUT_LIBRARIES, READS  # noqa: F401
 from autoshard.runtime.export_load import Loaded, load  # noqa: F401
+from autoshard.ops import chunk_op
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -195,7 +196,6 @@ def _reshard_groups_of(fwd) -> dict:
     """hpZ (``Config.reshard_after_forward=k``): ``{group name: k}`` of the groups of k ranks
     the graphs' chunks and backward all-gathers name (this rank's own; each rank has its
     own group, so a load maps each name to the loading rank's group of the same k)."""
-    from autoshard.runtime.ops import chunk_op
 
     return {n.args[2]: n.args[1] for n in fwd.graph.nodes
             if n.op == "call_function" and n.target is chunk_op}

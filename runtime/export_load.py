@@ -24,6 +24,7 @@ from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, READS
                                              captured_from_doc, dtype_name, group_names,
                                              module_tensors, respec, skeleton, spec_from_doc,
                                              zero_tensors)
+from autoshard.ops import chunk_op
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -264,7 +265,7 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     """The stored program in ``folder`` on ``st``'s mesh: at the export's mesh shape, device
     type and Config (``same``) its compiled graphs, each collective on the group of its mesh
     dimension here; otherwise its joint graph planned again for this mesh and Config."""
-    from autoshard.passes.split import SplitProgram
+    from autoshard.captured import SplitProgram
     from autoshard.plans import Plan
 
     doc = read_json(os.path.join(folder, "program.json"))
@@ -344,7 +345,6 @@ def _regrouped(gm, regroup: dict, folder: str):
     """``gm`` with each collective's process group replaced by this process's group of the
     same mesh dimension (``regroup``: stored name -> name here; the key None: every one)."""
     from autoshard._compat import OpOverload
-    from autoshard.runtime.ops import chunk_op
 
     for n in gm.graph.nodes:
         t = n.target

@@ -72,7 +72,7 @@ object with one key naming its kind: ``{"node": NAME}`` (another node's value), 
 ``torch``), ``{"slice": [start, stop, step]}``, ``{"ellipsis": true}``.
 
 Ops of other libraries must be registered (their library imported) and their namespace
-allowed (``allow_namespace``) before loading; this module imports ``autoshard.runtime.ops``
+allowed (``allow_namespace``) before loading; this module imports ``autoshard.ops``
 for autoshard's own.
 """
 
@@ -92,7 +92,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError
-import autoshard.runtime.ops  # noqa: F401  (registers autoshard::free, autoshard::grouped_mm)
+import autoshard.ops  # noqa: F401  (registers autoshard::free, autoshard::grouped_mm)
 
 FORMAT = "autoshard-graph"
 VERSION = 1
@@ -236,7 +236,7 @@ def dump_graph(gm: fx.GraphModule) -> tuple[dict, dict]:
 # --- what a graph file may hold --------------------------------------------------------------
 
 # the op namespaces a graph file calls: torch's tensor ops and primitives, autoshard's own
-# (autoshard.runtime.ops) and the functional collectives; each op still passes _refusal
+# (autoshard.ops) and the functional collectives; each op still passes _refusal
 NAMESPACES = ("aten", "prims", "autoshard", "_c10d_functional")
 # namespaces allow_namespace() added: libraries the caller trusts, every op of them admitted
 ALLOWED_NAMESPACES: set = set()

@@ -16,7 +16,7 @@ import torch
 
 from autoshard import _compat
 from autoshard.cost import tensor_bytes
-from autoshard.runtime.ops import free_op
+from autoshard.ops import free_op
 
 _OPS = {
     torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",

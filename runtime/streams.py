@@ -48,7 +48,7 @@ import torch.fx as fx
 
 from autoshard import meta
 from autoshard.graph import alias_base, clone_graph
-from autoshard.runtime.ops import free_op
+from autoshard.ops import free_op
 
 _TO_COPY = torch.ops.aten._to_copy.default
 H2D, D2H = "h2d", "d2h"  # the two copy streams, by direction

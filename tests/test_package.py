@@ -45,7 +45,7 @@ def _run_installed(target, *args, timeout=300):
 
 def test_wheel_installs_autoshard_with_passes_and_runtime(wheel):
     _, target = wheel
-    code = ("import autoshard, autoshard.passes, autoshard.runtime, autoshard.runtime.ops\n"
+    code = ("import autoshard, autoshard.passes, autoshard.runtime, autoshard.ops\n"
             "print(autoshard.__file__); print(autoshard.passes.__file__); "
             "print(autoshard.runtime.__file__)")
     out = _run_installed(target, "-c", code)

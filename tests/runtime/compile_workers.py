@@ -37,7 +37,7 @@ def _held(g) -> dict:
     inputs the code takes and never reads."""
     from autoshard import meta
     from autoshard.runtime.compiled import functional
-    from autoshard.runtime.ops import pack_op
+    from autoshard.ops import pack_op
 
     f = functional(g.gm)
     nodes = list(f.graph.nodes)

@@ -13,7 +13,7 @@ from harness import run_ranks
 
 from autoshard import meta
 from autoshard.runtime import streams
-from autoshard.runtime.ops import free_op
+from autoshard.ops import free_op
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _HOST = torch.device("cpu")

@@ -1,6 +1,6 @@
 """Mixture-of-experts Hugging Face models (Mixtral, Qwen3-MoE, DeepSeek-V3) with transformers'
 default experts implementation, which calls ``aten._grouped_mm``. torch's meta kernel for it
-takes bf16 only; capture maps it to ``autoshard::grouped_mm`` (``runtime/ops.py``), whose fake
+takes bf16 only; capture maps it to ``autoshard::grouped_mm`` (``autoshard/ops.py``), whose fake
 kernel serves every dtype, so these models are captured and trained in fp32 and bf16.
 
 World size 1 (in this process): one step's gradients against eager, parameter by parameter.
@@ -145,7 +145,7 @@ def test_grouped_mm_op_matches_aten():
     aten's output in any floating dtype, for every operand layout (2-D x 3-D is the forward,
     2-D x 2-D the weight gradient)."""
     from autoshard._compat import FakeTensorMode
-    from autoshard.runtime.ops import grouped_mm_op
+    from autoshard.ops import grouped_mm_op
 
     offs = torch.tensor([2, 5, 5, 8], dtype=torch.int32)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

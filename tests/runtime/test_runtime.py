@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autoshard import autoshard, meta
 from autoshard.models import GPT, gpt_loss
-from autoshard.runtime.ops import free_op
+from autoshard.ops import free_op
 
 
 def _pair():

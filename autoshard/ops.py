@@ -88,7 +88,7 @@ chunk_op = torch.ops.autoshard.chunk.default
 # ``aten._grouped_mm`` (the grouped GEMM of mixture-of-experts layers) runs in fp32, fp16 and
 # bf16 in eager, but its fake (meta) kernel accepts bf16 only, so a model that calls it cannot
 # be traced over fake tensors in fp32. Capture maps it to this op (see
-# ``autoshard._compat.capture_decompositions``): the same schema and the same real kernel, with
+# ``capture_decompositions`` below): the same schema and the same real kernel, with
 # a fake kernel that infers the output for any floating dtype. Only the traced graph holds it,
 # below autograd (autograd's formula for ``_grouped_mm`` calls ``_grouped_mm`` again, and that
 # call is mapped too), so it needs no autograd formula of its own.
@@ -186,3 +186,17 @@ def _register_flops() -> None:
 
 
 _register_flops()
+
+
+def capture_decompositions() -> dict:
+    """Ops capture rewrites while tracing (make_fx ``decomposition_table``).
+
+    ``aten._grouped_mm`` (mixture-of-experts grouped GEMM) becomes ``autoshard::grouped_mm``:
+    the same kernel in eager, but with a fake kernel for every floating dtype (torch's meta
+    kernel accepts bf16 only). The table is consulted below autograd, so the ``_grouped_mm``
+    calls of its backward formula are rewritten as well."""
+    table = {}
+    grouped = getattr(torch.ops.aten, "_grouped_mm", None)
+    if grouped is not None and "default" in grouped.overloads():
+        table[grouped.default] = grouped_mm_op
+    return table
