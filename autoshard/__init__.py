@@ -18,24 +18,11 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _
 
 def _version() -> str:
     """The installed distribution's version; in a source checkout that is not installed, the
-    version its pyproject.toml declares."""
-    from importlib.metadata import PackageNotFoundError, version
+    version its pyproject.toml declares (``autoshard.version``)."""
+    return read_version(_root)
 
-    try:
-        return version("autoshard")
-    except PackageNotFoundError:
-        pass
-    import re
 
-    try:
-        with open(_os.path.join(_root, "pyproject.toml")) as fh:
-            text = fh.read()
-    except OSError:
-        return "unknown"
-    project = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
-    found = project and re.search(r'^version\s*=\s*"([^"]+)"', project.group(1), re.M)
-    return found.group(1) if found else "unknown"
-
+from autoshard.version import read_version  # noqa: E402
 
 __version__ = _version()
 

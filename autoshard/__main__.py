@@ -123,7 +123,8 @@ def _export(args) -> int:
     from autoshard.config import Config
     from autoshard.runtime.dist import spawn_ranks
     from autoshard.runtime import commit
-    from autoshard.runtime.export import describe, export_factory
+    from autoshard.factory import export_factory
+    from autoshard.runtime.export import describe
 
     load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
     _world_size(args)

@@ -15,7 +15,8 @@ from autoshard import compiler, state
 from autoshard._compat import tree_flatten
 from autoshard.calls import (CallState, call, call_key, compile_for, install_entry,
                              install_submodule_entries, refuse_accelerate_autocast,
-                             split_inputs, tensor_refs, user_class_name)
+                             split_inputs, tensor_refs)
+from autoshard.guards import user_class_name
 from autoshard.config import Config, offloads
 from autoshard.config_model import check_names
 from autoshard.errors import AutoshardError

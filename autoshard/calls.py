@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from autoshard import _compat, compiler, hooks, state
+from autoshard.guards import user_class_name
 from autoshard._compat import tree_flatten
 from autoshard.capture import flat_inputs
 from autoshard.config import Config
@@ -359,12 +360,6 @@ def install_entry(module, root_st: CallState, name: str, fn) -> None:
     entry._autoshard_entry = True
     module.__dict__[name] = types.MethodType(entry, module)
     root_st.entries.append((module, name))
-
-
-def user_class_name(module) -> str:
-    from autoshard.capture import class_name as _class_name
-
-    return _class_name(module)
 
 
 def reshard_groups(st: CallState) -> dict:

@@ -56,13 +56,6 @@ def _fake_like(fake_mode, t: torch.Tensor, device: torch.device):
     return fake_mode.from_tensor(t)
 
 
-def class_name(mod: torch.nn.Module) -> str:
-    """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
-    mro = guards.user_class(mod).__mro__
-    wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
-    return mro[2].__qualname__ if wrapped else mro[0].__qualname__
-
-
 def _module_names(model: torch.nn.Module) -> dict:
     names = {}
     for name, mod in model.named_modules(remove_duplicate=False):
@@ -85,7 +78,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
     def pre(mod, args):
         name = names.get(id(mod))
         if name is not None:
-            stack.append((name, class_name(mod)))
+            stack.append((name, guards.user_class_name(mod)))
             publish()
 
     def post(mod, args, out):
@@ -96,7 +89,7 @@ def _track_modules(model: torch.nn.Module, stack: list):
 
     h1 = torch.nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = torch.nn.modules.module.register_module_forward_hook(post)
-    stack.append(("", class_name(model)))
+    stack.append(("", guards.user_class_name(model)))
     publish()
     try:
         yield
@@ -365,11 +358,11 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
 def _refuse_outputs(model: torch.nn.Module, rec: dict) -> None:
     """Refuse a forward that reads what the graph cannot follow, or returns what a captured
     step cannot (a function, a class, a module)."""
-    guards.refuse_unfollowable(rec["reads"], class_name(model))
+    guards.refuse_unfollowable(rec["reads"], guards.user_class_name(model))
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
             raise AutoshardError(
-                f"{class_name(model)}.forward returned a {type(leaf).__name__} among its "
+                f"{guards.user_class_name(model)}.forward returned a {type(leaf).__name__} among its "
                 "outputs; a captured step returns tensors, plain Python values and objects "
                 "holding them (a KV cache), not functions, classes or modules."
             )

@@ -17,7 +17,7 @@ import torch
 from autoshard import depth, meta
 from autoshard.capture import capture
 from autoshard.config import offloads
-from autoshard.config_model import reshard_group_size, reshard_group_sizes
+from autoshard.config import reshard_group_size, reshard_group_sizes
 from autoshard.cost import device_profile
 from autoshard.errors import AutoshardError
 from autoshard.passes import PassContext, plan_step_pass, run_passes
@@ -89,7 +89,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
 
 def reshard_sizes(config, mesh_shape, device) -> tuple:
     """The hpZ group sizes a plan of ``config`` may use on a mesh of ``mesh_shape``
-    (``autoshard.config_model.reshard_group_sizes``; "search" under strategy "auto"), for the
+    (``autoshard.config.reshard_group_sizes``; "search" under strategy "auto"), for the
     runtime to make their groups before planning (``runtime.dist.reshard_groups``)."""
     if config.strategy not in ("zero3", "auto"):
         return ()

@@ -555,3 +555,31 @@ def _units(units) -> list:
     return tuple(out)  # tuples: a frozen Config holds nothing that changes in place
 
 
+def reshard_group_size(setting, shard_size: int):
+    """``Config.reshard_after_forward`` on a shard dimension of ``shard_size`` ranks: an int
+    ``k`` becomes ``True`` (k = 1), ``False`` (k = the shard size) or stays ``k``; other
+    settings are returned as they are. ``ValueError`` naming the value and the shard size
+    when ``k`` does not divide it."""
+    if isinstance(setting, bool) or not isinstance(setting, int):
+        return setting
+    if setting < 1 or shard_size % setting:
+        divisors = [d for d in range(1, shard_size + 1) if shard_size % d == 0]
+        raise ValueError(
+            f"Config.reshard_after_forward={setting} must divide the shard dimension's size "
+            f"{shard_size} (hpZ groups of k consecutive ranks of it); accepted: "
+            f"{', '.join(map(str, divisors))}, True, False, 'auto' or 'search'")
+    return True if setting == 1 else False if setting == shard_size else setting
+
+
+def reshard_group_sizes(setting, shard_size: int, ranks_per_node: int = 0) -> tuple:
+    """The hpZ group sizes a plan under ``setting`` may use on a shard dimension of
+    ``shard_size`` ranks: an int's own (if neither 1 nor the shard size); for "search",
+    every divisor ``k`` with ``1 < k < shard_size`` (and ``k <= ranks_per_node`` when that
+    is known, so the backward all-gather stays within a node); none otherwise."""
+    k = reshard_group_size(setting, shard_size)
+    if not isinstance(k, bool) and isinstance(k, int):
+        return (k,)
+    if setting != "search":
+        return ()
+    return tuple(d for d in range(2, shard_size) if shard_size % d == 0
+                 and (ranks_per_node <= 0 or d <= ranks_per_node))

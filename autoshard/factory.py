@@ -20,3 +20,20 @@ def load_factory(spec: str):
         return getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load {spec}: {e}") from e
+
+
+def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
+    """One rank of ``python -m autoshard export``: build the factory's model (the same seed
+    on every rank), shard it, compile it for the factory's inputs, export."""
+    import torch
+
+    from autoshard.api import autoshard
+    from autoshard.check import default_inputs
+
+    factory = load_factory(spec)
+    torch.manual_seed(0)
+    model = factory()
+    torch.manual_seed(1 + rank)
+    inputs = default_inputs(model, factory, opts["batch"], opts["seq"])
+    sharded = autoshard(model, config=opts["config"], example_inputs=inputs)
+    sharded.export(opts["out"], inference=opts["inference"])

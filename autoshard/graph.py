@@ -6,6 +6,7 @@ mapped back in original node order so that every rank makes the same decisions.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -417,3 +418,38 @@ def copy_into_backward(gm: fx.GraphModule, nodes: Sequence) -> dict:
             if meta.is_backward(u) and u not in made:
                 u.replace_input_with(n, c)
     return copies
+
+
+@dataclasses.dataclass
+class Partition:
+    """The joint graph's nodes as the split runs them: ``fwd`` and ``bwd`` (in joint order,
+    placeholders included, the output node not), ``saved`` (forward nodes a backward node
+    reads, in joint order), the output ``values`` and their ``roles``, and which of them the
+    forward returns (``fwd_idx``: user outputs and mutated buffers) and the backward
+    (``bwd_idx``)."""
+
+    fwd: list
+    bwd: list
+    saved: list
+    values: list
+    roles: list
+    fwd_idx: list
+    bwd_idx: list
+
+    def fwd_outputs(self) -> list:
+        return [self.values[i] for i in self.fwd_idx] + self.saved
+
+    def bwd_outputs(self) -> list:
+        return [self.values[i] for i in self.bwd_idx]
+
+
+def partition(gm: fx.GraphModule) -> Partition:
+    out = meta.output_node(gm)
+    roles = meta.tags(out)[meta.OUTPUTS]
+    fwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_forward(n)]
+    bwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_backward(n)]
+    bwd_set = set(bwd)
+    fwd_idx = [i for i, r in enumerate(roles) if r[meta.ROLE] in (meta.OUT_FWD, meta.OUT_BUFFER)]
+    return Partition(fwd, bwd, [n for n in fwd if any(u in bwd_set for u in n.users)],
+                     list(out.args[0]), roles, fwd_idx,
+                     [i for i in range(len(roles)) if i not in set(fwd_idx)])

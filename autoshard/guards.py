@@ -345,6 +345,13 @@ def recording(model: torch.nn.Module):
             m.__class__ = cls
 
 
+def user_class_name(mod: torch.nn.Module) -> str:
+    """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
+    mro = user_class(mod).__mro__
+    wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
+    return mro[2].__qualname__ if wrapped else mro[0].__qualname__
+
+
 def _random_states() -> dict:
     import random
 

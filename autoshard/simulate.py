@@ -283,7 +283,7 @@ def simulate_joint(joint: fx.GraphModule, profile: DeviceProfile, static_bytes: 
     """``simulate`` of the program ``autoshard.passes.split`` would make of ``joint``, without
     making it (the same prediction: the same nodes in the same order with the same saved
     values)."""
-    from autoshard.passes.split import partition
+    from autoshard.graph import partition
 
     part = partition(joint)
     n_user = sum(part.roles[i][meta.ROLE] == meta.OUT_FWD for i in part.fwd_idx)

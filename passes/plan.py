@@ -79,7 +79,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from autoshard.config_model import reshard_group_size
+from autoshard.config import reshard_group_size
 from autoshard.plans import fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,

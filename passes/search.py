@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from autoshard.config_model import reshard_group_sizes
+from autoshard.config import reshard_group_sizes
 from autoshard.graph import clone_graph
 from autoshard.plans import fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH

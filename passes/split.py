@@ -8,47 +8,13 @@ import torch.fx as fx
 
 from autoshard import _compat, meta
 from autoshard.captured import SplitProgram
+from autoshard.graph import partition
 
 
 def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:
     for n in nodes:
         new = _compat.node_copy(graph, n, lambda a: env[a], meta=n.meta)
         env[n] = new
-
-
-@dataclasses.dataclass
-class Partition:
-    """The joint graph's nodes as the split runs them: ``fwd`` and ``bwd`` (in joint order,
-    placeholders included, the output node not), ``saved`` (forward nodes a backward node
-    reads, in joint order), the output ``values`` and their ``roles``, and which of them the
-    forward returns (``fwd_idx``: user outputs and mutated buffers) and the backward
-    (``bwd_idx``)."""
-
-    fwd: list
-    bwd: list
-    saved: list
-    values: list
-    roles: list
-    fwd_idx: list
-    bwd_idx: list
-
-    def fwd_outputs(self) -> list:
-        return [self.values[i] for i in self.fwd_idx] + self.saved
-
-    def bwd_outputs(self) -> list:
-        return [self.values[i] for i in self.bwd_idx]
-
-
-def partition(gm: fx.GraphModule) -> Partition:
-    out = meta.output_node(gm)
-    roles = meta.tags(out)[meta.OUTPUTS]
-    fwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_forward(n)]
-    bwd = [n for n in gm.graph.nodes if n.op != "output" and meta.is_backward(n)]
-    bwd_set = set(bwd)
-    fwd_idx = [i for i, r in enumerate(roles) if r[meta.ROLE] in (meta.OUT_FWD, meta.OUT_BUFFER)]
-    return Partition(fwd, bwd, [n for n in fwd if any(u in bwd_set for u in n.users)],
-                     list(out.args[0]), roles, fwd_idx,
-                     [i for i in range(len(roles)) if i not in set(fwd_idx)])
 
 
 def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:

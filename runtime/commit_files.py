@@ -14,6 +14,7 @@ from typing import Optional
 
 from autoshard.errors import AutoshardError
 from autoshard.runtime.commit_ranks import exchange
+from autoshard.version import VERSION
 
 
 def fsync_dir(path: str) -> None:
@@ -140,9 +141,7 @@ def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> 
 
 def version() -> str:
     """This autoshard's version (``autoshard.__version__``)."""
-    import autoshard
-
-    return autoshard.__version__
+    return VERSION
 
 
 def check_format(doc: dict, where: str, fmt: str, reads: tuple, what: str) -> None:

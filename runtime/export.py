@@ -48,7 +48,7 @@ import torch
 from autoshard._compat import pytree
 
 from autoshard import meta, progress
-from autoshard.capture import class_name
+from autoshard.guards import user_class_name
 from autoshard.captured import TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, graphio
@@ -164,7 +164,7 @@ def export(model, path, *, inference: bool = True) -> None:
             "format": FORMAT, "version": VERSION, "torch": torch.__version__,
             "autoshard": commit_files.version(), "world_size": mesh.size(),
             "mesh_shape": list(mesh.shape),
-            "device": device.type, "model": class_name(model),
+            "device": device.type, "model": user_class_name(model),
             "programs": [dict(e, dir=f"{data}/{e['dir']}") for e in entries],
             "files": {f"{data}/{rel}": e for rel, e in files.items()}}
         manifest["hash"] = _content_hash(manifest["files"])
@@ -288,19 +288,3 @@ def describe(path, *, verify: bool = True) -> str:
 def _mesh_text(manifest: dict) -> str:
     shape = manifest["mesh_shape"]
     return f" ({' x '.join(map(str, shape))} mesh)" if len(shape) > 1 else ""
-
-
-def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
-    """One rank of ``python -m autoshard export``: build the factory's model (the same seed
-    on every rank), shard it, compile it for the factory's inputs, export."""
-    from autoshard.factory import load_factory
-    from autoshard.api import autoshard
-    from autoshard.check import default_inputs
-
-    factory = load_factory(spec)
-    torch.manual_seed(0)
-    model = factory()
-    torch.manual_seed(1 + rank)
-    inputs = default_inputs(model, factory, opts["batch"], opts["seq"])
-    sharded = autoshard(model, config=opts["config"], example_inputs=inputs)
-    sharded.export(opts["out"], inference=opts["inference"])

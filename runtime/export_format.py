@@ -17,7 +17,7 @@ import torch
 
 from autoshard._compat import pytree
 
-from autoshard.capture import class_name
+from autoshard.guards import user_class_name
 from autoshard.captured import TENSOR, Captured
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
@@ -189,7 +189,7 @@ def module_tree_doc(model: torch.nn.Module, config: Config) -> dict:
     modules = []
     for path, mod in model.named_modules(remove_duplicate=False):
         same = first.setdefault(id(mod), path)
-        modules.append({"path": path, "class": class_name(mod), "same_as": same if same != path
+        modules.append({"path": path, "class": user_class_name(mod), "same_as": same if same != path
                         else None, "container": type(mod).__name__
                         if type(mod) in _CONTAINERS.values() else None})
     params = []
@@ -206,7 +206,7 @@ def module_tree_doc(model: torch.nn.Module, config: Config) -> dict:
                         "persistent": name not in model.get_submodule(mod_path)
                         ._non_persistent_buffers_set,
                         "same_as": same if same != fqn else None})
-    return {"class": class_name(model), "modules": modules, "params": params,
+    return {"class": user_class_name(model), "modules": modules, "params": params,
             "buffers": buffers, "config": config.to_dict()}
 
 
