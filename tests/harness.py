@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rankpool import RankPool
+
 
 def _entry(rank, world, fn, payload, tmp, port):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -40,9 +42,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False) -> list:
+def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False,
+              fresh: bool = False) -> list:
     """``fn(rank, world, payload)`` on ``world`` processes; returns each rank's result.
-    With ``torchrun_env`` the ranks get torchrun's variables instead of a process group."""
+
+    By default the ranks are the session's pooled processes for ``world`` (see ``RankPool``),
+    each call in a process group of its own. ``fresh``: newly spawned processes instead, for a
+    call that kills a rank, breaks or replaces its group, or patches a module it does not
+    restore. With ``torchrun_env`` (always fresh) the ranks get torchrun's variables instead
+    of a process group."""
+    if not (fresh or torchrun_env or os.environ.get("AUTOSHARD_TEST_SPAWN")):
+        return RankPool.get(world).run(fn, payload)
     port = _free_port() if torchrun_env else None
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_entry, args=(world, fn, payload, tmp, port), nprocs=world, join=True)
