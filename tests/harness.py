@@ -103,8 +103,8 @@ def outcome(fn) -> str:
 @dataclass(frozen=True)
 class Recipe:
     """What a test trains: ``build()`` the model (seeded: the same values on every call),
-    ``data(step)`` that step's global batch ``(x, y)`` (each rank its rows of it),
-    ``loss(model, x, y)`` on a share of it, ``steps`` optimizer steps of
+    ``data(step)`` that step's global batch, a tuple of tensors (each rank its rows of
+    each), ``loss(model, *share)`` on a share of it, ``steps`` optimizer steps of
     ``optimizer(params)``, each over ``accumulate`` micro-batches per rank; ``seed(step,
     rank)``, if given, runs before each share's forward (the same dropout masks in eager
     and sharded). ``divide(step)``: what the gradients summed over the ranks are divided by
@@ -112,7 +112,7 @@ class Recipe:
 
     build: Callable[[], Any]
     data: Callable[[int], tuple]
-    loss: Callable[[Any, Any, Any], torch.Tensor]
+    loss: Callable[..., torch.Tensor]
     steps: int
     optimizer: Callable[[Any], torch.optim.Optimizer]
     accumulate: int = 1
@@ -121,14 +121,14 @@ class Recipe:
 
 
 def train(model, recipe: Recipe, rank: int = 0, world: int = 1, *, eager: bool = False,
-          before_step=None, after_backward=None) -> list:
+          local: bool = False, before_step=None, after_backward=None) -> list:
     """Train ``model`` by ``recipe``; each step's loss of the global batch.
 
     Sharded (the default): this rank's share of each batch, all micro-batches but the last
     without gradient sync; the loss averaged over the ranks. ``eager``: the reference in one
     process, every rank's share in turn, each loss divided by the world size (or by
     ``recipe.divide``), so that the summed gradients are the ranks' mean, what data-parallel
-    training computes.
+    training computes. ``local``: each rank's own loss (no collective).
     ``before_step(step, model)`` runs before a step's forwards (a setting switched mid-run),
     ``after_backward(step, i, model)`` after each backward, the ``i``-th of the step in this
     process (the last one runs before the optimizer step: gradients to read or clip)."""
@@ -140,16 +140,16 @@ def train(model, recipe: Recipe, rank: int = 0, world: int = 1, *, eager: bool =
         scale = divide * k if eager else k
         if before_step is not None:
             before_step(step, model)
-        x, y = recipe.data(step)
+        batch = recipe.data(step)
         total, i = 0.0, 0
         for r in range(world) if eager else [rank]:
-            shares = zip(x.chunk(world)[r].chunk(k), y.chunk(world)[r].chunk(k))
-            for micro, (xm, ym) in enumerate(shares):
+            shares = zip(*(t.chunk(world)[r].chunk(k) for t in batch))
+            for micro, share in enumerate(shares):
                 if k > 1 and not eager:
                     model.set_requires_gradient_sync(micro == k - 1)
                 if recipe.seed is not None:
                     recipe.seed(step, r)
-                loss = recipe.loss(model, xm, ym)
+                loss = recipe.loss(model, *share)
                 loss = loss / scale if scale != 1 else loss
                 loss.backward()
                 total += loss.item()
@@ -158,7 +158,7 @@ def train(model, recipe: Recipe, rank: int = 0, world: int = 1, *, eager: bool =
                 i += 1
         opt.step()
         opt.zero_grad()
-        losses.append(total if eager else mean_over_ranks(total, divide))
+        losses.append(total if eager or local else mean_over_ranks(total, divide))
     return losses
 
 

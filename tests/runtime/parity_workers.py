@@ -22,11 +22,11 @@ def batches(name, step):
     return CASES[name][1](gen, BATCH)
 
 
-def recipe(name, steps=STEPS, accumulate=1) -> Recipe:
+def recipe(name, steps=STEPS, accumulate=1, lr=LR) -> Recipe:
     """Model ``name`` of tests/models.py trained with AdamW on its batches of 8."""
     return Recipe(build=lambda: build(name), data=lambda step: batches(name, step),
                   loss=lambda model, x, y: CASES[name][3](call(name, model, x), y),
-                  steps=steps, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+                  steps=steps, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr),
                   accumulate=accumulate)
 
 
