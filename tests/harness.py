@@ -51,9 +51,9 @@ def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False,
 
     By default the ranks are the session's pooled processes for ``world`` (see ``RankPool``),
     each call in a process group of its own. ``fresh``: newly spawned processes instead, for a
-    call that kills a rank, breaks or replaces its group, or patches a module it does not
-    restore. With ``torchrun_env`` (always fresh) the ranks get torchrun's variables instead
-    of a process group."""
+    call that kills a rank, breaks or replaces its group, or needs a process that ran nothing
+    before (a load of an export whose module is gone, a resume). With ``torchrun_env``
+    (always fresh) the ranks get torchrun's variables instead of a process group."""
     if not (fresh or torchrun_env or os.environ.get("AUTOSHARD_TEST_SPAWN")):
         return RankPool.get(world).run(fn, payload)
     port = _free_port() if torchrun_env else None

@@ -17,9 +17,11 @@ Before each call every rank resets what an earlier call could have left in the p
 - autoshard's process-wide state (its trace cache, the optimizer-hook and progress switches,
   the warned-about paths) is emptied, and torch.compile's caches are reset.
 
-Calls that kill a rank, break or replace their group, or patch modules without restoring them
-ask ``run_ranks`` for fresh processes instead. A rank that raises ends its pool: the other
-ranks may wait in a collective, so all are killed and the next call starts a new pool.
+Calls that kill a rank, break or replace their group, or whose point is a new process (an
+export loaded where its module was never imported, a resume from a checkpoint alone) ask
+``run_ranks`` for fresh processes instead. A rank that raises ends its pool: the other ranks
+may wait in a collective, so all are killed and the next call starts a new pool; a patch a
+call leaves behind when it raises goes with it.
 """
 
 from __future__ import annotations
