@@ -27,3 +27,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the pooled rank processes (tests/rankpool.py) the session started."""
+    from rankpool import RankPool
+
+    RankPool.close_all()

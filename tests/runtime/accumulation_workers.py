@@ -5,7 +5,11 @@ sync or with it.
 
 Each run starts from what a new process holds: autoshard's trace cache
 (``autoshard.graph._TRACES``, the only process-wide state a compile reads) is emptied
-first, so no earlier run of the same process decides how the next one compiles."""
+first, so no earlier run of the same process decides how the next one compiles.
+
+Not ``harness.train``: the loop under test is nanoGPT's own (the micro-batch count changes
+from step to step, the losses are summed rather than averaged, the reduced gradients are read
+after clipping), and the mixed precision reference trains a bfloat16 copy per rank."""
 
 from __future__ import annotations
 

@@ -54,7 +54,8 @@ def _held(g) -> dict:
 
 
 def cuda_worker(rank, world, name):
-    """One NCCL rank on a GPU: compiled and uncompiled steps from the same init and data."""
+    """One NCCL rank on a GPU: compiled and uncompiled steps from the same init and data
+    (each rank's own losses, on the device; ``harness.train`` runs on the host's batches)."""
     torch.cuda.set_device(0)
     losses = {}
     for compiled in (False, True):

@@ -5,10 +5,11 @@ and under FSDP2, and the unsharded eager reference."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import Config, autoshard
+import harness
+from harness import Recipe
 from models import build
 from parity_workers import _blocks, batches
 
@@ -27,41 +28,28 @@ def sum_loss(logits, y):
 DIVIDE = {"setter": [2, 1, 1, 1], "forced": [2, 2, 2, 2], "config": [1, 1, 1, 1]}
 
 
+def recipe(divide) -> Recipe:
+    """The GPT trained with SGD on its summed loss, the gradients summed over the ranks
+    divided by ``divide[step]`` (and the loss reported with them)."""
+    return Recipe(build=lambda: build("gpt"), data=lambda step: batches("gpt", step),
+                  loss=lambda model, x, y: sum_loss(model(x), y), steps=STEPS,
+                  optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+                  divide=lambda step: divide[step])
+
+
 def reference(divide, world=2):
-    """Unsharded eager SGD in one process: each step the summed gradients of the ranks'
-    batches, divided by ``divide[step]``."""
-    model = build("gpt")
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batches("gpt", step)
-        total = 0.0
-        for xr, yr in zip(x.chunk(world), y.chunk(world)):
-            loss = sum_loss(model(xr), yr)
-            (loss / divide[step]).backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Unsharded eager SGD in one process (``harness.reference``): each step the summed
+    gradients of the ranks' batches, divided by ``divide[step]``."""
+    return harness.reference(recipe(divide), world)
 
 
-def _train(model, rank, world, switch=None):
+def _train(model, rank, world, divide, switch=None):
     """SGD on this rank's rows of each batch; ``switch(model)`` runs after the first step."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
+    def before_step(step, model):
         if step == 1 and switch is not None:
             switch(model)
-        x, y = batches("gpt", step)
-        loss = sum_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([loss.item()])
-        dist.all_reduce(t)
-        losses.append(t.item())
-    return losses
+
+    return harness.train(model, recipe(divide), rank, world, before_step=before_step)
 
 
 def _fsdp2_sum(model):
@@ -89,7 +77,7 @@ def divide_worker(rank, world, _=None):
     }
     for run, (config, switch) in runs.items():
         sharded = autoshard(build("gpt"), config=config)
-        losses = _train(sharded, rank, world, switch)
+        losses = _train(sharded, rank, world, DIVIDE[run], switch)
         full = sharded.full_state_dict()
         plan = sharded.plan
         out[run] = {"losses": losses, "params": full if rank == 0 else None,
@@ -100,7 +88,7 @@ def divide_worker(rank, world, _=None):
     for blk in _blocks(model):
         fully_shard(blk)
     fully_shard(model)
-    losses = _train(model, rank, world, _fsdp2_sum)
+    losses = _train(model, rank, world, DIVIDE["setter"], _fsdp2_sum)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     out["fsdp2"] = {"losses": losses, "params": full if rank == 0 else None}
     return out

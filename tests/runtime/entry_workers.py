@@ -8,6 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard import autoshard
+import harness
+from harness import Recipe
 
 STEPS = 3
 
@@ -44,27 +46,26 @@ def chunked_loss(model, x, y, chunk=4):
 
 
 def data(step, batch=4, seq=8):
+    """Step ``step``'s tokens, targets, and hidden states for the block called alone."""
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 32, (batch, seq), generator=g), \
+    x, y = torch.randint(0, 32, (batch, seq), generator=g), \
         torch.randint(0, 32, (batch, seq), generator=g)
+    return x, y, torch.randn(batch, 3, 16, generator=torch.Generator().manual_seed(step))
 
 
-def train(model, rank, world, steps=STEPS):
+def _loss(model, x, y, h):
+    return chunked_loss(model, x, y) + model.blocks[1](h).square().mean() \
+        + model.encode(x).square().mean()
+
+
+RECIPE = Recipe(build=Trunk, data=data, loss=_loss, steps=STEPS,
+                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+
+
+def train(model, rank, world):
     """The chunked loss, a block called alone and the registered method, each in the loss,
-    over this rank's share of the batch; returns the losses and the full parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(steps):
-        x, y = data(step)
-        h = torch.randn(x.shape[0], 3, 16, generator=torch.Generator().manual_seed(step))
-        x, y, h = x.chunk(world)[rank], y.chunk(world)[rank], h.chunk(world)[rank]
-        loss = chunked_loss(model, x, y) + model.blocks[1](h).square().mean() \
-            + model.encode(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    over this rank's share of the batch (``harness.train``); returns this rank's losses."""
+    return harness.train(model, RECIPE, rank, world, local=True)
 
 
 def entry_worker(rank, world, _):

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoshard
 from autoshard import Config
 from autoshard.models import GPT, gpt_loss
+from harness import Recipe, train
 
 # case -> (Config.strategy, mesh shape at export)
 CASES = {"zero1": ("zero1", (4,)), "ddp": ("ddp", (4,)), "auto": ("auto", (4,)),
@@ -31,12 +32,28 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
+def _batch(step):
+    """The global batch of ``step``: tokens and their next tokens."""
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
 def _data(step, world, rank):
     """Rank ``rank``'s rows of the global batch of ``step`` (every rank its own rows, as
     on a 1-D mesh, also on a 2-D one: HSDP is data parallel over all ranks)."""
-    g = torch.Generator().manual_seed(200 + step)
-    x = torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
-    return x.chunk(world)[rank], torch.roll(x, -1, 1).chunk(world)[rank]
+    return tuple(t.chunk(world)[rank] for t in _batch(step))
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(vocab=VOCAB, layers=2)
+
+
+# one SGD step on the first batch, as each case trains before it is exported
+RECIPE = Recipe(build=_gpt, data=_batch,
+                loss=lambda model, x, y: gpt_loss(model(x), y), steps=1,
+                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
 
 
 def _gathered(t, world):
@@ -69,15 +86,10 @@ def export_cases(rank, world, root):
     size 2 too, exported."""
     out = {}
     for name, (strategy, shape) in CASES.items():
-        torch.manual_seed(0)
-        model = autoshard.autoshard(GPT(vocab=VOCAB, layers=2), mesh=_mesh(shape),
+        model = autoshard.autoshard(_gpt(), mesh=_mesh(shape),
                                     config=Config(strategy=strategy,
                                                   **OPTIONS.get(name, {})))
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        x, y = _data(0, world, rank)
-        gpt_loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        train(model, RECIPE, rank, world, local=True)
         out[name] = probe(model, rank, world)
         model.precompile(torch.zeros(GLOBAL // 2, SEQ, dtype=torch.long))
         model.export(os.path.join(root, name))

@@ -182,7 +182,8 @@ def _same_as_eager(rank, world, xs, models=1):
     """``models`` sharded models trained interleaved (each forward, then one backward of
     their summed losses, then each optimizer) on this rank's ``xs[step][rank]``, and eager
     copies on the whole batch: each rank's losses, and whether gradients and parameters equal
-    eager's (NaN where eager's are NaN)."""
+    eager's (NaN where eager's are NaN). Not ``harness.train``: several models step together
+    from one backward of their summed losses, which is the case under test."""
     eager, sharded = [], []
     for k in range(models):
         torch.manual_seed(k)

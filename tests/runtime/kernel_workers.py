@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import autoshard
 from autoshard import Config
-from harness import train_step
+import harness
+from harness import Recipe
 from models import Recurrent, TinyNorm
 
 STEPS = 4
@@ -45,35 +46,25 @@ def _seed(step, rank):
     torch.manual_seed(1000 * step + rank)  # the same dropout masks in eager and sharded
 
 
+def recipe(name) -> Recipe:
+    """Model ``name`` trained with AdamW on the mean squared error, dropout seeded per step
+    and rank."""
+    return Recipe(build=lambda: build(name), data=lambda step: batch(name, step),
+                  loss=lambda model, x, y: F.mse_loss(model(x), y), steps=STEPS,
+                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR), seed=_seed)
+
+
 def reference(name, world):
-    """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
-    averaged over ranks, then AdamW."""
-    model = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(name, step)
-        total = 0.0
-        for rank, (xr, yr) in enumerate(zip(x.chunk(world), y.chunk(world))):
-            _seed(step, rank)
-            loss = F.mse_loss(model(xr), yr) / world
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    """Unsharded eager training in one process (``harness.reference``): each rank's
+    micro-batch in turn, gradients averaged over ranks, then AdamW; the losses and the
+    parameters."""
+    losses, state = harness.reference(recipe(name), world)
+    params = {k for k, _ in build(name).named_parameters()}
+    return losses, {k: v for k, v in state.items() if k in params}
 
 
 def _train(model, name, rank, world):
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(name, step)
-        _seed(step, rank)
-        loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
-        losses.append(train_step(loss, opt, world))
-    return losses
+    return harness.train(model, recipe(name), rank, world)
 
 
 def _full_params(model):

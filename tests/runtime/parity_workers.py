@@ -8,7 +8,8 @@ import copy
 import torch
 
 from autoshard import Config, Offload, autoshard
-from harness import train_step
+import harness
+from harness import Recipe
 from models import CASES, build, call
 
 STEPS = 10
@@ -21,45 +22,42 @@ def batches(name, step):
     return CASES[name][1](gen, BATCH)
 
 
+def recipe(name, steps=STEPS, accumulate=1, lr=LR) -> Recipe:
+    """Model ``name`` of tests/models.py trained with AdamW on its batches of 8."""
+    return Recipe(build=lambda: build(name), data=lambda step: batches(name, step),
+                  loss=lambda model, x, y: CASES[name][3](call(name, model, x), y),
+                  steps=steps, optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr),
+                  accumulate=accumulate)
+
+
 def reference(name, world, steps=STEPS, accumulate=1):
-    """Unsharded eager training in one process: each rank's micro-batch in turn, gradients
-    averaged over ranks (what data-parallel training computes), then AdamW; ``accumulate``:
-    each rank's batch in that many micro-batches, their losses averaged."""
-    model = build(name)
-    loss_fn = CASES[name][3]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        x, y = batches(name, step)
-        total = 0.0
-        for xr, yr in zip(x.chunk(world), y.chunk(world)):
-            for xm, ym in zip(xr.chunk(accumulate), yr.chunk(accumulate)):
-                loss = loss_fn(call(name, model, xm), ym) / (world * accumulate)
-                loss.backward()
-                total += loss.item()
-        losses.append(total)
-        opt.step()
-        opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """Unsharded eager training in one process (``harness.reference``): each rank's
+    micro-batch in turn, gradients averaged over ranks (what data-parallel training
+    computes), then AdamW; ``accumulate``: each rank's batch in that many micro-batches,
+    their losses averaged."""
+    return harness.reference(recipe(name, steps, accumulate), world)
 
 
 def _train(model, name, rank, world, replica=None):
-    loss_fn = CASES[name][3]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, buf_diff = [], 0.0
-    for step in range(STEPS):
-        x, y = batches(name, step)
-        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
-        if replica is not None:  # eager on this rank's data, from the same state
-            full = model.full_state_dict()
-            replica.load_state_dict(full)
-            call(name, replica, xr)
-        losses.append(train_step(loss_fn(call(name, model, xr), yr), opt, world))
-        if replica is not None:
-            mine, ref = dict(model.named_buffers()), dict(replica.named_buffers())
-            buf_diff = max([buf_diff] + [(mine[k].float() - ref[k].float()).abs().max().item()
-                                         for k in ref])
-    return losses, buf_diff
+    """``model`` trained on this rank by ``recipe(name)``: its losses and, with an eager
+    ``replica`` given the model's values and run on the rank's data before each step, the
+    largest difference of their buffers (BatchNorm statistics a forward updates)."""
+    buf_diff = [0.0]
+
+    def replica_forward(step, model):
+        full = model.full_state_dict()
+        replica.load_state_dict(full)
+        call(name, replica, batches(name, step)[0].chunk(world)[rank])
+
+    def compare_buffers(step, i, model):
+        mine, ref = dict(model.named_buffers()), dict(replica.named_buffers())
+        buf_diff[0] = max([buf_diff[0]] + [(mine[k].float() - ref[k].float()).abs().max().item()
+                                           for k in ref])
+
+    hooks = {} if replica is None else {"before_step": replica_forward,
+                                        "after_backward": compare_buffers}
+    losses = harness.train(model, recipe(name), rank, world, **hooks)
+    return losses, buf_diff[0]
 
 
 # the GPT also with the "auto" unit policy and with the planner's resharding choice (which
@@ -190,12 +188,6 @@ def fsdp2_worker(rank, world, name, mp=False, mesh=None, reshard=None, steps=STE
                     **({"mp_policy": mp_policy(root=False)} if mp else {}))
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard,
                 **({"mp_policy": mp_policy()} if mp else {}))
-    loss_fn = CASES[name][3]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        x, y = batches(name, step)
-        loss = loss_fn(call(name, model, x.chunk(world)[rank]), y.chunk(world)[rank])
-        losses.append(train_step(loss, opt, world))
+    losses = harness.train(model, recipe(name, steps), rank, world)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return {"losses": losses, "params": full if rank == 0 else None}

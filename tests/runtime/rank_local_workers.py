@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from harness import eager_and_sharded, train_step
+from harness import Recipe, eager_and_sharded, train
 
 STEPS = 4
 
@@ -26,28 +26,42 @@ class Tagged(nn.Module):
         return self.b(h) if self.tags else -self.b(h)
 
 
+def _batch(step, world):
+    """Step ``step``'s global batch: each rank's rows the ``step + 1``-th draw of a generator
+    seeded with the rank."""
+    rows = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        for _ in range(step + 1):
+            x = torch.randn(4, 8, generator=g)
+        rows.append(x)
+    return (torch.cat(rows),)
+
+
 def rank_local_worker(rank, world, change: str):
     """``change``: "tags" (rank 0 appends to the list after step 2: nothing computed
-    changes) or "power" (rank 0 sets 2: its forward computes another function)."""
+    changes) or "power" (rank 0 sets 2: its forward computes another function). The eager
+    twin trains on the rank's data too, its gradients averaged over the ranks (as DDP does):
+    with a rank-local change, one process cannot run every rank's step."""
     ref, sharded = eager_and_sharded(Tagged)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, sharded)]
-    g = torch.Generator().manual_seed(rank)
-    losses = []
-    for step in range(STEPS):
+    recipe = Recipe(build=Tagged, data=lambda step: _batch(step, world),
+                    loss=lambda model, x: model(x).square().mean(), steps=STEPS,
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+    def on_rank0(step, model):
         if step == 2 and rank == 0:
-            for m in (ref, sharded):
-                if change == "tags":
-                    m.tags.append("saved")
-                else:
-                    m.power = 2
-        x = torch.randn(4, 8, generator=g)
-        losses.append(train_step(sharded(x).square().mean(), opts[1], world))
-        ref(x).square().mean().backward()
-        for p in ref.parameters():  # the gradients averaged over the ranks, as DDP does
+            if change == "tags":
+                model.tags.append("saved")
+            else:
+                model.power = 2
+
+    def averaged(step, i, model):
+        for p in model.parameters():
             torch.distributed.all_reduce(p.grad)
             p.grad /= world
-        opts[0].step()
-        opts[0].zero_grad()
+
+    losses = train(sharded, recipe, rank, world, before_step=on_rank0)
+    train(ref, recipe, rank, world, local=True, before_step=on_rank0, after_backward=averaged)
     full = sharded.full_state_dict()
     return {"losses": losses, "diff": max((full[k] - v).abs().max().item()
                                           for k, v in ref.state_dict().items())}

@@ -11,37 +11,27 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import Config, autoshard
-from models import CASES, build, call
-from parity_workers import LR, STEPS, batches, fsdp2_worker
+from harness import train
+from models import build, call
+from parity_workers import STEPS, batches, fsdp2_worker, recipe
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "auto")
 NAMES = ("gpt", "odd", "hf_llama")
 ACCUMULATE = 2  # micro-batches per optimizer step in the accumulation runs
 
 
-def _train(model, name, rank, world, steps=STEPS, accumulate=1, shard_rank=None):
-    """``accumulate`` micro-batches per step, all but the last without gradient sync.
-    ``shard_rank``: the rank's data index (its flat rank)."""
-    loss_fn = CASES[name][3]
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, plans = [], []
-    for step in range(steps):
-        x, y = batches(name, step)
-        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
-        total = 0.0
-        for j, (xm, ym) in enumerate(zip(xr.chunk(accumulate), yr.chunk(accumulate))):
-            if accumulate > 1:
-                model.set_requires_gradient_sync(j == accumulate - 1)
-            loss = loss_fn(call(name, model, xm), ym) / accumulate
-            loss.backward()
-            total += loss.item()
-            if step == 0 and hasattr(model, "plan"):
-                plans.append(model.plan)
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([total])
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+def _train(model, name, rank, world, steps=STEPS, accumulate=1):
+    """``parity_workers.recipe(name)`` on this rank, ``accumulate`` micro-batches per step,
+    all but the last without gradient sync: the losses, and the plan of each micro-batch of
+    the first step."""
+    plans = []
+
+    def first_plans(step, i, model):
+        if step == 0 and hasattr(model, "plan"):
+            plans.append(model.plan)
+
+    losses = train(model, recipe(name, steps, accumulate), rank, world,
+                   after_backward=first_plans)
     return losses, plans
 
 

@@ -237,9 +237,10 @@ def _resume_w2(rank, world, root):
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt"))
     w2 = run_ranks(2, _train_and_save, root)
-    w4 = run_ranks(4, _resume, root)
-    w2b = run_ranks(2, _resume_w2, root)
-    w1 = run_ranks(1, _resume, root)
+    # resumes in fresh processes: nothing of the saving run's process carries over
+    w4 = run_ranks(4, _resume, root, fresh=True)
+    w2b = run_ranks(2, _resume_w2, root, fresh=True)
+    w1 = run_ranks(1, _resume, root, fresh=True)
     return {"w2": w2, "w4": w4, "w2b": w2b, "w1": w1, "root": root}
 
 

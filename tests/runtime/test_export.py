@@ -176,7 +176,8 @@ def runs(tmp_path_factory):
     exported = run_ranks(2, _export_and_train, root)
     os.remove(os.path.join(root, f"{MODULE}.py"))
     shutil.rmtree(os.path.join(root, "__pycache__"), ignore_errors=True)
-    loaded = {w: run_ranks(w, _load_and_train, root) for w in (2, 4, 1)}
+    # fresh processes: none of them has imported the deleted module
+    loaded = {w: run_ranks(w, _load_and_train, root, fresh=True) for w in (2, 4, 1)}
     return root, exported, loaded
 
 
@@ -282,8 +283,9 @@ def strategies(tmp_path_factory):
     root = tmp_path_factory.mktemp("strategies")
     exported = run_ranks(4, export_workers.export_cases, str(root))
     _as_version_2(root / "ddp", root / "ddp_v2")
-    return {"export": exported[0], 4: run_ranks(4, export_workers.load_cases, str(root))[0],
-            2: run_ranks(2, export_workers.load_cases, str(root))[0]}
+    return {"export": exported[0],
+            4: run_ranks(4, export_workers.load_cases, str(root), fresh=True)[0],
+            2: run_ranks(2, export_workers.load_cases, str(root), fresh=True)[0]}
 
 
 def _same_step(ref, got, tol) -> None:
@@ -466,7 +468,7 @@ def test_an_export_moves_between_cpu_and_gpu(tmp_path):
     root = str(tmp_path)
     on_cpu = run_ranks(1, _export_here, root)[0]  # gloo: a CPU mesh
     on_gpu = run_ranks(1, _export_here, root, torchrun_env=True)[0]  # NCCL: a CUDA mesh
-    cpu_from_gpu = run_ranks(1, _load_here, (root, "cuda"))[0]
+    cpu_from_gpu = run_ranks(1, _load_here, (root, "cuda"), fresh=True)[0]
     gpu_from_cpu = run_ranks(1, _load_here, (root, "cpu"), torchrun_env=True)[0]
     # the same model and data on either device: losses agree to float rounding
     for got in (on_gpu, cpu_from_gpu, gpu_from_cpu):
@@ -508,5 +510,5 @@ def test_a_program_key_names_no_device_type_and_older_keys_still_load(tmp_path):
         for e in m["programs"]:
             e["key"] = e["key"].replace(neutral, legacy)
         (old / "manifest.json").write_text(json.dumps(m))
-        got = run_ranks(1, _load_here, (str(tmp_path), old.name))[0]
+        got = run_ranks(1, _load_here, (str(tmp_path), old.name), fresh=True)[0]
         assert got == trained, (legacy, got, trained)

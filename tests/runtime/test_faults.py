@@ -16,7 +16,7 @@ CASES = ["partial_batch", "eval_on_rank0", "dtype_on_rank1", "skipped_backward",
 
 @pytest.fixture(scope="module")
 def out_of_step():
-    return run_ranks(2, fault_worker, CASES)
+    return run_ranks(2, fault_worker, CASES, fresh=True)  # timeouts break the group
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -69,7 +69,7 @@ MESSAGES = ["config_differs", "extra_layer", "first_difference", "int64_input", 
 
 @pytest.fixture(scope="module")
 def messages():
-    results = run_ranks(2, message_worker, MESSAGES)
+    results = run_ranks(2, message_worker, MESSAGES, fresh=True)  # groups with timeouts
     return {case: [r[case] for r in results] for case in MESSAGES}
 
 

@@ -65,7 +65,8 @@ def train(tt, model, rank, world, mesh):
     zero the gradients in place, count the valid tokens over the ranks, the forward without
     the output projection, the chunked loss (its own ``lm_head`` call and backward per
     chunk, each chunk's summed cross-entropy divided by the global token count), the
-    backward through the decoder, ``clip_grad_norm_``, the optimizers, the schedulers."""
+    backward through the decoder, ``clip_grad_norm_``, the optimizers, the schedulers.
+    Not ``harness.train``: the point is torchtitan's own step, written as it writes it."""
     from torchtitan.components.loss import IGNORE_INDEX
 
     loss_fn = tt.ChunkedLossWrapper.Config(

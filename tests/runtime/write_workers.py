@@ -8,8 +8,9 @@ import torch
 from torch.distributed.tensor import distribute_tensor
 
 from autoshard import Config, autoshard
-from models import CASES, build, call
-from parity_workers import batches
+from harness import train
+from models import build, call
+from parity_workers import batches, recipe
 
 
 def _values(p, seed):
@@ -95,13 +96,8 @@ def writes_worker(rank, world, names):
         sharded = autoshard(build(name), config=Config(policy="module", strategy="zero1",
                                                        verify=True))
         ref = build(name)
-        loss_fn = CASES[name][3]
-        opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
-        x, y = batches(name, 0)
-        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
-        loss_fn(call(name, sharded, xr), yr).backward()
-        opt.step()
-        opt.zero_grad()
+        train(sharded, recipe(name, steps=1, lr=1e-2), rank, world, local=True)
+        xr = batches(name, 0)[0].chunk(world)[rank]
         state = {}
         for k, (kind, write) in enumerate(WRITES.items()):
             with torch.no_grad():
