@@ -198,20 +198,8 @@ def _worst(rows: list) -> Optional[tuple]:
 # --- the command line -------------------------------------------------------------------------
 
 
-def default_inputs(model: torch.nn.Module, factory, batch: int, seq: int):
-    """``factory.example_inputs(batch, seq)`` where the factory has it, else integer tokens
-    (batch, seq) below the smallest embedding table's size (zeros with no embedding)."""
-    make = getattr(factory, "example_inputs", None)
-    if make is not None:
-        return make(batch, seq)
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
-    if sizes:
-        return (torch.randint(0, min(sizes), (batch, seq)),)
-    return (torch.zeros(batch, seq, dtype=torch.long),)
-
-
 def _check_factory(spec: str, opts: dict, rank: int) -> CheckReport:
-    from autoshard.factory import load_factory
+    from autoshard.factory import default_inputs, load_factory
     from autoshard.config import Config
 
     factory = load_factory(spec)

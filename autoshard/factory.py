@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+import torch
+
 
 def load_factory(spec: str):
     """The callable ``spec`` names (``package.module:function``), imported with the current
@@ -25,10 +27,7 @@ def load_factory(spec: str):
 def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
     """One rank of ``python -m autoshard export``: build the factory's model (the same seed
     on every rank), shard it, compile it for the factory's inputs, export."""
-    import torch
-
     from autoshard.api import autoshard
-    from autoshard.check import default_inputs
 
     factory = load_factory(spec)
     torch.manual_seed(0)
@@ -37,3 +36,15 @@ def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
     inputs = default_inputs(model, factory, opts["batch"], opts["seq"])
     sharded = autoshard(model, config=opts["config"], example_inputs=inputs)
     sharded.export(opts["out"], inference=opts["inference"])
+
+
+def default_inputs(model: torch.nn.Module, factory, batch: int, seq: int):
+    """``factory.example_inputs(batch, seq)`` where the factory has it, else integer tokens
+    (batch, seq) below the smallest embedding table's size (zeros with no embedding)."""
+    make = getattr(factory, "example_inputs", None)
+    if make is not None:
+        return make(batch, seq)
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    if sizes:
+        return (torch.randint(0, min(sizes), (batch, seq)),)
+    return (torch.zeros(batch, seq, dtype=torch.long),)

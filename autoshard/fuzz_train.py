@@ -34,8 +34,7 @@ def global_batch(spec: dict, model: nn.Module, step: int, micro: int) -> tuple:
     rows, seq = world * loop["batch"], _seq(loop, max(step, 0))
     seed = (spec["seed"] * 1_000_003 + (step + 7) * 1_009 + micro) % 2**62
     if "factory" in spec["model"]:
-        from autoshard.check import default_inputs
-        from autoshard.factory import load_factory
+        from autoshard.factory import default_inputs, load_factory
 
         torch.manual_seed(seed)
         inputs = default_inputs(model, load_factory(spec["model"]["factory"]), rows, seq)
