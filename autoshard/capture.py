@@ -362,9 +362,9 @@ def _refuse_outputs(model: torch.nn.Module, rec: dict) -> None:
     for leaf in rec["out_consts"]:
         if leaf is not TENSOR and not isinstance(leaf, _PLAIN + (StateOut, NewState)):
             raise AutoshardError(
-                f"{guards.user_class_name(model)}.forward returned a {type(leaf).__name__} among its "
-                "outputs; a captured step returns tensors, plain Python values and objects "
-                "holding them (a KV cache), not functions, classes or modules."
+                f"{guards.user_class_name(model)}.forward returned a {type(leaf).__name__} "
+                "among its outputs; a captured step returns tensors, plain Python values and "
+                "objects holding them (a KV cache), not functions, classes or modules."
             )
 
 
