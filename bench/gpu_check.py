@@ -21,7 +21,10 @@ again, so a run stopped from outside still reports what it finished. The stages:
    (union of kernel time over the step's time) and NCCL kernel time not covered by compute.
 4. ``fake8``: a world of 8 faked with torch's fake process group on the GPU mesh: the peak
    per rank of autoshard and FSDP2 and autoshard's predicted peak.
-5. ``pytest``: the suite's tests marked ``gpu``.
+5. ``hostcost``: ``bench.host_cost`` on the device, the launch-bound regime where a GPU
+   waits for the host: ATen ops per step and step time at world size 1 of eager, autoshard
+   and FSDP2 on two small models (a 48-block MLP, a 4-layer Llama).
+6. ``pytest``: the suite's tests marked ``gpu``.
 
 ``--dry-run`` runs the same stages at tiny sizes on the CPU (gloo), as the test suite does.
 """
@@ -44,7 +47,7 @@ import torch.distributed as dist
 GiB = 2**30
 # (stage, deadline in seconds, must pass for the run to go on)
 STAGES = (("env", 60, True), ("smoke", 150, False), ("llama1b", 240, False),
-          ("fake8", 90, False), ("pytest", 240, False))
+          ("fake8", 90, False), ("hostcost", 90, False), ("pytest", 240, False))
 GPU_TESTS = ("tests/runtime/test_compile.py", "tests/runtime/test_export.py",
              "tests/runtime/test_gpu_streams.py")
 
@@ -148,7 +151,7 @@ def _table(report: dict) -> str:
     lines = [tabulate([(k, v.get("status"), v.get("seconds"), v.get("summary", ""))
                        for k, v in st.items()],
                       headers=["stage", "status", "s", "summary"], tablefmt="github")]
-    for key in ("smoke", "llama1b", "fake8"):
+    for key in ("smoke", "llama1b", "fake8", "hostcost"):
         rows = st.get(key, {}).get("rows")
         if rows:
             lines.append(f"\n{key}: {st[key].get('what', '')}\n")
@@ -184,7 +187,7 @@ def run_stage(args) -> int:
     else:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     fn = {"env": stage_env, "smoke": stage_smoke, "llama1b": stage_llama1b,
-          "fake8": stage_fake8, "pytest": stage_pytest}[args.stage]
+          "fake8": stage_fake8, "hostcost": stage_hostcost, "pytest": stage_pytest}[args.stage]
     try:
         fn(args, st, device)
     except Exception as e:  # noqa: BLE001  (recorded, and the stage fails)
@@ -474,6 +477,23 @@ def stage_fake8(args, st: Stage, device) -> None:
     st.save(status="ok", summary=f"autoshard {a['peak_gib'] / f['peak_gib']:.2f}x FSDP2's "
                                  f"peak; predicted/measured "
                                  f"{a['predicted_gib'] / a['peak_gib']:.2f}")
+
+
+def stage_hostcost(args, st: Stage, device) -> None:
+    from bench import host_cost
+
+    steps, reps = (2, 2) if args.dry_run else (10, 5)
+    st.save(what=f"world size 1, fp32, AdamW; median of {reps} interleaved repetitions of "
+                 f"{steps} steps, each ended by a synchronize")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        _init_world_one(device, tmp)
+        for name in ("mlp48", "llama4"):
+            rows.append(host_cost.measure(name, steps, reps, device))
+            st.save(rows=rows)
+    st.save(status="ok", summary="; ".join(
+        f"{r['model']}: {r['x eager ops']}x eager's ops, step {r['autoshard x eager']}x "
+        f"eager, FSDP2 {r['fsdp2 x eager']}x" for r in rows))
 
 
 def stage_pytest(args, st: Stage, device) -> None:

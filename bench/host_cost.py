@@ -88,7 +88,7 @@ def graph_ops(program) -> int:
                for n in g.graph.nodes if n.op == "call_function")
 
 
-def _systems(name):
+def _systems(name, device):
     from torch.distributed.fsdp import fully_shard
 
     from autoshard import autoshard
@@ -96,6 +96,7 @@ def _systems(name):
     out = {}
     for system in ("eager", "autoshard", "fsdp2"):
         model, blocks = _build(name)
+        model.to(device)
         if system == "autoshard":
             model = autoshard(model)
         elif system == "fsdp2":
@@ -106,12 +107,23 @@ def _systems(name):
     return out
 
 
-def measure(name: str, steps: int, reps: int) -> dict:
+def _to(x, device):
+    return {k: v.to(device) for k, v in x.items()} if isinstance(x, dict) else x.to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, steps: int, reps: int, device=torch.device("cpu")) -> dict:
+    """``name``'s row: ops counted and steps timed on ``device`` (a GPU's steps end with a
+    synchronize, so each is timed to its last kernel)."""
     from autoshard.runtime.executor import Program
 
     gen = torch.Generator().manual_seed(0)
-    x, y = _batch(name, gen)
-    systems = _systems(name)
+    x, y = (_to(t, device) for t in _batch(name, gen))
+    systems = _systems(name, device)
     for model, opt in systems.values():  # warm-up: capture, planning, first allocations
         for _ in range(3):
             compare._step(model, opt, x, y)
@@ -143,8 +155,10 @@ def measure(name: str, steps: int, reps: int) -> dict:
                 Program.call = timed_call
             try:
                 for _ in range(steps):
+                    _sync(device)
                     t0 = time.perf_counter()
                     compare._step(model, opt, x, y)
+                    _sync(device)
                     times[system].append(time.perf_counter() - t0)
             finally:
                 Program.call = call
