@@ -73,8 +73,9 @@ class Config:
           with memory of its own (the GPU profiles), where memory under the budget buys
           nothing;
         - "balanced": among the plans that fit, those predicted no slower than FSDP2's plan
-          for the same model (below) and to peak no higher, where one is; of them the
-          fastest, then the lightest predicted within 2% of its step;
+          for the same model (below) and to peak no higher, where one is (a peak above it
+          by under 0.1% of ``memory_budget`` counts as no higher: a GPU's own peak moves by
+          more); of them the fastest, then the lightest predicted within 2% of its step;
         - "memory": the fastest plan predicted to peak at most 0.82x as high as FSDP2's plan
           (0.85x less the error of that prediction) and to take at most 1.25x its step;
           where none is, the fastest. The plan says why when the fastest plan's peak is above
