@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from autoshard import progress
 from autoshard.config import reshard_group_sizes
 from autoshard.graph import clone_graph
 from autoshard.plans import _fmt_bytes
@@ -206,25 +207,32 @@ class _Placement:
 
     def prepare(self, i: int):
         """Choice ``i``'s graph, and its floor: the bytes held all step plus its activations."""
+        s = self.search
+        if i not in s.bases:
+            with progress.timed("plan: recompute choices"):
+                self._build(i)
+        self.floors[i] = self.ctx.static_bytes + s.activations[i][0]
+        return s.bases[i], self.floors[i]
+
+    def _build(self, i: int) -> None:
+        """Choice ``i``'s graph (recomputed and offloaded as it says) and its activations,
+        kept in the search for every placement."""
         from autoshard.passes import (offload_activations_pass, recompute_activations_pass,
                                       run_passes)
         from autoshard.simulate import activations
 
         s = self.search
-        if i not in s.bases:
-            base = clone_graph(s.gm)
-            modes = self.choices[i][1]
-            if modes is not None:
-                passes = [(recompute_activations_pass, {"blocks": modes})]
-                moved = offloaded_blocks(modes)
-                if moved is None or moved:
-                    passes.append((offload_activations_pass, {"blocks": moved}))
-                base, _ = run_passes(base, self.ctx, passes, verify_each=self.verify)
-            host = self.ctx.profile is not None and self.ctx.profile.host_bandwidth > 0
-            s.activations[i] = activations(base, host=host)
-            s.bases[i] = base
-        self.floors[i] = self.ctx.static_bytes + s.activations[i][0]
-        return s.bases[i], self.floors[i]
+        base = clone_graph(s.gm)
+        modes = self.choices[i][1]
+        if modes is not None:
+            passes = [(recompute_activations_pass, {"blocks": modes})]
+            moved = offloaded_blocks(modes)
+            if moved is None or moved:
+                passes.append((offload_activations_pass, {"blocks": moved}))
+            base, _ = run_passes(base, self.ctx, passes, verify_each=self.verify)
+        host = self.ctx.profile is not None and self.ctx.profile.host_bandwidth > 0
+        s.activations[i] = activations(base, host=host)
+        s.bases[i] = base
 
     def first_fitting_choice(self, first: int) -> int:
         """On a big graph, the first choice whose activations fit, by bisection: each
@@ -344,8 +352,9 @@ class _Placement:
         from autoshard.passes.auto import gradient_copies, tries
 
         if self.searching_units:
-            ch.cands = tries(ch.base, self.ctx, {**unit_options(self.config),
-                                                 "auto_cache": ch.cache})
+            with progress.timed("plan: unit candidates"):
+                ch.cands = tries(ch.base, self.ctx, {**unit_options(self.config),
+                                                     "auto_cache": ch.cache})
         ch.compute += gradient_copies(ch.base, self.specs, self.ctx.profile)
         ch.read = {meta.tag(p, meta.FQN) for p in ch.base.graph.nodes
                    if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
@@ -448,7 +457,8 @@ class _Placement:
         predicted and recorded."""
         cand = Candidate(self.search.strategy, self.ctx.offload, ch.label, ch.modes, k, reshard,
                          params)
-        low = lower(ch.base, self.ctx, cand, self.config, ch.cache, verify=self.verify)
+        with progress.timed("plan: lower candidates"):
+            low = lower(ch.base, self.ctx, cand, self.config, ch.cache, verify=self.verify)
         pred = low.prediction
         self.search.consider(low, self.row(
             ch.label, offload_params=low.ctx.offload_params if self.ctx.offload else None,
