@@ -81,6 +81,7 @@ import torch.fx as fx
 
 from autoshard import progress
 from autoshard.config import reshard_group_size
+from autoshard.cost import share_node_times
 from autoshard.plans import _fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
@@ -163,6 +164,7 @@ class Planner:
         ``Config(prefer="memory")``, that meets the target against FSDP2's plan where one
         does (``lightest_near``); the plan says why when the fastest was not taken."""
         config = self.config
+        share_node_times(self.gm.graph.nodes)
         prefer = preference(config, self.ctx.profile)
         with progress.timed("plan: FSDP2's plan"):
             ref_low = self._fsdp2(prefer)
