@@ -53,6 +53,7 @@ class Search:
         # what every placement computes alike: each choice's graph and activations, the unit
         # groupings
         self.bases, self.activations, self.groupings = {}, {}, {}
+        self.cuts: dict = {}  # the recompute pass's cut_cache, for the choices' copies of gm
 
     def run(self):
         """``(best Lowered, candidates)``; the best is the least peak when none fits."""
@@ -225,7 +226,7 @@ class _Placement:
         base = clone_graph(s.gm)
         modes = self.choices[i][1]
         if modes is not None:
-            passes = [(recompute_activations_pass, {"blocks": modes})]
+            passes = [(recompute_activations_pass, {"blocks": modes, "cut_cache": s.cuts})]
             moved = offloaded_blocks(modes)
             if moved is None or moved:
                 passes.append((offload_activations_pass, {"blocks": moved}))
