@@ -22,6 +22,7 @@ from autoshard.cost import device_profile
 from autoshard.errors import AutoshardError
 from autoshard.passes import PassContext, plan_step_pass, run_passes
 from autoshard.plans import Plan
+from autoshard.progress import timed
 from autoshard.runtime.storage import fqn_aliases
 from autoshard.spec import param_specs
 
@@ -69,6 +70,20 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
             traced_hooks=traced_hooks, lifted=lifted,
         )
 
+    with timed("capture"):
+        cap = _capture(model, specs, trace, from_shallow, say)
+    say(f"captured {len(cap.gm.graph.nodes)} nodes")
+    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
+    ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
+                              config=config, reshard_groups=reshard_groups, aliases=aliases,
+                              progress=progress, grad_sync=grad_sync,
+                              accumulated=accumulated, placed=placed)
+    return cap, ctx, plan
+
+
+def _capture(model, specs, trace, from_shallow: bool, say):
+    """The captured step: traced whole, or with ``from_shallow`` built from a few traced
+    blocks where the model has a stack of identical ones (``autoshard.depth``)."""
     stack = depth.block_stack(model) if from_shallow else None
     cap = None
     if stack is not None:
@@ -78,13 +93,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     if cap is None:
         say(f"capturing the training step ({len(specs)} parameters)")
         cap = trace(specs)
-    say(f"captured {len(cap.gm.graph.nodes)} nodes")
-    cap.pristine = cap.gm  # as traced (the planner works on copies), for autoshard.check
-    ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
-                              config=config, reshard_groups=reshard_groups, aliases=aliases,
-                              progress=progress, grad_sync=grad_sync,
-                              accumulated=accumulated, placed=placed)
-    return cap, ctx, plan
+    return cap
 
 
 def reshard_sizes(config, mesh_shape, device) -> tuple:

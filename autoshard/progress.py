@@ -16,6 +16,7 @@ A phase inside another shows in its place while it runs.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -146,3 +147,20 @@ def phase(name: str, total: Optional[int] = None, unit: str = "", stream=None):
     finally:
         p._close()
         _stack.remove(p)
+
+
+# seconds spent per named step since the process started (``timed``): every pass the runner
+# applies, by its name, and the planner's phases ("plan: ..."); nested steps count in each.
+# One source of truth for AUTOSHARD_DEBUG's per-pass times and bench/plan_scale.py's table
+TIMES: dict = collections.defaultdict(float)
+
+
+@contextlib.contextmanager
+def timed(name: str):
+    """Adds the time the block takes to ``TIMES[name]``; costs a clock read either side, so
+    it stays on always (no switch to thread through)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        TIMES[name] += time.perf_counter() - t0

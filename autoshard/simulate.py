@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.cost import DeviceProfile, collective_time, node_time, ring_rounds
+from autoshard.cost import (MAX_FINITE, DeviceProfile, collective_time, node_time,
+                            ring_rounds)
 from autoshard.graph import aliased_arg
 
 
@@ -317,6 +318,19 @@ def _simulate(fwd_nodes, fwd_out, bwd, profile, static_bytes, n_user_outputs, ho
     return sim.prediction()
 
 
+_BYTES_ONLY: dict = {}  # host -> activations' profile
+
+
+def _bytes_only(host: bool) -> DeviceProfile:
+    """``activations``' profile: it counts bytes, not time. One object per ``host`` for the
+    process, so that the times nodes get under it are kept with them (``node_time`` keys them
+    by the profile) for every later call on the graph or its copies."""
+    if host not in _BYTES_ONLY:
+        _BYTES_ONLY[host] = DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1,
+                                          host_bandwidth=MAX_FINITE if host else 0)
+    return _BYTES_ONLY[host]
+
+
 def activations(joint: fx.GraphModule, host: bool = False) -> tuple:
     """``(peak, live)``: the peak bytes of everything but the parameters over the joint graph
     (before collectives: what a step holds besides the model state and the gathered units)
@@ -325,13 +339,9 @@ def activations(joint: fx.GraphModule, host: bool = False) -> tuple:
     backward reads them (``autoshard.passes.collectives``), so what is counted is live in any
     plan. ``host``: whether offloaded activations' host copies are host memory (a profile
     with a host link), their copies then taken as instant (the least the device holds)."""
-    from autoshard.cost import MAX_FINITE
     from autoshard.graph import param_derived
 
-    # counts bytes, not time
-    sim = _Sim(DeviceProfile("none", 1.0, 1.0, 0.0, 0.0, 1,
-                             host_bandwidth=MAX_FINITE if host else 0),
-               0)
+    sim = _Sim(_bytes_only(host), 0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:
         if meta.is_tangent(n):

@@ -15,11 +15,11 @@ import collections
 import dataclasses
 import os
 import sys
-import time
 from typing import Any, Optional
 
 import torch.fx as fx
 
+from autoshard import progress
 from autoshard.passes.units import Unit, assign_units_pass  # noqa: F401
 from autoshard.passes.collectives import insert_collectives_pass  # noqa: F401
 from autoshard.passes.bucket import bucket_units_pass  # noqa: F401
@@ -128,16 +128,17 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list, *, verify_eac
     verify_each = verify_each or level > 0 or os.environ.get("AUTOSHARD_VERIFY") == "1"
     for i, (fn, options) in enumerate(passes):
         before = _op_counts(gm) if level else None
-        t0 = time.perf_counter()
+        spent = progress.TIMES[fn.__name__]
         try:
-            gm, ctx = _run_one(fn, gm, ctx, options, lint or verify_each, verify_each)
+            with progress.timed(fn.__name__):
+                gm, ctx = _run_one(fn, gm, ctx, options, lint or verify_each, verify_each)
         except Exception as e:
             if hasattr(e, "add_note"):  # Python 3.11+
                 ran = [f.__name__ for f, _ in passes[:i]]
                 e.add_note(f"in pass {fn.__name__}, after {ran or 'no other pass'} in this run")
             raise
         if level:
-            _debug(fn, gm, i, before, t0, level)
+            _debug(fn, gm, i, before, progress.TIMES[fn.__name__] - spent, level)
     return gm, ctx
 
 
@@ -155,8 +156,8 @@ def _run_one(fn, gm, ctx, options, lint: bool, verify_each: bool):
     return gm, ctx
 
 
-def _debug(fn, gm, i: int, before, t0: float, level: int) -> None:
-    dt = (time.perf_counter() - t0) * 1e3
+def _debug(fn, gm, i: int, before, seconds: float, level: int) -> None:
+    dt = seconds * 1e3
     after = _op_counts(gm)
     diff = {k: after[k] - before[k] for k in sorted(set(after) | set(before))
             if after[k] != before[k]}

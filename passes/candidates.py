@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from autoshard import progress
 from autoshard.graph import clone_graph
 
 
@@ -156,14 +157,17 @@ def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
     # recomputation is done already, per choice; the chosen plan alone is split
     passes = [p for p in default_passes(config, candidate=cand.units, auto_cache=cache)
               if p[0] not in (recompute_activations_pass, split_pass)]
-    out, cctx = run_passes(clone_graph(base), cctx, passes, verify_each=verify, lint=False)
+    with progress.timed("plan: clone"):
+        out = clone_graph(base)
+    out, cctx = run_passes(out, cctx, passes, verify_each=verify, lint=False)
     params = cand.offload_params
     if ctx.offload:  # the fraction that took effect: a whole number of units copy again
         specs = {p.fqn: p for p in ctx.captured.params}
         hosted = offloaded_units(cctx.units, specs)
         params = sum(not u.held for u in hosted) / len(hosted) if hosted else 0.0
-    pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
-                          ctx.state["host"] - ctx.state["host_grads"])
+    with progress.timed("plan: simulate"):
+        pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
+                              ctx.state["host"] - ctx.state["host_grads"])
     cctx = dataclasses.replace(cctx, offload_params=params, prediction=pred,
                                recompute=(cand.recompute, cand.modes))
     return Lowered(cand, out, cctx, pred)

@@ -79,7 +79,9 @@ from typing import Optional
 
 import torch.fx as fx
 
+from autoshard import progress
 from autoshard.config import reshard_group_size
+from autoshard.cost import share_node_times
 from autoshard.plans import fmt_bytes
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
@@ -149,8 +151,6 @@ def plan_step_pass(gm: fx.GraphModule, ctx, *, options):
     least peak is chosen then). Shows progress (``autoshard.progress``) per candidate.
     Does nothing else to ``gm``.
     """
-    from autoshard import progress
-
     with _Garbage() as garbage, progress.phase("planning", unit="candidates") as bar:
         return Planner(gm, ctx, options, garbage, bar).run()
 
@@ -171,14 +171,19 @@ class Planner:
         ``Config(prefer="memory")``, that meets the target against FSDP2's plan where one
         does (``lightest_near``); the plan says why when the fastest was not taken."""
         config = self.config
+        share_node_times(self.gm.graph.nodes)
         prefer = preference(config, self.ctx.profile)
-        ref_low = self._fsdp2(prefer)
+        with progress.timed("plan: FSDP2's plan"):
+            ref_low = self._fsdp2(prefer)
         reference = ref_low.prediction if ref_low is not None else None
         target = _target(prefer, reference, self.ctx.memory_budget)
         self.options = {**self.options, "target": target,
                         "near": NEAR if prefer == "balanced" else 0.0}
         strategies = STRATEGIES_SEARCHED if config.strategy == "auto" else (config.strategy,)
-        outcomes = [self._strategy(s) for s in strategies]
+        outcomes = []
+        for s in strategies:
+            with progress.timed(f"plan: strategy {s}"):
+                outcomes.append(self._strategy(s))
         tried = [o for o in outcomes if o[2].unfit is None] or [outcomes[-1]]
         # none fits: zero3's says what would
         fits = [o for o in tried if o[2].predicted["peak_bytes"] <= o[2].memory_budget]
@@ -278,6 +283,10 @@ class Planner:
     def _finish(self, best: Lowered, candidates: list, strategy: str):
         """The Plan of ``best`` (split): its schedule and prediction, the candidates, the gathers
         after the optimizer step, and why it is not enough when it does not fit."""
+        with progress.timed("plan: finish"):
+            return self._plan(best, candidates, strategy)
+
+    def _plan(self, best: Lowered, candidates: list, strategy: str):
         from autoshard.passes.readout import make_plan
 
         ctx, config, pred = best.ctx, self.config, best.prediction
@@ -407,4 +416,5 @@ class _Garbage:
     def candidate_done(self) -> None:
         self.count += 1
         if self.enabled and self.count % COLLECT_EVERY == 0:  # the caller may want none
-            gc.collect()
+            with progress.timed("plan: gc"):
+                gc.collect()
