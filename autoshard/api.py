@@ -14,17 +14,18 @@ import torch
 from autoshard import compiler, state
 from autoshard._compat import tree_flatten
 from autoshard.calls import (CallState, call, call_key, compile_for, install_entry,
-                             install_submodule_entries, refuse_accelerate_autocast,
-                             split_inputs, tensor_refs)
-from autoshard.guards import user_class_name
+                             install_submodule_entries, refuse_accelerate_autocast, split_inputs,
+                             tensor_refs)
+from autoshard.capture import tracing
 from autoshard.config import Config, offloads
 from autoshard.config_model import check_names
 from autoshard.errors import AutoshardError
+from autoshard.guards import user_class_name
 from autoshard.plans import Plan
-from autoshard.runtime import dist as _dist
-from autoshard.runtime import optim
-from autoshard.runtime.storage import (check_shardable, fqn_aliases, full_state_dict,
-                                       stage_shards)
+from autoshard.runtime import dist as _dist, optim
+from autoshard.runtime.checkpoint import localize_state_dict
+from autoshard.runtime.export import export
+from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.spec import param_specs
 
 
@@ -59,8 +60,6 @@ class ShardedModule(torch.nn.Module):
     # agreement, hooks) is what Dynamo must not specialise on. One graph break at the call.
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
-        from autoshard.capture import tracing
-
         if tracing():  # called from a registered method being captured: traced with it
             return self._autoshard.orig_forward(self, *args, **kwargs)
         return call(self, self._autoshard, args, kwargs)
@@ -112,8 +111,6 @@ class ShardedModule(torch.nn.Module):
         (every rank calls it); ``autoshard.load(path)`` runs them without the model's source,
         at this or another world size. ``inference``: also compile and store each training
         signature's eval-mode, no-gradient program. See ``autoshard.runtime.export``."""
-        from autoshard.runtime.export import export
-
         export(self, path, inference=inference)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -210,7 +207,6 @@ class ShardedModule(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # runs before any submodule loads: every key of the model is checked and localized
         # here, so a refused shard leaves the whole model untouched
-        from autoshard.runtime.checkpoint import localize_state_dict
 
         localize_state_dict(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

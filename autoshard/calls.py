@@ -11,13 +11,12 @@ from typing import Any, Optional
 import torch
 
 from autoshard import _compat, compiler, hooks, state
-from autoshard.guards import user_class_name
-from autoshard._compat import tree_flatten
-from autoshard.capture import flat_inputs
+from autoshard._compat import keystr, tree_flatten, tree_flatten_with_path
+from autoshard.capture import flat_inputs, input_names, tracing
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
-from autoshard.runtime import dist as _dist
-from autoshard.runtime import optim
+from autoshard.guards import user_class_name
+from autoshard.runtime import dist as _dist, optim, optim as _optim
 from autoshard.runtime.executor import Program
 from autoshard.runtime.replicas import refresh_replicas
 from autoshard.runtime.storage import fqn_aliases, place
@@ -259,8 +258,6 @@ def call_key(module, st: CallState, args, kwargs):
 def refuse_device(args, kwargs, device) -> None:
     """Name the first input tensor not on this rank's mesh ``device``; on the meta device,
     say that it holds no values."""
-    from autoshard.capture import input_names
-
     name, x = next((n, x) for n, x in input_names(args, kwargs)
                    if isinstance(x, torch.Tensor) and x.device != device)
     what = f"input {name} ({str(x.dtype).replace('torch.', '')}{list(x.shape)})"
@@ -335,8 +332,6 @@ def install_entry(module, root_st: CallState, name: str, fn) -> None:
     import functools
     import types
 
-    from autoshard.capture import tracing
-
     label = f"{user_class_name(module)}.{name}" if name != "forward" else \
         f"{root_st.entry_names.get(id(module), '?')} (called directly)"
     state: list = []
@@ -398,8 +393,6 @@ VARIANTS_KEPT = 16  # programs kept per call signature, one per state of what fo
 def follow(model, st: CallState, guards) -> None:
     """Make what changed since ``guards`` were taken capturable, or refuse it by name: a
     value that has made the step be captured ``RECAPTURE_LIMIT`` times already."""
-    from autoshard.runtime import optim as _optim
-
     g = guards.failure()
     change = guards.change(g)
     if g.kind == "tree":
@@ -461,8 +454,6 @@ def divide_label(config: Config) -> str:
 
 def describe_call(args, kwargs, key) -> str:
     """A rank's call as a person reads it: each input's dtype and shape, and the mode."""
-    from autoshard._compat import keystr, tree_flatten_with_path
-
     parts = []
     for path, x in tree_flatten_with_path((args, kwargs))[0]:
         rest = keystr(path[1:])  # path[0] says args or kwargs

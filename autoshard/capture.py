@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from autoshard._compat import tree_flatten, tree_map, tree_unflatten
+from autoshard._compat import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
+                               tree_unflatten)
 
 from autoshard import _compat, guards, hooks, meta, progress, state
 from autoshard.errors import AutoshardError
@@ -129,8 +130,6 @@ def _is_mutated(node: fx.Node) -> bool:
 def input_names(args, kwargs) -> list:
     """(name, leaf) of each leaf of a call's inputs, named as a person writes them:
     ``args[0]``, ``args[1]['mask']``, ``labels``."""
-    from autoshard._compat import keystr, tree_flatten_with_path
-
     out = []
     for path, x in tree_flatten_with_path((args, kwargs))[0]:
         rest = keystr(path[1:])  # path[0] says args or kwargs

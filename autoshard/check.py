@@ -30,12 +30,17 @@ import torch
 
 from autoshard import progress
 from autoshard._compat import tree_flatten
+from autoshard.api import ShardedModule
 from autoshard.check_locate import locate_difference
 from autoshard.check_report import (CheckReport, OutputRow, ParamRow, dtype_name, max_abs,
                                     max_delta, tolerance_for)
 from autoshard.check_runs import (EagerRun, PROJECTION_SEED, Ranks, agree_outputs, compiled_step,
                                   eager_step, leaf_paths, projection_loss, same_model_on_all_ranks,
                                   tensor_leaves)
+from autoshard.config import Config
+from autoshard.factory import default_inputs, load_factory
+from autoshard.runtime import dist as _dist
+from autoshard.runtime.dist import spawn_ranks
 
 
 # --- the check --------------------------------------------------------------------------------
@@ -68,9 +73,6 @@ def check(model: torch.nn.Module, example_inputs, *, loss_fn: Optional[Callable]
     """
     from torch.distributed.tensor import DTensor
 
-    from autoshard.api import ShardedModule
-    from autoshard.runtime import dist as _dist
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"check() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModule):
@@ -95,8 +97,6 @@ def check(model: torch.nn.Module, example_inputs, *, loss_fn: Optional[Callable]
 
 def _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, seed):
     import torch.distributed as dist
-
-    from autoshard.runtime import dist as _dist
 
     loss_desc = ("loss_fn(outputs)" if loss_fn is not None
                  else f"random projection of the outputs (seed {PROJECTION_SEED})")
@@ -199,9 +199,6 @@ def _worst(rows: list) -> Optional[tuple]:
 
 
 def _check_factory(spec: str, opts: dict, rank: int) -> CheckReport:
-    from autoshard.factory import default_inputs, load_factory
-    from autoshard.config import Config
-
     factory = load_factory(spec)
     torch.manual_seed(0)  # the same model on every rank
     model = factory()
@@ -230,8 +227,6 @@ def run_factory(spec: str, *, batch: int, seq: int, world_size: int = 1, policy=
         return str(report), report.ok
     import os
     import tempfile
-
-    from autoshard.runtime.dist import spawn_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn_ranks(world_size, _cli_rank, spec, opts, tmp)

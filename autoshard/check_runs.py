@@ -18,6 +18,7 @@ import torch
 
 from autoshard import _compat
 from autoshard._compat import tree_flatten, tree_unflatten
+from autoshard.api import autoshard
 from autoshard.calls import split_inputs
 from autoshard.check_report import cast_floating, within_tolerance
 
@@ -185,8 +186,6 @@ def compiled_step(model, example_inputs, mesh, config, eager: EagerRun, rk: Rank
     """One step of ``autoshard()`` of another deep copy, with eager's tangents. Returns
     (the sharded module, its output, FQN -> full gradient or None)."""
     from torch.distributed.tensor import DTensor
-
-    from autoshard.api import autoshard
 
     twin = copy.deepcopy(model)
     for p in twin.parameters():

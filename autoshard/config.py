@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 from torch.distributed.fsdp import CPUOffloadPolicy  # Offload is one
 
 from autoshard.config_history import moved_kwargs, offload_from_dict, regrouped
+from autoshard.cost import DeviceProfile
 from autoshard.options import (Bucket, Module, Offload, Prefetch, Size, check_flag, check_one_of,
                                check_size)
 
-if TYPE_CHECKING:  # the fields' annotations only; imported where a value is checked
+if TYPE_CHECKING:  # the fields' annotations only
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-
-    from autoshard.cost import DeviceProfile
 
 POLICIES = ("auto", "module", "size", "per-parameter", "whole-model")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "none": 0}  # state tensors per parameter
@@ -459,8 +458,6 @@ class Config:
             d["offload_policy"] = offload_from_dict(d["offload_policy"])
         prof = d.get("device_profile")
         if isinstance(prof, dict):
-            from autoshard.cost import DeviceProfile
-
             d["device_profile"] = DeviceProfile(**prof)
         return cls(**d)
 

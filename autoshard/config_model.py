@@ -9,6 +9,7 @@ from typing import Optional
 
 from autoshard.config import Config
 from autoshard.options import Module
+from autoshard.passes.units import repeated_blocks
 
 def check_names(config: Config, model) -> None:
     """Every name ``config`` gives must name something of ``model``: a module class in
@@ -43,8 +44,6 @@ def check_names(config: Config, model) -> None:
                                      f"parameter of {owner}; "
                                      + _known(name, fqns, "its parameters"))
     if isinstance(config.recompute, Mapping):
-        from autoshard.passes.units import repeated_blocks
-
         blocks = repeated_blocks(model)
         known = set(paths)
         for path in config.recompute:

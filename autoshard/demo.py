@@ -13,14 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
-from autoshard import _compat
+from autoshard import Config, _compat, autoshard
 from autoshard.models import GPT, gpt_loss
 
 
 def _rank_main(rank: int, world: int, steps: int, store: str, layers: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from autoshard import Config, autoshard
 
     torch.manual_seed(0)
     model = GPT(vocab=256, dim=64, heads=4, layers=layers, seq=32)

@@ -7,6 +7,7 @@ import os
 import sys
 
 import torch
+from autoshard.api import autoshard
 
 
 def load_factory(spec: str):
@@ -27,8 +28,6 @@ def load_factory(spec: str):
 def export_factory(rank: int, world: int, spec: str, opts: dict) -> None:
     """One rank of ``python -m autoshard export``: build the factory's model (the same seed
     on every rank), shard it, compile it for the factory's inputs, export."""
-    from autoshard.api import autoshard
-
     factory = load_factory(spec)
     torch.manual_seed(0)
     model = factory()

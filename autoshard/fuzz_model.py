@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from autoshard.factory import load_factory
 
 
 # --- the model --------------------------------------------------------------------------------
@@ -193,7 +194,5 @@ def build_model(spec: dict) -> nn.Module:
     torch.manual_seed(spec["seed"])
     model = spec["model"]
     if "factory" in model:
-        from autoshard.factory import load_factory
-
         return load_factory(model["factory"])()
     return FuzzNet(model)

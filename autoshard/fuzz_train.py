@@ -15,8 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard import Config, autoshard, load_checkpoint, save
+from autoshard._compat import tree_leaves
+from autoshard.factory import default_inputs, load_factory
 from autoshard.fuzz_model import build_model
 from autoshard.fuzz_spec import LR, SEQ
+from autoshard.options import Offload, Prefetch
 
 
 # --- data and loss ----------------------------------------------------------------------------
@@ -34,8 +38,6 @@ def global_batch(spec: dict, model: nn.Module, step: int, micro: int) -> tuple:
     rows, seq = world * loop["batch"], _seq(loop, max(step, 0))
     seed = (spec["seed"] * 1_000_003 + (step + 7) * 1_009 + micro) % 2**62
     if "factory" in spec["model"]:
-        from autoshard.factory import default_inputs, load_factory
-
         torch.manual_seed(seed)
         inputs = default_inputs(model, load_factory(spec["model"]["factory"]), rows, seq)
         return (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), None
@@ -68,8 +70,6 @@ def loss_of(out, targets) -> torch.Tensor:
 
 
 def _float_leaves(out) -> list:
-    from autoshard._compat import tree_leaves
-
     return [t for t in tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -158,8 +158,6 @@ def drive(run) -> None:
 
 class ShardedRun:
     def __init__(self, spec: dict, rank: int, tmp: str):
-        from autoshard import Config, autoshard
-
         self.spec, self.rank, self.tmp = spec, rank, tmp
         self.records = []
         self.hook_values = []
@@ -212,10 +210,8 @@ class ShardedRun:
         module.register_forward_hook(_forward_hook(hook["kind"], self.hook_values))
 
     def save(self):
-        import autoshard
-
         opt = None if isinstance(self.opt, dict) else self.opt
-        autoshard.save(os.path.join(self.tmp, "ckpt"), self.model, opt)
+        save(os.path.join(self.tmp, "ckpt"), self.model, opt)
 
     def note(self, step):
         """Rank 0 alone changes a plain attribute forward reads, computing nothing with it:
@@ -224,10 +220,8 @@ class ShardedRun:
             self.model.notes.append(step)
 
     def load(self):
-        import autoshard
-
         opt = None if isinstance(self.opt, dict) else self.opt
-        autoshard.load_checkpoint(os.path.join(self.tmp, "ckpt"), self.model, opt)
+        load_checkpoint(os.path.join(self.tmp, "ckpt"), self.model, opt)
 
     def finish(self) -> dict:
         full = {k: v.detach().clone() for k, v in self.model.full_state_dict().items()}
@@ -378,8 +372,6 @@ class ReferenceRun:
 def config_kwargs(spec: dict) -> dict:
     """The spec's Config fields as ``Config(**...)`` takes them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    from autoshard.options import Offload, Prefetch
 
     c = dict(spec["config"])
     out = {k: c[k] for k in ("strategy", "policy", "recompute", "bucket",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard._compat import torch_check
+from autoshard._compat import group_rank, torch_check
 
 _lib = torch.library.Library("autoshard", "DEF")
 _lib.define("free(Tensor(a!)[] tensors) -> ()")
@@ -68,8 +68,6 @@ _lib.define("chunk(Tensor buf, int k, str group) -> Tensor")
 
 
 def _chunk_impl(buf, k, group):
-    from autoshard._compat import group_rank
-
     return buf.view(k, -1)[group_rank(group)].clone()
 
 

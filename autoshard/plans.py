@@ -16,6 +16,7 @@ from typing import Optional
 from tabulate import tabulate
 
 from autoshard import meta
+from autoshard.options import parse_bytes
 
 
 WIDTH = 100  # columns every table fits
@@ -332,8 +333,6 @@ class Plan:
         """The largest batch whose predicted peak fits ``memory_budget`` (default: the plan's),
         from the symbolic memory expression."""
         import sympy
-
-        from autoshard.options import parse_bytes
 
         if "memory" not in self.symbolic:
             raise ValueError("this plan has no symbolic memory; make it with "

@@ -26,9 +26,8 @@ import torch
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.cost import (MAX_FINITE, DeviceProfile, collective_time, node_time,
-                            ring_rounds)
-from autoshard.graph import aliased_arg
+from autoshard.cost import DeviceProfile, MAX_FINITE, collective_time, node_time, ring_rounds
+from autoshard.graph import aliased_arg, param_derived, partition
 
 
 @dataclasses.dataclass
@@ -284,8 +283,6 @@ def simulate_joint(joint: fx.GraphModule, profile: DeviceProfile, static_bytes: 
     """``simulate`` of the program ``autoshard.passes.split`` would make of ``joint``, without
     making it (the same prediction: the same nodes in the same order with the same saved
     values)."""
-    from autoshard.graph import partition
-
     part = partition(joint)
     n_user = sum(part.roles[i][meta.ROLE] == meta.OUT_FWD for i in part.fwd_idx)
     bwd = (part.bwd, part.bwd_outputs(), part.saved) if part.bwd else None
@@ -339,8 +336,6 @@ def activations(joint: fx.GraphModule, host: bool = False) -> tuple:
     backward reads them (``autoshard.passes.collectives``), so what is counted is live in any
     plan. ``host``: whether offloaded activations' host copies are host memory (a profile
     with a host link), their copies then taken as instant (the least the device holds)."""
-    from autoshard.graph import param_derived
-
     sim = _Sim(_bytes_only(host), 0)
     sids = {n: None for n in joint.graph.nodes if n.op == "placeholder"}
     for n in sids:

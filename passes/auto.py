@@ -30,7 +30,10 @@ import math
 
 import torch.fx as fx
 
+from autoshard import meta
 from autoshard.cost import collective_time, spans_nodes
+from autoshard.passes.units import first_use_order, module_groups, size_groups, span_names
+from autoshard.simulate import activations
 from autoshard.spec import group_size
 
 MAX_TRIES = 6  # full pipelines tried for graphs over BIG_GRAPH nodes; smaller ones try all
@@ -115,8 +118,6 @@ def auto_candidates(gm, ctx, order, options) -> list:
     groupings are kept in ``options["auto_cache"]["groupings"]`` when given (they depend on
     the parameters' order of first use, not on the graph's activations); the graph's
     ``autoshard.simulate.activations`` are read from ``["activations"]`` when there."""
-    from autoshard.simulate import activations
-
     specs = {p.fqn: p for p in ctx.captured.params}
     known = options.get("auto_cache", {}).get("groupings", {})
     if tuple(order) not in known:  # with their collectives' time, the same for every graph
@@ -135,8 +136,6 @@ def auto_candidates(gm, ctx, order, options) -> list:
 def _groupings(ctx, order, specs, options) -> list:
     """Every candidate grouping of the parameters ``order`` (in first-use order), once each:
     the fixed policies' and the DP's for each cap."""
-    from autoshard.passes.units import module_groups, size_groups, span_names
-
     profile = ctx.profile
     seg = _Segments(order, specs, profile)
     total = seg.size[-1]
@@ -164,8 +163,6 @@ def _groupings(ctx, order, specs, options) -> list:
 def _first_forward_use(gm, live: dict) -> dict:
     """Per parameter FQN, ``(position, activation bytes live)`` at its first forward read
     (``live``: per node name, ``autoshard.simulate.activations``); None if none."""
-    from autoshard import meta
-
     out = {}
     for i, n in enumerate(gm.graph.nodes):
         if meta.is_param(n):
@@ -202,9 +199,6 @@ def tries(gm, ctx, options, order=None) -> list:
     if cache is not None and "tries" in cache:
         return cache["tries"]
     if order is None:
-        from autoshard import meta
-        from autoshard.passes.units import first_use_order
-
         order = [meta.tag(n, meta.FQN) for n in first_use_order(gm)]
     cands = auto_candidates(gm, ctx, order, options)
     finest = next(c for c in cands if len(c[2]) == len(order))  # one unit per parameter
@@ -246,8 +240,6 @@ def gradient_copies(gm, specs, profile) -> float:
     """Seconds every plan spends copying gradients into reduce-scatter layout, whatever its
     units: a gradient that is not contiguous (a weight's, computed transposed) or whose rows
     are padded to a multiple of the ranks is copied before it is sent."""
-    from autoshard import meta
-
     out = meta.output_node(gm)
     moved = 0
     for v, r in zip(out.args[0], meta.tags(out)[meta.OUTPUTS]):

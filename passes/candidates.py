@@ -17,6 +17,9 @@ import torch.fx as fx
 
 from autoshard import progress
 from autoshard.graph import clone_graph
+from autoshard.passes.collectives import offloaded_units
+from autoshard.simulate import simulate_joint
+from autoshard.spec import hosted, model_state_bytes
 
 
 LADDER = (0.25, 0.5, 0.75, 1.0)
@@ -149,8 +152,6 @@ def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
     it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
     from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
                                   split_pass)
-    from autoshard.passes.collectives import offloaded_units
-    from autoshard.simulate import simulate_joint
 
     cctx = dataclasses.replace(ctx, reshard_after_forward=cand.reshard,
                                offload_params=cand.offload_params)
@@ -178,7 +179,6 @@ def placed_context(ctx, offload: float, config, options, keep: bool = False):
     the device (``keep``: as the specs place it already), and the bytes held all step that
     follow."""
     from autoshard.config import OPTIMIZER_STATES
-    from autoshard.spec import hosted, model_state_bytes
 
     specs = ctx.captured.params
     host = ({s.fqn for s in specs if s.device == "host"} if keep

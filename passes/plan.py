@@ -81,12 +81,14 @@ import torch.fx as fx
 
 from autoshard import progress
 from autoshard.config import reshard_group_size
-from autoshard.cost import share_node_times
-from autoshard.plans import fmt_bytes
+from autoshard.cost import collective_time, share_node_times
+from autoshard.options import Prefetch
 from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
                                          shard_size)
+from autoshard.passes.readout import make_plan
 from autoshard.passes.search import Search, lightest_near
+from autoshard.plans import ScheduleEntry, fmt_bytes, offload_label
 
 
 # candidate pipelines between two runs of Python's cyclic garbage collector (see _Garbage)
@@ -216,8 +218,6 @@ class Planner:
         to the search, no module tree (an exported program), parameters not sharded
         (``strategy="ddp"``), or under "memory" a graph over ``BIG_GRAPH`` nodes (planned
         by bisection for the budget, where the extra lowering is seconds)."""
-        from autoshard.options import Prefetch
-
         config, ctx = self.config, self.ctx
         if (prefer == "speed" or not self._searched() or ctx.model is None
                 or config.strategy == "ddp"
@@ -287,8 +287,6 @@ class Planner:
             return self._plan(best, candidates, strategy)
 
     def _plan(self, best: Lowered, candidates: list, strategy: str):
-        from autoshard.passes.readout import make_plan
-
         ctx, config, pred = best.ctx, self.config, best.prediction
         specs = {p.fqn: p for p in ctx.captured.params}
         mesh_shape = ctx.captured.params[0].mesh_shape if ctx.captured.params else (1,)
@@ -316,9 +314,6 @@ def _after_step(plan, ctx) -> None:
     dtype, the shards the optimizer updated into them before the next call: schedule entries
     ("after step"), and their time (exposed: nothing runs beside it) and bytes in the
     prediction."""
-    from autoshard.cost import collective_time
-    from autoshard.plans import ScheduleEntry
-
     specs = {p.fqn: p for p in ctx.captured.params}
     for unit in ctx.units:
         by_dtype = {}
@@ -382,8 +377,6 @@ def _unfit(plan, ctx, config) -> str:
     """Why no plan fits: the smallest plan the search made (the last candidates tried are
     the least memory a plan can take: one unit per parameter, and with recompute True or
     "auto" every repeated block recomputed whole) and what would make one fit."""
-    from autoshard.plans import offload_label
-
     budget, world_size = ctx.memory_budget, plan.world_size
     return (
         f"no plan fits the memory budget of {fmt_bytes(budget)} per rank on "

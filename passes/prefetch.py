@@ -41,8 +41,6 @@ def _wait_of(issue: fx.Node) -> fx.Node:
 def gathered_spans(gm: fx.GraphModule, region: str) -> list:
     """Per all-gather of ``region``, in order: (issue node, bytes, position where the last of
     its gathered storages is freed)."""
-    from autoshard.graph import alias_base
-
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     release = {}

@@ -13,6 +13,7 @@ from typing import Optional
 import torch.fx as fx
 
 from autoshard import meta
+from autoshard.passes.offload import offloaded_bytes
 from autoshard.plans import Plan, ScheduleEntry, UnitInfo, module_label
 
 
@@ -179,8 +180,6 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
 def _offloaded_activations(fwd, modes) -> dict:
     """``Plan.offloaded_activations`` of a forward graph: its copies to the host, by the
     block ``modes`` offloads that made them (else by module path)."""
-    from autoshard.passes.offload import offloaded_bytes
-
     if fwd is None:
         return {}
     blocks = sorted((p for p, m in (modes or {}).items() if m == "offload"), key=len,

@@ -14,14 +14,19 @@ from typing import Optional
 
 import torch.fx as fx
 
-from autoshard import progress
-from autoshard.config import reshard_group_sizes
+from autoshard import meta, progress
+from autoshard.config import offloads, reshard_group_sizes
+from autoshard.cost import node_time
 from autoshard.graph import clone_graph
-from autoshard.plans import fmt_bytes
-from autoshard.passes.auto import BIG_GRAPH
+from autoshard.passes.auto import BIG_GRAPH, copy_floor, gradient_copies, tries
 from autoshard.passes.candidates import (Candidate, Lowered, first_choices, lower, offload_choice,
                                          offloaded_blocks, placed_context, recompute_choices,
                                          reshard_label, shard_size)
+from autoshard.passes.collectives import offloaded_units
+from autoshard.passes.offload import offloaded_bytes
+from autoshard.passes.units import repeated_blocks
+from autoshard.plans import fmt_bytes
+from autoshard.simulate import activations
 
 
 # with no Config.offload_policy and nothing fitting on the device, the fractions of the
@@ -57,8 +62,6 @@ class Search:
 
     def run(self):
         """``(best Lowered, candidates)``; the best is the least peak when none fits."""
-        from autoshard.config import offloads
-
         forced, placed = offloads(self.config), self.options.get("placed")
         may_offload = self.config.offload_policy is None  # when nothing fits on the device
         if placed is not None:  # an earlier plan stored the state: the specs say where
@@ -180,8 +183,6 @@ class _Placement:
     recomputing most; see ``plan.py``'s docstring for what is skipped and why."""
 
     def __init__(self, search: Search, ctx, reuse):
-        from autoshard.passes.units import repeated_blocks
-
         self.search, self.ctx, self.reuse = search, ctx, reuse
         self.start = len(search.candidates)  # this placement's rows come after
         config = self.config = search.config
@@ -221,7 +222,6 @@ class _Placement:
         kept in the search for every placement."""
         from autoshard.passes import (offload_activations_pass, recompute_activations_pass,
                                       run_passes)
-        from autoshard.simulate import activations
 
         s = self.search
         base = clone_graph(s.gm)
@@ -298,8 +298,6 @@ class _Placement:
     def choice(self, i: int, label: str, modes):
         """Try choice ``i``'s unit candidates; the label if, on a big graph, every plan of it
         was slower than the chosen one (the choices after it are not built), else None."""
-        from autoshard.cost import node_time
-
         s = self.search
         base, floor = self.prepare(i)
         last = i == len(self.choices) - 1  # built even if it does not fit: the plan shown
@@ -334,8 +332,6 @@ class _Placement:
         profile's host memory per device (recorded, not built, then; the last choice, with
         no plan of the placement built, gives way to the one before it, which offloads
         nothing)."""
-        from autoshard.passes.offload import offloaded_bytes
-
         limit = getattr(self.ctx.profile, "host_memory", 0)
         moved = sum(offloaded_bytes(base).values()) if limit else 0
         if not moved or moved + self.ctx.state["host"] <= limit:
@@ -349,9 +345,7 @@ class _Placement:
     def unit_candidates(self, ch: _Choice) -> list:
         """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the
         first that fits, by bisection (fastest first is most memory first)."""
-        from autoshard import meta
         from autoshard.passes import unit_options
-        from autoshard.passes.auto import gradient_copies, tries
 
         if self.searching_units:
             with progress.timed("plan: unit candidates"):
@@ -376,8 +370,6 @@ class _Placement:
     def slower_floor(self, ch: _Choice, k: int) -> bool:
         """Whether candidate ``k``'s compute and the copies its grouping surely makes are
         already slower than the best plan that fits (then it is recorded, not built)."""
-        from autoshard.passes.auto import copy_floor
-
         s = self.search
         if not s.best_fits():
             return False
@@ -404,8 +396,6 @@ class _Placement:
         with every unit kept from forward to backward (``reshard_after_forward="search"``)
         when its bound (the peak plus every resharded unit held) surely fits, else resharded
         to the least group that surely fits (``reshard_less``)."""
-        from autoshard.passes.collectives import offloaded_units
-
         ch.tried.add(k)
         if self.slower_floor(ch, k):
             return None

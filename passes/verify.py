@@ -6,14 +6,9 @@ import networkx as nx
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.graph import (
-    alias_base,
-    alias_closure,
-    positions,
-    to_nx,
-    writes_input,
-    written_inputs,
-)
+from autoshard.graph import (alias_base, alias_closure, positions, to_nx, writes_input,
+                             written_inputs)
+from autoshard.passes.prefetch import gathered_spans
 
 
 class VerificationError(AssertionError):
@@ -78,8 +73,6 @@ def verify(gm: fx.GraphModule, ctx) -> None:
 
 
 def _check_inflight(gm, cap: int):
-    from autoshard.passes.prefetch import gathered_spans
-
     pos = positions(gm.graph)
     for region in (meta.FWD, meta.BWD):
         spans = [(pos[i], size, rel) for i, size, rel in gathered_spans(gm, region)]

@@ -22,12 +22,13 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from autoshard import _compat, meta
+from autoshard import _compat, hooks, meta, state
 from autoshard._compat import tree_unflatten
-from autoshard.captured import TENSOR
+from autoshard.captured import NewState, StateOut, TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
 from autoshard.runtime import streams
+from autoshard.runtime.compiled import CompiledGraph, failing_sources
 
 
 class Program:
@@ -40,7 +41,6 @@ class Program:
         self.plan = plan
         self.compiled = compiled
         if compiled:  # Config.compile: inductor's code, built on the first call
-            from autoshard.runtime.compiled import CompiledGraph
 
             self.fwd = CompiledGraph(split.fwd, "forward", boxed=False)
             self.bwd = (CompiledGraph(split.bwd, "backward", boxed=True)
@@ -181,8 +181,6 @@ class Program:
     def run_backward_hooks(self, res, given) -> None:
         """The module backward hooks kept out of the trace, on this backward's gradients,
         before any of them is accumulated (``autoshard.hooks``)."""
-        from autoshard import hooks
-
         grads = {}
         for (kind, i), g, deps in zip(self.grad_slots, res, self.grad_tangents):
             if kind == "hook":
@@ -214,9 +212,6 @@ class Program:
         """The forward's output from the graph's tensors: ``objects``, the call's input
         objects holding state, and ``written``, the tensors the forward left in objects
         (``autoshard.state``), for the outputs that are such objects."""
-        from autoshard import state
-        from autoshard.captured import NewState, StateOut
-
         it = iter(user)
         leaves = [next(it) if c is TENSOR else objects[c.index] if isinstance(c, StateOut)
                   else state.build(c.description, written) if isinstance(c, NewState) else c
@@ -369,8 +364,6 @@ def _failing_node(gm, exc):
     the source nodes of each call in a comment above it."""
     import linecache
     import re
-
-    from autoshard.runtime.compiled import CompiledGraph, failing_sources
 
     if isinstance(gm, CompiledGraph):
         names = failing_sources(exc)

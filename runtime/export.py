@@ -45,12 +45,11 @@ import os
 from typing import Optional
 
 import torch
-from autoshard._compat import pytree
-
 from autoshard import meta, progress
-from autoshard.guards import user_class_name
+from autoshard._compat import pytree
 from autoshard.captured import TENSOR
 from autoshard.errors import AutoshardError
+from autoshard.guards import user_class_name
 from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, graphio
 from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, VERSION, captured_doc,
                                              group_names, module_tensors, module_tree_doc)
@@ -59,6 +58,8 @@ from autoshard.runtime.export_load import read_json, read_manifest
 from autoshard.runtime.export_format import OUTPUT_LIBRARIES, READS  # noqa: F401
 from autoshard.runtime.export_load import Loaded, load  # noqa: F401
 from autoshard.ops import chunk_op
+from autoshard.plans import Plan
+from autoshard.plans import fmt_bytes
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -245,8 +246,6 @@ def _content_hash(files: dict) -> str:
 
 def stored_plan(path, program: int = 0, manifest: Optional[dict] = None):
     """The plan of the export's ``program``-th program (``Plan``)."""
-    from autoshard.plans import Plan
-
     manifest = manifest or read_manifest(path, verify=False)
     entries = manifest["programs"]
     if not 0 <= program < len(entries):
@@ -259,8 +258,6 @@ def describe(path, *, verify: bool = True) -> str:
     """What ``python -m autoshard inspect`` prints: the manifest, then for each program its
     call, the plan's prediction (memory included), its units and its schedule."""
     from tabulate import tabulate
-
-    from autoshard.plans import fmt_bytes
 
     manifest = read_manifest(path, verify=verify)
     files = manifest["files"]

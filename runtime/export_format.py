@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from autoshard._compat import pytree
-
-from autoshard.guards import user_class_name
-from autoshard.captured import TENSOR, Captured
+from autoshard.captured import Captured, TENSOR
 from autoshard.config import Config
 from autoshard.errors import AutoshardError
+from autoshard.guards import user_class_name
+from autoshard.runtime import dist as _dist
+from autoshard.runtime.checkpoint import module_state
 from autoshard.spec import ParamSpec, placements_for, shards_over_mesh
 
 
@@ -267,14 +268,10 @@ def zero_tensors(module: torch.nn.Module) -> None:
 def module_tensors(model) -> dict:
     """What an export stores of the model's state: every parameter and buffer by module
     path, read from the modules (state-dict hooks that rename or fuse keys do not apply)."""
-    from autoshard.runtime.checkpoint import module_state
-
     return module_state(model, every_buffer=True)
 
 
 def group_names(mesh) -> list:
     """The process group names the graphs' collectives name, one per mesh dimension."""
-    from autoshard.runtime import dist as _dist
-
     names = _dist.group_name(mesh)
     return [names] if isinstance(names, str) else list(names)

@@ -16,15 +16,18 @@ import torch
 import torch.distributed as dist
 
 from autoshard import meta, progress
-from autoshard.config import Config
+from autoshard._compat import OpOverload
+from autoshard.captured import SplitProgram
+from autoshard.config import Config, offloads
 from autoshard.errors import AutoshardError
-from autoshard.spec import hosted
-from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, graphio
+from autoshard.ops import chunk_op
+from autoshard.plans import Plan
+from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, dist as _dist, graphio
 from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, READS, VERSION,
                                              captured_from_doc, dtype_name, group_names,
                                              module_tensors, respec, skeleton, spec_from_doc,
                                              zero_tensors)
-from autoshard.ops import chunk_op
+from autoshard.spec import hosted
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -161,7 +164,6 @@ def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = 
 def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool):
     """``load``, the export's data folder held."""
     from autoshard import api
-    from autoshard.runtime import dist as _dist
 
     path = os.fspath(path)
     manifest = read_manifest(path, verify=False)  # the files: below, shared by the ranks
@@ -265,9 +267,6 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     """The stored program in ``folder`` on ``st``'s mesh: at the export's mesh shape, device
     type and Config (``same``) its compiled graphs, each collective on the group of its mesh
     dimension here; otherwise its joint graph planned again for this mesh and Config."""
-    from autoshard.captured import SplitProgram
-    from autoshard.plans import Plan
-
     doc = read_json(os.path.join(folder, "program.json"))
     constants = _read_constants(os.path.join(folder, "constants.pt"))
     mesh, device, config = st.placement()
@@ -275,8 +274,6 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     regroup = dict(zip(doc.get("groups", [None]), group_names(mesh)))
     hpz = doc.get("reshard_groups", {})  # format 3 before hpZ has none
     if same and hpz:
-        from autoshard.runtime import dist as _dist
-
         here = _dist.reshard_groups(mesh, sorted(set(hpz.values())))
         regroup.update({name: here[k] for name, k in hpz.items()})
 
@@ -299,8 +296,6 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
             n_tangents=s["n_tangents"])
         prog = st.program_of(cap, split, Plan.from_json(json.dumps(doc["plan"])))
     else:
-        from autoshard.config import offloads
-
         host = hosted([(p.fqn, p.shape) for p in stored], offloads(config))
         params = [respec(p, mesh, config, "host" if p.fqn in host else "device")
                   for p in stored]
@@ -344,8 +339,6 @@ def _check_params(joint, model, path: str) -> None:
 def _regrouped(gm, regroup: dict, folder: str):
     """``gm`` with each collective's process group replaced by this process's group of the
     same mesh dimension (``regroup``: stored name -> name here; the key None: every one)."""
-    from autoshard._compat import OpOverload
-
     for n in gm.graph.nodes:
         t = n.target
         if not (n.op == "call_function" and isinstance(t, OpOverload)
