@@ -8,15 +8,22 @@ import os
 import sys
 import time
 
-from autoshard.config import POLICIES
-from autoshard.factory import load_factory
+import autoshard
+from autoshard import progress
+from autoshard.check import run_factory
+from autoshard.config import Config, POLICIES
+from autoshard.cost import PROFILES
+from autoshard.errors import AutoshardError
+from autoshard.factory import export_factory, load_factory
+from autoshard.options import Offload
+from autoshard.runtime import commit
+from autoshard.runtime.dist import spawn_ranks
+from autoshard.runtime.export import describe, stored_plan
 from autoshard.spec import STRATEGIES
 
 
 def _plan(args) -> int:
     import torch
-
-    import autoshard
 
     t0 = time.perf_counter()
 
@@ -66,9 +73,6 @@ def _plan_config(args) -> tuple:
     """The plan's Config and world size (a pair under --replicate) from the arguments."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    from autoshard.config import Config
-    from autoshard.options import Offload
-
     _world_size(args)
     if args.replicate < 1 or args.world_size % args.replicate:
         raise ValueError(f"--replicate {args.replicate} must divide --world-size "
@@ -108,8 +112,6 @@ def _mp_policy(args):
 
 
 def _check(args) -> int:
-    from autoshard.check import run_factory
-
     load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
     _world_size(args)
     text, ok = run_factory(args.factory, batch=args.batch, seq=args.seq,
@@ -120,12 +122,6 @@ def _check(args) -> int:
 
 
 def _export(args) -> int:
-    from autoshard.config import Config
-    from autoshard.runtime.dist import spawn_ranks
-    from autoshard.runtime import commit
-    from autoshard.factory import export_factory
-    from autoshard.runtime.export import describe
-
     load_factory(args.factory)  # a bad MODULE:FACTORY is named before any rank starts
     _world_size(args)
     out = os.path.abspath(args.out)
@@ -150,8 +146,6 @@ def _export(args) -> int:
 
 
 def _inspect(args) -> int:
-    from autoshard.runtime.export import describe, stored_plan
-
     print(describe(args.path, verify=not args.no_verify))
     if args.trace or args.plot:
         plan = stored_plan(args.path, args.program)
@@ -180,8 +174,6 @@ def _version() -> str:
     import importlib.metadata
 
     import torch
-
-    import autoshard
 
     version = getattr(autoshard, "__version__", None)
     if version is None:
@@ -226,8 +218,6 @@ def _add_demo(sub) -> None:
 
 
 def _add_plan(sub) -> None:
-    from autoshard.cost import PROFILES
-
     pl = sub.add_parser("plan", formatter_class=_Formatter,
                         help="plan a model for any world size on this machine")
     pl.add_argument("factory", help="MODULE:FACTORY returning an nn.Module")
@@ -370,13 +360,9 @@ COMMANDS = {"demo": _demo, "plan": _plan, "check": _check, "export": _export,
 def main(argv=None) -> int:
     """Runs one command; a user's mistake (``AutoshardError``, ``ValueError``, ``OSError``)
     is one line on stderr and exit status 1, its traceback only under ``AUTOSHARD_DEBUG``."""
-    from autoshard.errors import AutoshardError
-
     top = parser()
     args = top.parse_args(argv)
     if args.command == "plan" and args.quiet:
-        from autoshard import progress
-
         progress.enable(False)
     try:
         return COMMANDS[args.command](args)

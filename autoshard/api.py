@@ -22,7 +22,7 @@ from autoshard.config_model import check_names
 from autoshard.errors import AutoshardError
 from autoshard.guards import user_class_name
 from autoshard.plans import Plan
-from autoshard.runtime import dist as _dist, optim
+from autoshard.runtime import dist as _dist, optim, record as recording
 from autoshard.runtime.checkpoint import localize_state_dict
 from autoshard.runtime.export import export
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
@@ -180,10 +180,8 @@ class ShardedModule(torch.nn.Module):
         """Context manager recording one step run inside it: the communication events in
         order and this rank's live bytes (``autoshard.runtime.record``). Pass the optimizer
         and the step's input tensors so the baseline counts their bytes."""
-        from autoshard.runtime.record import record
-
         extra = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
-        return record(self, optimizer, extra_bytes=extra)
+        return recording.record(self, optimizer, extra_bytes=extra)
 
     def full_state_dict(self, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict:
         """Full (gathered) tensors under the original keys. Every rank calls it (one

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 from torch.distributed.fsdp import CPUOffloadPolicy  # Offload is one
 
 from autoshard.config_history import moved_kwargs, offload_from_dict, regrouped
-from autoshard.cost import DeviceProfile
+from autoshard.cost import PROFILES, DeviceProfile
 from autoshard.options import (Bucket, Module, Offload, Prefetch, Size, check_flag, check_one_of,
                                check_size)
+from autoshard.spec import STRATEGIES
 
 if TYPE_CHECKING:  # the fields' annotations only
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -309,7 +310,6 @@ class Config:
             check_one_of("reshard_after_forward", raf, (True, False, "auto", "search"),
                     ", or an int k >= 1 dividing the shard dimension's size (hpZ: groups of k "
                     "ranks)")
-        from autoshard.spec import STRATEGIES
 
         check_one_of("strategy", self.strategy, STRATEGIES)
         if self.strategy == "zero2" and self.reshard_after_forward != "auto":
@@ -379,8 +379,6 @@ class Config:
         """The device profile and the units (the module policy checked its names when
         built)."""
         if self.device_profile is not None:
-            from autoshard.cost import DeviceProfile, PROFILES
-
             if not isinstance(self.device_profile, DeviceProfile):
                 check_one_of("device_profile", self.device_profile, tuple(PROFILES),
                         ", a DeviceProfile (autoshard.cost.calibrate()) or None")

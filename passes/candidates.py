@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from autoshard import progress
+from autoshard.config import OPTIMIZER_STATES
 from autoshard.graph import clone_graph
 from autoshard.passes.collectives import offloaded_units
 from autoshard.simulate import simulate_joint
@@ -178,8 +179,6 @@ def placed_context(ctx, offload: float, config, options, keep: bool = False):
     """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
     the device (``keep``: as the specs place it already), and the bytes held all step that
     follow."""
-    from autoshard.config import OPTIMIZER_STATES
-
     specs = ctx.captured.params
     host = ({s.fqn for s in specs if s.device == "host"} if keep
             else hosted([(s.fqn, s.shape) for s in specs], offload))

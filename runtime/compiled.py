@@ -30,7 +30,7 @@ import re
 import torch
 import torch.fx as fx
 
-from autoshard import meta
+from autoshard import meta, progress
 from autoshard.errors import AutoshardError
 from autoshard.graph import clone_graph
 from autoshard.ops import pack_op
@@ -145,7 +145,6 @@ class CompiledGraph:
         else:
             args = list(args)
         if self.fn is None:  # inductor's first compile of a large step can take minutes
-            from autoshard import progress
 
             with progress.phase(f"compiling the {self.what} graph with inductor"):
                 g = functional(self.gm)
@@ -159,9 +158,7 @@ class CompiledGraph:
     def _compile(self, g: fx.GraphModule, example: list):
         from unittest import mock
 
-        from autoshard._compat import inductor_config
-        from autoshard._compat import compile_fx
-        from autoshard._compat import GraphLowering
+        from autoshard._compat import GraphLowering, compile_fx, inductor_config
 
         sources = []
         with inductor_config.patch(INDUCTOR_CONFIG), torch.no_grad(), \

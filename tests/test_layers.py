@@ -10,8 +10,8 @@ the table below or stays within its layer, failing with file:line where one goes
 passes and runtime do not import each other. Also held: no module imports another module's
 private name, and no import cycle at module level. What is left to do is listed, with its
 reason, in ``KNOWN`` (an entry that no longer happens fails too, so the list only shrinks),
-and in the ceiling on imports inside functions (``FUNCTION_LEVEL``; the aim is 10, each with a
-one-line reason)."""
+and in the imports left inside functions (``INSIDE_FUNCTIONS``, each with its reason: a new
+one fails until it is imported at the top of its module or given a reason there)."""
 
 import ast
 import os
@@ -34,7 +34,27 @@ KNOWN = {
         "loading an export builds the ShardedModule with autoshard(); the front door should "
         "build it and hand the runtime the model",
 }
-FUNCTION_LEVEL = 40  # imports inside functions today (136 before the layers were drawn, 126 after)
+# (importer, imported): why the import is made inside a function (136 such imports before the
+# layers were drawn, 126 after; these 11 are what is left)
+INSIDE_FUNCTIONS = {
+    ("autoshard.__main__", "autoshard.fuzz"):
+        "the command line loads a subcommand's modules when that subcommand runs",
+    ("autoshard.__main__", "autoshard.demo"):
+        "the command line loads a subcommand's modules when that subcommand runs",
+    ("autoshard.runtime.compiled", "autoshard._compat"):
+        "inductor takes seconds to import: only a compiled step pays it",
+    ("autoshard.passes.candidates", "autoshard.passes"):
+        "the planner is a pass that runs the pass list, which holds it (a cycle by design)",
+    ("autoshard.passes.plan", "autoshard.passes"):
+        "the planner is a pass that runs the pass list, which holds it (a cycle by design)",
+    ("autoshard.passes.search", "autoshard.passes"):
+        "the planner is a pass that runs the pass list, which holds it (a cycle by design)",
+    ("autoshard.passes.units", "autoshard.passes.auto"):
+        "the 'auto' policy's search prices the other policies' groupings (module_groups, "
+        "size_groups) as candidates",
+    ("autoshard.runtime.export_load", "autoshard.api"): KNOWN[
+        ("autoshard.runtime.export_load", "autoshard.api")],
+}
 
 
 def layer(module: str) -> str:
@@ -124,11 +144,18 @@ def test_no_import_cycle_at_module_level():
     assert not cycles, cycles
 
 
-def test_imports_inside_functions_do_not_grow():
-    inner = [where for *_, is_inner, where in edges() if is_inner]
-    assert len(inner) <= FUNCTION_LEVEL, (
-        f"{len(inner)} imports inside functions, more than {FUNCTION_LEVEL}: import at the "
-        "top of the module, or lower the layer of what is imported")
+def test_imports_inside_functions_each_have_a_reason():
+    inner = {}
+    for importer, target, _, is_inner, where in edges():
+        if is_inner:
+            inner.setdefault((importer, target), []).append(where)
+    new = {k: v for k, v in inner.items() if k not in INSIDE_FUNCTIONS}
+    assert not new, ("imports inside functions with no reason in INSIDE_FUNCTIONS: import at "
+                     f"the top of the module, or lower the layer of what is imported: {new}")
+    gone = set(INSIDE_FUNCTIONS) - set(inner)
+    assert not gone, f"no longer imported inside a function, remove: {sorted(gone)}"
+    statements = {w for ws in inner.values() for w in ws}
+    assert len(statements) <= 11, sorted(statements)
 
 
 def test_the_layer_table_reads_the_tree():
