@@ -17,10 +17,10 @@ scale invariance leave the parameters within 6e-5 of FSDP2's)."""
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (.ci/run installs it)")
+from harness import run_ranks
+from torchtitan_workers import STEPS, torchtitan_or_skip, torchtitan_worker
 
-from harness import run_ranks  # noqa: E402
-from torchtitan_workers import STEPS, torchtitan_worker  # noqa: E402
+torchtitan_or_skip()
 
 PARAM_TOL = 2e-7
 

@@ -6,14 +6,13 @@ peaks at FSDP2's plan's peak, and every lighter grouping pays a collective's lat
 8 sequences the activations the min cut does not save make the difference. Skipped where
 torchtitan is not installed (``.ci/run`` installs it)."""
 
-import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (.ci/run installs it)")
+import autoshard
+from autoshard.passes.plan import PEAK_TARGET, STEP_CAP
+from torchtitan_workers import SEQ, VOCAB, build_model, import_torchtitan, torchtitan_or_skip
 
-import autoshard  # noqa: E402
-from autoshard.passes.plan import PEAK_TARGET, STEP_CAP  # noqa: E402
-from torchtitan_workers import SEQ, VOCAB, build_model, import_torchtitan  # noqa: E402
+torchtitan_or_skip()
 
 
 def _plan(batch):

@@ -38,6 +38,21 @@ def import_torchtitan():
         dist_utils=dist_utils, apply_fsdp_to_decoder=apply_fsdp_to_decoder)
 
 
+def torchtitan_or_skip():
+    """Skip the calling test module, naming why, where torchtitan is missing or does not run
+    on this torch (torchtitan 0.3.0 imports FSDP2 names that torch 2.11 lacks)."""
+    import pytest
+
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed (.ci/run installs it)")
+    try:
+        import_torchtitan()
+    except ImportError as e:
+        import torchtitan
+
+        pytest.skip(f"torchtitan {getattr(torchtitan, '__version__', '?')} does not run on "
+                    f"torch {torch.__version__}: {e}", allow_module_level=True)
+
+
 def build_model(tt):
     """The llama3 "debugmodel" flavour built the way torchtitan builds it (its layer
     configs with the depth-scaled inits, fused QKV, RoPE with llama scaling, its
