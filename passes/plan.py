@@ -192,7 +192,7 @@ class Planner:
         if (prefer == "balanced" and fits and ref_low is not None
                 and ref_low.prediction.peak_bytes <= ref_low.ctx.memory_budget):
             # FSDP2's plan is a candidate too: the plan taken is never predicted slower or
-            # heavier than it (a big graph's bisection may not build it)
+            # heavier than it beyond IMMATERIAL (a big graph's bisection may not build it)
             outcomes.append(self._fsdp2_outcome(ref_low))
             tried.append(outcomes[-1])
             fits.append(outcomes[-1])
