@@ -393,7 +393,7 @@ def _captured(joint: _Joint, gm: fx.GraphModule, finputs: list, grad_mode: bool,
         has_backward=has_backward,
         grad_enabled=grad_mode,
     )
-    cap.guards = guards.build(joint.model, rec["reads"], names, hooks.signature, joint.lifted)
+    cap.guards = guards.build(joint.model, rec["reads"], names, hooks.hook_dicts, joint.lifted)
     cap.taps, cap.n_taps = rec["taps"], len(rec["tapped"])
     # hooks the forward registered ran in the trace; later captures trace them too
     cap.lifted = list(joint.lifted)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import itertools
+import operator
 import os
 import sys
 import sysconfig
@@ -46,7 +48,6 @@ _MODULE_INTERNALS = frozenset({
     "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks", "_autoshard", "__dict__", "__class__"})
-HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 _CONTAINER_LIMIT = 16
 
 
@@ -104,31 +105,82 @@ def show(frozen: Any) -> str:
 
 class Guard:
     """One recorded value: where it lives (``what``), how to read it now (``get``, frozen),
-    and the value the program was captured with."""
+    and the value the program was captured with. ``held``: (a dict, a key, the object
+    captured) where the value is one object read from a dict whose identity decides the
+    guard (an object guarded by identity) or implies it (a scalar: the same object has the
+    same value); such guards are checked together, in C (``Guards.failure``)."""
 
-    __slots__ = ("what", "get", "expected", "kind", "key")
+    __slots__ = ("what", "get", "expected", "kind", "key", "held")
 
-    def __init__(self, what: str, get: Callable[[], Any], kind: str = "value", key=None):
-        self.what, self.get, self.kind, self.key = what, get, kind, key
+    def __init__(self, what: str, get: Callable[[], Any], kind: str = "value", key=None,
+                 held=None):
+        self.what, self.get, self.kind, self.key, self.held = what, get, kind, key, held
         self.expected = get()
 
 
-class Guards:
-    """The guards of one captured program, checked in order before each reuse."""
+class _Keys:
+    """The keys of many dicts, in order, and (``values``) the identity of their values: the
+    module tree's or its hooks' state, compared without a Python call per dict."""
 
-    def __init__(self, guards: list, pins: list):
+    def __init__(self, dicts: list, values: bool):
+        self.dicts = dicts
+        self.lens, self.keys = self._shape()
+        self.values = list(itertools.chain.from_iterable(map(dict.values, dicts))) \
+            if values else None
+
+    def _shape(self) -> tuple:
+        return list(map(len, self.dicts)), list(itertools.chain.from_iterable(self.dicts))
+
+    def holds(self) -> bool:
+        if self._shape() != (self.lens, self.keys):
+            return False
+        return self.values is None or all(map(
+            operator.is_, itertools.chain.from_iterable(map(dict.values, self.dicts)),
+            self.values))
+
+
+class Guards:
+    """The guards of one captured program, checked in order before each reuse.
+
+    A step checks hundreds of guards (four per module, one per attribute and global its
+    forward read); one Python call each would cost about as much as the step's small ops.
+    So the tree and hook guards are also taken as two ``_Keys`` and the identity guards as
+    one list, each compared in C; only the rest (tensors, containers, configs) run their own
+    ``get``. When anything differs the guards are scanned in order for the first that changed,
+    so ``failure`` answers as the plain scan would."""
+
+    def __init__(self, guards: list, pins: list, batches: tuple = ()):
         self.guards = guards
         self._pins = pins  # objects guarded by identity stay alive, so their ids stay theirs
+        self._batches = batches
+        held = [g for g in guards if g.held is not None]
+        self._held = held
+        self._dicts = [g.held[0] for g in held]
+        self._keys = [g.held[1] for g in held]
+        self._objects = [g.held[2] for g in held]
+        self._rest = [g for g in guards if g.held is None and g.kind not in _BATCHED]
 
     def __len__(self) -> int:
         return len(self.guards)
 
     def failure(self) -> Optional[Guard]:
         """The first guard whose value changed, or None when the program still holds."""
+        if self._hold():
+            return None
         for g in self.guards:
             if g.get() != g.expected:
                 return g
         return None
+
+    def _hold(self) -> bool:
+        if not all(b.holds() for b in self._batches):
+            return False
+        now = list(map(dict.get, self._dicts, self._keys, itertools.repeat(_MISSING)))
+        if not all(map(operator.is_, now, self._objects)):  # a scalar may be an equal copy
+            if any(v is not g.held[2] and g.get() != g.expected
+                   for g, v in zip(self._held, now)):
+                return False
+        return all(g.get() == g.expected for g in self._rest)
 
     def change(self, g: Guard) -> str:
         now = g.get()
@@ -141,7 +193,8 @@ class Guards:
             return f"{g.what}: {', '.join(parts) or 'reordered'}"
         if g.kind == "dtype":
             changed = [f"{d0} on {v0} -> {d1} on {v1}"
-                       for (d0, v0), (d1, v1) in zip(g.expected, now) if (d0, v0) != (d1, v1)]
+                       for (d0, v0), (d1, v1) in zip(zip(*g.expected), zip(*now))
+                       if (d0, v0) != (d1, v1)]
             return f"{g.what}: {changed[0] if changed else 'changed'}"
         return f"{g.what}: {show(g.expected)} -> {show(now)}"
 
@@ -397,29 +450,50 @@ def refuse_unfollowable(reads: _Reads, model_name: str) -> None:
                       "or from the training loop.", stacklevel=2)
 
 
-def build(model: torch.nn.Module, reads: _Reads, names: dict, hooked: Callable,
+_BATCHED = frozenset({"tree", "hooks"})  # the kinds ``_Keys`` check
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+
+
+def _held(value: Any) -> bool:
+    """Whether the same object read again means the guard holds: a scalar (the same object,
+    the same value) or an object ``freeze`` guards by identity; not a tensor (its version)
+    nor a container (its items)."""
+    frozen = freeze(value)
+    return frozen[0] == "id" or (isinstance(frozen[0], type)
+                                 and issubclass(frozen[0], _SCALARS))
+
+
+def build(model: torch.nn.Module, reads: _Reads, names: dict, hook_dicts: Callable,
           lifted=()) -> Guards:
     """The guards of a program whose forward read ``reads``: ``names`` maps a module's id to
-    its path; ``hooked(module)`` the module's user hooks (a change to them recaptures);
-    ``lifted``: (module, attribute) of floats the graph takes as inputs, guarded only to
-    stay floats."""
+    its path; ``hook_dicts(module)`` the dicts of the module's hooks, ``hook_dicts(None)``
+    the global ones (a change to their keys recaptures); ``lifted``: (module, attribute) of
+    floats the graph takes as inputs, guarded only to stay floats."""
     lifted = {(id(m), n) for m, n in lifted}
     objects: dict = {}
     guards, pins = [], []
     mods = list(dict.fromkeys(model.modules()))
+    trees, hooked = [], [*hook_dicts(None)]
     for m in mods:
         path = names.get(id(m), "?") or "(root)"
         for attr in ("_modules", "_parameters", "_buffers"):
             d = getattr(m, attr)
+            trees.append(d)
             guards.append(Guard(f"module '{path}' {attr[1:]}",
                                 lambda d=d: (tuple(d), tuple(map(id, d.values()))), "tree"))
-        guards.append(Guard(f"hooks of module '{path}'", lambda m=m: hooked(m), "hooks"))
+        own = hook_dicts(m)
+        hooked.extend(own)
+        guards.append(Guard(f"hooks of module '{path}'", lambda o=own: tuple(map(tuple, o)),
+                            "hooks"))
         pins.extend(m._parameters.values())
         pins.extend(m._buffers.values())
         pins.extend(m._modules.values())
+    glob = hook_dicts(None)
+    guards.append(Guard("global module hooks", lambda: tuple(map(tuple, glob)), "hooks"))
     params = [p for m in mods for p in m._parameters.values() if p is not None]
     guards.append(Guard("the parameters' dtype and device",
-                        lambda ps=params: tuple((p.dtype, p.device) for p in ps), "dtype"))
+                        lambda ps=params: (tuple(map(_DTYPE, ps)), tuple(map(_DEVICE, ps))),
+                        "dtype"))
     for (_, name), m in reads.attrs.items():
         d = m.__dict__
         path = names.get(id(m), "?") or "(root)"
@@ -428,9 +502,9 @@ def build(model: torch.nn.Module, reads: _Reads, names: dict, hooked: Callable,
             guards.append(Guard(what, lambda d=d, n=name: type(d.get(n)) is float, "lifted",
                                 key=(m, name)))
             continue
+        value = d.get(name, _MISSING)
         guards.append(Guard(what, lambda d=d, n=name: freeze(d.get(n, _MISSING)), "attr",
-                            key=(m, name)))
-        value = d.get(name)
+                            key=(m, name), held=(d, name, value) if _held(value) else None))
         pins.append(value)
         if is_plain_object(value) and id(value) not in objects:
             objects[id(value)] = value  # a config many modules share: its fields, once
@@ -445,10 +519,12 @@ def build(model: torch.nn.Module, reads: _Reads, names: dict, hooked: Callable,
             mod, value = glb.get("__name__", "?"), glb[name]
             if issubclass(type(value), _IDENTITY):  # a function, class or module: the same one
                 guards.append(Guard(f"global '{name}' of {mod} (replaced)",
-                                    lambda g=glb, n=name, v=value: g.get(n) is v, "global"))
+                                    lambda g=glb, n=name, v=value: g.get(n) is v, "global",
+                                    held=(glb, name, value)))
             else:
                 guards.append(Guard(f"global '{name}' of {mod}",
-                                    lambda g=glb, n=name: freeze(g.get(n, _MISSING)), "global"))
+                                    lambda g=glb, n=name: freeze(g.get(n, _MISSING)), "global",
+                                    held=(glb, name, value) if _held(value) else None))
             pins.append(value)
     if reads.closures:
         for fn in gc.get_referrers(*reads.closures):
@@ -464,7 +540,7 @@ def build(model: torch.nn.Module, reads: _Reads, names: dict, hooked: Callable,
                 guards.append(Guard(f"closure variable '{var}' of {fn.__qualname__}",
                                     lambda c=cell: freeze(_cell(c)), "closure"))
                 pins.append(value)
-    return Guards(guards, pins)
+    return Guards(guards, pins, (_Keys(trees, values=True), _Keys(hooked, values=False)))
 
 
 def _cell(cell):

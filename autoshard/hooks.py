@@ -131,12 +131,14 @@ def _user_hooks(mod, kind: str, traced: frozenset) -> list:
     return [h for h in out if h[3] not in traced and not is_model_hook(mod, h[1])]
 
 
-def signature(mod) -> tuple:
-    """The hooks of ``mod`` (and the global ones) as a comparable value: a guard."""
-    return (tuple(mod._forward_pre_hooks), tuple(mod._forward_hooks),
-            tuple(mod._backward_pre_hooks), tuple(mod._backward_hooks),
-            tuple(_mm._global_forward_pre_hooks), tuple(_mm._global_forward_hooks),
-            tuple(_mm._global_backward_pre_hooks), tuple(_mm._global_backward_hooks))
+def hook_dicts(mod=None) -> tuple:
+    """The dicts whose keys say which hooks run around ``mod``'s call (the global ones
+    where ``mod`` is None): a change to their keys recaptures (a guard)."""
+    if mod is None:
+        return (_mm._global_forward_pre_hooks, _mm._global_forward_hooks,
+                _mm._global_backward_pre_hooks, _mm._global_backward_hooks)
+    return (mod._forward_pre_hooks, mod._forward_hooks, mod._backward_pre_hooks,
+            mod._backward_hooks)
 
 
 def _backward_hooks(mod, kind: str, traced: frozenset) -> list:

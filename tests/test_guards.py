@@ -405,3 +405,41 @@ def test_hooks_the_forward_installs_and_reads_stay_in_every_capture():
         for want, got in zip((a, *ra), (b, *rb)):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
+
+
+def test_the_checks_made_together_name_what_the_scan_in_order_names():
+    """The tree, hook and identity guards are checked together, in C (``Guards.failure``);
+    a change still fails the program naming the guard a scan in order names, and a value
+    reassigned to an equal new object still holds."""
+    ref, sharded = _pair()
+    x = torch.randn(3, 8)
+    _same(ref, sharded, x)
+    g = sharded._autoshard.last.captured.guards
+    assert g.failure() is None
+    sharded.temperature = float("1.0")  # equal, another object
+    assert sharded.temperature is not ref.temperature and g.failure() is None
+    h = sharded.b.register_forward_hook(lambda m, i, o: None)
+    assert g.failure().what == "hooks of module 'b'"
+    h.remove()
+    assert g.failure() is None
+    h1 = sharded.a.register_forward_hook(lambda m, i, o: None)
+    h2 = sharded.a.register_forward_hook(lambda m, i, o: None)
+    was = g.failure().what
+    h1.remove()
+    h2.remove()
+    h3 = sharded.a.register_forward_hook(lambda m, i, o: None, prepend=True)
+    assert was == g.failure().what == "hooks of module 'a'"
+    h3.remove()
+    h = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert g.failure().what == "global module hooks"
+    finally:
+        h.remove()
+    assert g.failure() is None
+    act = sharded.act
+    sharded.act = nn.GELU()  # the same kind of module, another object
+    assert g.failure().what == "module '(root)' modules"
+    sharded.act = act
+    assert g.failure() is None
+    sharded.double_it = 0  # == False, but an int: a change, as the scan in order says
+    assert g.failure().what.startswith("attribute 'double_it'")
