@@ -9,6 +9,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch._ops import OpOverload  # noqa: F401
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (meta-device init)
 
 # pytree: flattening the calls' inputs and outputs (torch's own, private, module)
@@ -34,21 +35,25 @@ def local_tensor(dt) -> torch.Tensor:
 def dtensor_like(dt, local: torch.Tensor):
     """A DTensor of ``local`` with ``dt``'s mesh, placements and global shape, recording no
     autograd history (a gradient shard for the parameter ``dt``)."""
-    from torch.distributed.tensor import DTensor
+    return _new_dtensor(local, dt._spec)
 
-    return DTensor(local, dt._spec, requires_grad=False)
+
+def _new_dtensor(local: torch.Tensor, spec):
+    """``DTensor(local, spec, requires_grad=False)`` without its ``__init__``, which does
+    nothing but costs two wrappers' calls (half of the gradient hand-off's host time: a step
+    makes one per parameter)."""
+    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
 def dtensor_here(local: torch.Tensor, mesh, placements, shape, stride):
     """A DTensor of ``local`` on ``mesh`` where ``local`` is: ``DTensor.from_local`` moves
     its tensor to the mesh's device type, so a shard kept in host memory (CPU offload) on a
     GPU mesh would land on the GPU again. FSDP2 builds its host shards this way too."""
-    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     spec = DTensorSpec(mesh, tuple(placements),
                        TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    return _new_dtensor(local, spec)
 
 
 # --- inductor, imported on first use (Config.compile) ----------------------------------------

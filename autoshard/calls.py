@@ -6,6 +6,7 @@ submodule or a registered method a call of its own."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional
 
 import torch
@@ -169,8 +170,8 @@ def call(module, st: CallState, args, kwargs):
     # a rank whose Python changed (a config that rank 0 alone saved) captures again, and then
     # every rank does, so that all run the same collectives
     found = cached(st, key)
-    again = st.agreement(f"step {step}: {st.entry}", describe_call(args, kwargs, key),
-                         exact=repr(key), flag=found is None)
+    again = st.agreement(f"step {step}: {st.entry}", lambda: describe_call(args, kwargs, key),
+                         exact=lambda: repr(key), flag=found is None)
     st.agreement.step = step
     tensors = flat_inputs(leaves)
     objects = [x for x in leaves if state.is_state(x)]
@@ -231,6 +232,9 @@ def program_for(module, st: CallState, args, kwargs, key, found) -> Program:
     return compile_for(module, st, args, kwargs, key, sharded=True)
 
 
+_REQUIRES_GRAD, _DTYPE = operator.attrgetter("requires_grad"), operator.attrgetter("dtype")
+
+
 def call_key(module, st: CallState, args, kwargs):
     parts = []
     leaves, spec = tree_flatten((args, kwargs))
@@ -244,9 +248,9 @@ def call_key(module, st: CallState, args, kwargs):
         else:
             parts.append(("const", type(x).__name__, repr(x)))
     params = [mod._parameters[name] for mod, name in st.param_refs]
-    grads = tuple(p.requires_grad for p in params)
+    grads = tuple(map(_REQUIRES_GRAD, params))
     # the parameters' dtypes: a cast on one rank only (.double()) is then named as such
-    dtypes = tuple(sorted({str(p.dtype).replace("torch.", "") for p in params}))
+    dtypes = tuple(sorted(str(d).replace("torch.", "") for d in set(map(_DTYPE, params))))
     # gradients: reduced, kept local, or reduced with what earlier steps kept
     sync = ((("sync" if not st.pending else "sync+accumulated") if st.grad_sync
              else "local") if torch.is_grad_enabled() else "-")

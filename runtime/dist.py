@@ -300,9 +300,12 @@ class Agreement:
         differ, ``explain(details)`` (each rank's ``detail``, in mesh order) returns the
         error's text in place of the advice about steps; it runs on every rank, so it may
         exchange more (``notes``, ``first_difference``). Returns whether any rank set
-        ``flag`` (carried beside the digest, as ``any`` carries its flags: no exchange more)."""
+        ``flag`` (carried beside the digest, as ``any`` carries its flags: no exchange more).
+        ``detail`` and ``exact`` may be functions that return them: with one rank nothing is
+        compared, so they are not built (a step's call describes its inputs this way)."""
         if self.world == 1 or self.fake:
             return flag
+        detail, exact = (x() if callable(x) else x for x in (detail, exact))
         mine = f"{what}{': ' + detail if detail else ''}"
         head = hashlib.sha256(f"{mine}\0{exact}".encode()).digest()[:16]
         bits = bytes([int(flag)]).ljust(16, b"\0")
