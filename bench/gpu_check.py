@@ -5,7 +5,10 @@
 Each stage runs in a process of its own under a deadline of its own (cut to what is left of
 ``--budget`` seconds), so a hang or a crash in one costs only that stage. After every stage
 ``DIR/gpu_check.json`` (every figure) and ``DIR/gpu_check.md`` (the table) are written
-again, so a run stopped from outside still reports what it finished. The stages:
+again, so a run stopped from outside still reports what it finished. The tests (stage 6)
+run beside stages 2 and 4, which time nothing, from the moment the environment has passed;
+the stages that time steps (3 and 5) start once they are done and have the GPU to
+themselves. The stages:
 
 1. ``env``: torch, CUDA and the device; NCCL at world size 1 (all-gather, reduce-scatter and
    all-reduce, the c10d functional ones the graphs run, compared with the values expected)
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +52,9 @@ GiB = 2**30
 # (stage, deadline in seconds, must pass for the run to go on)
 STAGES = (("env", 60, True), ("smoke", 150, False), ("llama1b", 240, False),
           ("fake8", 150, False), ("hostcost", 90, False), ("pytest", 240, False))
+# the stage that runs beside the others from the start (it times nothing), and those that
+# time steps, which wait for it to end first: the GPU's time-slicing would be in their figures
+BACKGROUND, ALONE = "pytest", ("llama1b", "hostcost")
 GPU_TESTS = ("tests/runtime/test_compile.py", "tests/runtime/test_export.py",
              "tests/runtime/test_gpu_streams.py")
 
@@ -76,21 +83,43 @@ def main(argv=None) -> int:
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dry_run": args.dry_run,
               "stages": {}}
     t0 = time.monotonic()
-    for name, deadline, required in STAGES:
-        if name not in wanted:
-            continue
-        left = args.budget - (time.monotonic() - t0)
-        if left < 10:
-            report["stages"][name] = {"status": "skipped", "why": "out of time"}
-            _write(args.out, report)
-            continue
-        res = _run_stage_process(args, name, min(deadline, left))
+    background = None  # (name, the running stage) of BACKGROUND once started
+
+    def left() -> float:
+        return args.budget - (time.monotonic() - t0)
+
+    def record(name: str, res: dict) -> None:
         report["stages"][name] = res
         _write(args.out, report)
         print(_table(report), flush=True)
+
+    def join() -> None:
+        nonlocal background
+        if background is not None:
+            record(background[0], background[1].finish())
+            background = None
+
+    for name, deadline, required in _order(STAGES):
+        if name not in wanted:
+            continue
+        if name in ALONE:
+            join()  # a stage that times steps has the GPU to itself
+        if left() < 10:
+            record(name, {"status": "skipped", "why": "out of time"})
+            continue
+        running = _Running(args, name, min(deadline, left()), t0)
+        if name == BACKGROUND:
+            background = (name, running)
+            continue
+        res = running.finish()
+        record(name, res)
         if required and res["status"] != "ok":
             print(f"stage {name} failed: stopping", flush=True)
+            if background is not None:
+                background[1].stop()
             break
+    join()
+    report["stages"] = {n: report["stages"][n] for n, _, _ in STAGES if n in report["stages"]}
     report["seconds"] = round(time.monotonic() - t0, 1)
     _write(args.out, report)
     print(_table(report))
@@ -98,33 +127,61 @@ def main(argv=None) -> int:
         else 1
 
 
-def _run_stage_process(args, name: str, deadline: float) -> dict:
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--stage", name, "--out", args.out]
-    if args.dry_run:
-        cmd.append("--dry-run")
-    if args.systems:
-        cmd += ["--systems", args.systems]
-    log = os.path.join(args.out, f"{name}.log")
-    t0 = time.monotonic()
-    with open(log, "w") as f:
+def _order(stages) -> list:
+    """The order stages start in: the first (the environment, which must pass), then the
+    background one, then the rest as listed."""
+    first, rest = stages[0], stages[1:]
+    return [first] + [s for s in rest if s[0] == BACKGROUND] + \
+        [s for s in rest if s[0] != BACKGROUND]
+
+
+class _Running:
+    """One stage's process, started; ``finish`` waits for it (at most its deadline) and
+    returns what it reported."""
+
+    def __init__(self, args, name: str, deadline: float, since: float):
+        cmd = [sys.executable, "-m", "bench.gpu_check", "--stage", name, "--out", args.out]
+        if args.dry_run:
+            cmd.append("--dry-run")
+        if args.systems:
+            cmd += ["--systems", args.systems]
+        self.args, self.name, self.deadline = args, name, deadline
+        self.log = os.path.join(args.out, f"{name}.log")
+        self.t0 = time.monotonic()
+        self.started = round(self.t0 - since, 1)  # seconds into the run
+        with open(self.log, "w") as f:
+            # a session of its own: a stage stopped takes what it started with it (the
+            # pytest stage's ranks would otherwise keep the GPU)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def stop(self) -> None:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=deadline).returncode
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def finish(self) -> dict:
+        wait = self.deadline - (time.monotonic() - self.t0)
+        try:
+            rc = self.proc.wait(timeout=max(wait, 0))
             status = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
-            status = f"timed out after {deadline:.0f} s"
-    took = time.monotonic() - t0
-    own = os.path.join(args.out, f"{name}.json")
-    res = _read(own)
-    if os.path.exists(own):  # now in gpu_check.json: fewer files to carry back
-        os.remove(own)
-    res.update(status=status if res.get("status", "ok") == "ok" else res["status"],
-               seconds=round(took, 1))
-    if status != "ok":
-        with open(log) as f:
-            res["log_tail"] = f.read()[-3000:]
-        print(res["log_tail"], flush=True)
-    return res
+            self.stop()
+            status = f"timed out after {self.deadline:.0f} s"
+        took = time.monotonic() - self.t0
+        own = os.path.join(self.args.out, f"{self.name}.json")
+        res = _read(own)
+        if os.path.exists(own):  # now in gpu_check.json: fewer files to carry back
+            os.remove(own)
+        res.update(status=status if res.get("status", "ok") == "ok" else res["status"],
+                   seconds=round(took, 1), started=self.started)
+        if status != "ok":
+            with open(self.log) as f:
+                res["log_tail"] = f.read()[-3000:]
+            print(res["log_tail"], flush=True)
+        return res
 
 
 def _read(path: str) -> dict:

@@ -223,7 +223,8 @@ def _offloaded_on_gpu(rank, world, name):
     out["params"] = {"eager": {k: v.detach().cpu() for k, v in ref.state_dict().items()},
                      "offload": model.full_state_dict()}
     (prog,) = model._autoshard.programs.values()
-    out["routed"] = prog.fwd is not prog.split.fwd and prog.bwd is not prog.split.bwd
+    out["routed"] = all(len(run.graph.nodes) > len(g.graph.nodes)  # the streams' nodes
+                        for run, g in ((prog.fwd, prog.split.fwd), (prog.bwd, prog.split.bwd)))
     out["homes"] = {p.to_local().device.type for p in model.parameters()}
     return out
 
