@@ -51,6 +51,13 @@ FUNCTIONS = {
     _A.div.Tensor: (torch.div, ()),
     _A.neg.default: (torch.neg, ()),
     _A.clone.default: (torch.clone, ("memory_format",)),
+    _A.pow.Tensor_Scalar: (torch.pow, ()),
+    _A.mean.dim: (torch.mean, ("dtype",)),
+    _A.rsqrt.default: (torch.rsqrt, ()),
+    _A.where.self: (torch.where, ()),
+    _A.cos.default: (torch.cos, ()),
+    _A.sin.default: (torch.sin, ()),
+    _A.embedding.default: (torch.embedding, ()),
 }
 
 

@@ -44,6 +44,13 @@ def _samples():
         (_A.div.Tensor, (a, r(8)), {}),
         (_A.neg.default, (a,), {}),
         (_A.clone.default, (a.t(),), {"memory_format": torch.contiguous_format}),
+        (_A.pow.Tensor_Scalar, (a, 2), {}),
+        (_A.mean.dim, (a, [-1], True), {}),
+        (_A.rsqrt.default, (a.abs() + 1,), {}),
+        (_A.where.self, (a > 0, a, r(8)), {}),
+        (_A.cos.default, (a,), {}),
+        (_A.sin.default, (a,), {}),
+        (_A.embedding.default, (r(10, 4), torch.tensor([[1, 3], [9, 0]])), {}),
     ]
 
 
