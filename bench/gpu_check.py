@@ -128,11 +128,11 @@ def main(argv=None) -> int:
 
 
 def _order(stages) -> list:
-    """The order stages start in: the first (the environment, which must pass), then the
-    background one, then the rest as listed."""
+    """The order stages start in: the first (the environment, which must pass), the
+    background one, those that time nothing (beside it), then those that time steps."""
     first, rest = stages[0], stages[1:]
-    return [first] + [s for s in rest if s[0] == BACKGROUND] + \
-        [s for s in rest if s[0] != BACKGROUND]
+    rank = {BACKGROUND: 0}
+    return [first] + sorted(rest, key=lambda s: rank.get(s[0], 2 if s[0] in ALONE else 1))
 
 
 class _Running:

@@ -20,9 +20,10 @@ def test_dry_run_reports_every_stage_it_ran(tmp_path):
     stages = report["stages"]
     assert list(stages) == ["env", "smoke", "fake8", "hostcost", "pytest"]
     assert all(s["status"] == "ok" for s in stages.values()), stages
-    # the tests start beside the smoke stage; the stage that times steps starts after both
+    # the tests start beside the smoke stage; the stage that times steps starts after all
     start = {k: (v["started"], v["started"] + v["seconds"]) for k, v in stages.items()}
     assert start["pytest"][0] <= start["smoke"][0] < start["pytest"][1]
+    assert start["smoke"][1] - 0.2 <= start["fake8"][0] < start["hostcost"][0]  # in order
     assert start["hostcost"][0] >= max(start["pytest"][1], start["fake8"][1]) - 0.2  # rounding
     assert all(stages["env"]["checks"].values())
     assert [r["system"] for r in stages["smoke"]["rows"]] == ["autoshard", "fsdp2"]
