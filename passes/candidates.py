@@ -19,6 +19,9 @@ from autoshard import progress
 from autoshard.config import OPTIMIZER_STATES
 from autoshard.graph import clone_graph
 from autoshard.passes.collectives import offloaded_units
+from autoshard.passes.pipeline import default_passes, run_passes
+from autoshard.passes.remat import recompute_activations_pass
+from autoshard.passes.split import split_pass
 from autoshard.simulate import simulate_joint
 from autoshard.spec import hosted, model_state_bytes
 
@@ -151,9 +154,6 @@ def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
     left untouched) and predicted: units, collectives, prefetch, then the simulator. Reads
     ``ctx`` (the placement's context: specs, profile, bytes held all step) without changing
     it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
-    from autoshard.passes import (default_passes, recompute_activations_pass, run_passes,
-                                  split_pass)
-
     cctx = dataclasses.replace(ctx, reshard_after_forward=cand.reshard,
                                offload_params=cand.offload_params)
     # recomputation is done already, per choice; the chosen plan alone is split

@@ -87,6 +87,8 @@ from autoshard.passes.auto import BIG_GRAPH
 from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
                                          shard_size)
 from autoshard.passes.readout import make_plan
+from autoshard.passes.pipeline import run_passes
+from autoshard.passes.split import split_pass
 from autoshard.passes.search import Search, lightest_near
 from autoshard.plans import ScheduleEntry, fmt_bytes, offload_label
 
@@ -239,8 +241,6 @@ class Planner:
     def _fsdp2_outcome(self, low: Lowered):
         """FSDP2's plan (``low``) as a strategy's outcome: split, with a candidate row of its
         own (the plan lists every outcome's rows)."""
-        from autoshard.passes import run_passes, split_pass
-
         pred = low.prediction
         row = {"recompute": "none", "offload": 0.0, "offload_params": None,
                "units": len(low.ctx.units), "reshard": reshard_label("auto"),
@@ -260,8 +260,6 @@ class Planner:
 
     def _strategy(self, strategy: str):
         """``(split graph, best Lowered, its Plan)`` for one strategy."""
-        from autoshard.passes import run_passes, split_pass
-
         config, ctx = self.config, self.ctx
         setting = ("search" if config.strategy == "auto" and strategy == "zero3"
                    else "auto" if config.strategy == "auto" else reshard_group_size(

@@ -23,7 +23,9 @@ from autoshard.passes.candidates import (Candidate, Lowered, first_choices, lowe
                                          offloaded_blocks, placed_context, recompute_choices,
                                          reshard_label, shard_size)
 from autoshard.passes.collectives import offloaded_units
-from autoshard.passes.offload import offloaded_bytes
+from autoshard.passes.offload import offload_activations_pass, offloaded_bytes
+from autoshard.passes.pipeline import run_passes, unit_options
+from autoshard.passes.remat import recompute_activations_pass
 from autoshard.passes.units import repeated_blocks
 from autoshard.plans import fmt_bytes
 from autoshard.simulate import activations
@@ -220,9 +222,6 @@ class _Placement:
     def _build(self, i: int) -> None:
         """Choice ``i``'s graph (recomputed and offloaded as it says) and its activations,
         kept in the search for every placement."""
-        from autoshard.passes import (offload_activations_pass, recompute_activations_pass,
-                                      run_passes)
-
         s = self.search
         base = clone_graph(s.gm)
         modes = self.choices[i][1]
@@ -345,8 +344,6 @@ class _Placement:
     def unit_candidates(self, ch: _Choice) -> list:
         """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the
         first that fits, by bisection (fastest first is most memory first)."""
-        from autoshard.passes import unit_options
-
         if self.searching_units:
             with progress.timed("plan: unit candidates"):
                 ch.cands = tries(ch.base, self.ctx, {**unit_options(self.config),
