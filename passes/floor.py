@@ -40,7 +40,9 @@ counted in the order the step runs them.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -131,12 +133,8 @@ class MemoryFloor:
         self._gathered(diff, groups, kept)
         self._prefetched(diff, groups, kept)
         self._reduced(diff, groups)
-        held, most = 0, 0
-        for k, peak in enumerate(self.peak):
-            held += diff[k]
-            if peak + held > most:
-                most = peak + held
-        return most
+        # the activations' most plus what the grouping holds, per segment
+        return max(map(operator.add, self.peak, itertools.accumulate(diff)), default=0)
 
     def _add(self, diff: list, start: int, end: int, nbytes: int) -> None:
         """``nbytes`` held over half positions ``start`` to ``end`` (excluded)."""
@@ -183,17 +181,18 @@ class MemoryFloor:
         either (``_param_reads``). Over one rank, the parameters of a unit of several are
         views of pieces ``split`` out of the buffer, which the prediction does not count
         (``autoshard.simulate`` follows no storage through a list of views): none then."""
-        params = self.params
+        params, segment = self.params, self.segment
         for (_, fqns), keep in zip(groups, kept):
             for group in self._gathers(fqns):
                 if len(group) > 1 and not params[group[0]].several:
                     continue
                 for kinds in (_KEPT,) if keep else _RESHARDED:
                     spans = self._spans(group, kinds)
-                    if spans:
-                        start = min(first for first, _ in spans.values())
+                    if spans:  # (``_add``, written out: the bound's inner loop)
+                        start = segment[min(first for first, _ in spans.values())]
                         for f, (_, last) in spans.items():
-                            self._add(diff, start, last + 1, params[f].full)
+                            diff[start] += params[f].full
+                            diff[segment[last + 1]] -= params[f].full
 
     def _prefetched(self, diff: list, groups, kept: list) -> None:
         """Add what the backward's all-gathers hold before their unit is read: each unit's
@@ -265,10 +264,12 @@ class MemoryFloor:
 
     def _reductions(self, diff: list, at: dict, reduced: dict) -> None:
         """Add, per reduction (``at``: the position of the last gradient each reads -> the
-        gradients), what its packing holds, and its reduced shards from its issue on: to the
-        step's end, or, for several parameters in their reduce dtype, until its output is
-        ``split`` into them, which the prediction counts no further; its wait, and the
-        split with it, are deferred to the next reduction's packing (``prefetch_pass``)."""
+        gradients), what its packing holds, and its reduced shards from its issue on: in the
+        smaller of the reduce and storage dtypes until its wait, which comes at the latest
+        in the next reduction's packing (``prefetch_pass`` defers it there), then cast to
+        the storage dtype, or as views of its output: to the step's end, or for several
+        parameters until the output is ``split`` into them after the wait, which the
+        prediction counts no further."""
         end, before, points = 2 * len(self.nodes), None, sorted(at)
         for k, last in enumerate(points):
             # with several after one gradient, which goes first is not known
@@ -277,10 +278,16 @@ class MemoryFloor:
                 if None in group:  # its reduction reads a gradient not known here
                     packs = None
                     continue
-                split = len(group) > 1 and not group[0].recast
-                stop = (2 * points[k + 1] + 1 if k + 1 < len(points) else 2 * last + 2
-                        ) if split and group[0].reduces else end
-                self._add(diff, 2 * last + 2, stop, sum(g.shard for g in group))
+                # the next reduction's packing: this one's wait comes before its issue
+                after = 2 * points[k + 1] + 1 if k + 1 < len(points) else 2 * last + 1
+                if not group[0].reduces:
+                    self._add(diff, 2 * last + 2, end, sum(g.shard for g in group))
+                elif group[0].recast:  # cast to the storage dtype after the wait
+                    self._add(diff, 2 * last + 2, after + 1, sum(g.shard for g in group))
+                    self._add(diff, after + 1, end, sum(g.stored for g in group))
+                else:  # split (several) or viewed (one) out of the reduction's output
+                    self._add(diff, 2 * last + 2, after if len(group) > 1 else end,
+                              sum(g.shard for g in group))
                 if group[0].reduces and packs is not None:
                     packs.append(self._pack(group, last, reduced, before if one else None))
             if packs:
@@ -341,17 +348,19 @@ class _Param(NamedTuple):
     # storage dtypes (the reduction's output, then the shard cast to the storage dtype); none
     # in host memory
     shard_grad: int
+    shard_stored: int  # that shard in the storage dtype; none in host memory
 
     @classmethod
     def of(cls, spec) -> "_Param":
         least = min(spec.reduce_dtype.itemsize, spec.dtype.itemsize)
         padded = spec.sharded and spec.layout.padded_rows != spec.shape[0]
+        device = spec.device != "host"
         return cls(math.prod(spec.shape) * spec.compute_dtype.itemsize, spec.gathered_bytes(),
                    spec.compute_dtype if spec.gathers else None, spec.shards, spec.shards > 1,
                    padded,
                    (spec.reduction, spec.reduce_dtype, spec.dtype, spec.scaling),
-                   bool(spec.reduction),
-                   0 if spec.device == "host" else spec.shard_numel * least)
+                   bool(spec.reduction), device * spec.shard_numel * least,
+                   device * spec.shard_bytes)
 
 
 class _Grad(NamedTuple):
@@ -368,6 +377,7 @@ class _Grad(NamedTuple):
     cast: bool  # cast to it (a copy) for the reduction
     reduces: bool
     shard: int  # ``_Param.shard_grad``, where the prediction counts it
+    stored: int  # its shard's bytes in the storage dtype on the device
     recast: bool  # the reduced shard is cast to the storage dtype (a copy)
 
 
@@ -460,7 +470,8 @@ def _gradients(gm: fx.GraphModule, pos: dict, params: dict) -> tuple:
         grads[f] = _Grad(pos[v], root if tracked else None, v, val.numel(),
                          val.is_contiguous() and not p.padded, p.reduce, p.reduce[1],
                          val.dtype != p.reduce[1], p.reduces,
-                         p.shard_grad if tracked or p.reduces else 0, p.reduce[1] != p.reduce[2])
+                         p.shard_grad if tracked or p.reduces else 0, p.shard_stored,
+                         p.reduce[1] != p.reduce[2])
     roots = {}
     for root, vs in views.items():
         counted = max(pos[a] if u.op == "output" else pos[u]
