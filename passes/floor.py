@@ -201,14 +201,21 @@ class MemoryFloor:
         wait of the one ``depth`` before it, ``depth`` >= 1), and from the first read of the
         one before that where the compute between the two before it cannot cover it
         (``depth`` >= 2 then; the compute counted at most: every node between, and every node
-        ``insert_collectives`` copies into the backward)."""
-        gathers = []
+        ``insert_collectives`` copies into the backward). With them, the send buffer the
+        all-gather holds until its wait, where it is a copy of the shards (cast to the
+        compute dtype, or several concatenated; not for a unit in host memory, whose
+        shards may be held from the forward, nor for hpZ's, which sends a chunk)."""
+        gathers, params = [], self.params
         for (_, fqns), keep in zip(groups, kept):
             for group in self._gathers(fqns) if not keep else ():
                 spans = self._spans(group, _RESHARDED[1])
                 if spans:
+                    copied = (not _is_group(self.reshard)
+                              and not any(params[f].hosted for f in group)
+                              and (len(group) > 1 or params[group[0]].cast))
+                    sent = sum(params[f].sent for f in group) if copied else 0
                     gathers.append((min(first for first, _ in spans.values()),
-                                    sum(self.params[f].full for f in spans), group))
+                                    sum(params[f].full for f in spans) + sent, group))
         gathers.sort(key=lambda g: g[0])
         for j in range(1, len(gathers) if self.depth >= 1 else 0):
             first, nbytes, group = gathers[j]
@@ -349,6 +356,9 @@ class _Param(NamedTuple):
     # in host memory
     shard_grad: int
     shard_stored: int  # that shard in the storage dtype; none in host memory
+    sent: int  # its shard in the compute dtype, as an all-gather sends it
+    cast: bool  # its compute dtype is not its storage dtype
+    hosted: bool  # its shard is in host memory
 
     @classmethod
     def of(cls, spec) -> "_Param":
@@ -360,7 +370,8 @@ class _Param(NamedTuple):
                    padded,
                    (spec.reduction, spec.reduce_dtype, spec.dtype, spec.scaling),
                    bool(spec.reduction), device * spec.shard_numel * least,
-                   device * spec.shard_bytes)
+                   device * spec.shard_bytes, spec.shard_numel * spec.compute_dtype.itemsize,
+                   spec.compute_dtype != spec.dtype, not device)
 
 
 class _Grad(NamedTuple):
