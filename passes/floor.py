@@ -20,16 +20,23 @@ held all step plus:
 - per unit and region, each parameter read there or later in the region, from the unit's
   first read in the region on (a unit's all-gather and unpacking come before the first read
   of any of its parameters, each unpacked parameter is freed after its last read), full and
-  in its compute dtype. Reads by nodes computed from parameters alone do not count
-  (``insert_collectives`` moves those into the backward);
+  in its compute dtype; for the unit kept from the forward to the backward ("auto": the one
+  read last in the forward), from its first read in the forward to each one's last in
+  either. Reads by nodes computed from parameters alone count where ``insert_collectives``
+  leaves them: in the forward where a forward node reads them, else copied into the
+  backward;
 - with prefetch (no byte bound), from the backward's first read of one unit to the next
-  unit's, the next unit's gathered parameters: its all-gather is issued right after the
-  wait of the one before it, at the latest;
+  unit's, the next unit's gathered parameters and, where it is a copy, the send buffer of
+  its all-gather: it is issued right after the wait of the one before it at the latest,
+  and right after the wait of the one before that where the compute between cannot cover
+  it (``prefetch_pass`` issues it two ahead then);
 - each full gradient from where the activations stop counting its storage (the last read
   other than the output's) to its reduction, which reads all of its unit's gradients (per
   reduce dtype, storage dtype and scaling) right after the last of them is made; there, the
-  gradients cast to the reduce dtype, or the uncast ones, and, for several, the buffer they
-  are concatenated into; after it, the reduced shard.
+  gradients cast to the reduce dtype, or the uncast ones, for several the buffer they are
+  concatenated into, and until the packing's last free the previous reduction's send
+  buffer (``prefetch_pass`` defers its wait); after it, the reduced shards, as the
+  prediction counts them.
 
 The bound is the largest of these sums. They change only at points that do not depend on
 the grouping (the parameters' reads, the gradients' nodes), so the activations' maximum
