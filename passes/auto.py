@@ -10,17 +10,17 @@ an exact dynamic program over contiguous groups of parameters in order of first 
 The candidates are these DP groupings for a ladder of caps (half the model, a quarter, ...)
 plus the fixed policies' groupings (module, size, per-parameter, whole-model: some are not
 contiguous in use order, like a module policy's root unit). Candidates whose lower bound on
-peak memory exceeds the budget are dropped: the model state plus the largest of the activation
-peak and, per unit, its gathered bytes with the activations live at its first forward read
-(all its parameters are gathered then), or twice its gathered bytes for a unit of several
-parameters over several ranks (unpacking copies out of the buffer). The rest are tried
-fastest first through the full pipeline and its memory simulation (``autoshard.passes.plan``),
-and the fastest that fits wins. So "auto" is never predicted slower than a fixed policy that
+the predicted peak exceeds the budget are dropped unbuilt: the state held all step plus, at
+the worst point of the step, the activations live there and what the grouping surely holds
+beside them, its gathered units, prefetched all-gathers, full gradients and the reductions'
+buffers (``autoshard.passes.floor``). The rest are tried fastest first through the full
+pipeline and its memory simulation (``autoshard.passes.plan``), and the fastest that fits
+wins. So "auto" is never predicted slower than a fixed policy that
 fits, and what it picks is checked, not estimated. Complexity: O(P * K) segment evaluations
 per cap for P parameters and at most K parameters per unit (O(P^2) for the largest cap), each
 O(dtypes) with prefix sums, once per plan; for graphs over ``BIG_GRAPH`` nodes at most
-``MAX_TRIES`` candidates, then the smallest-memory one, bisected (there the guarantee holds
-among the candidates tried).
+``MAX_TRIES`` candidates, then the smallest-memory one, searched from the fastest
+(``autoshard.passes.search``; there the guarantee holds among the candidates tried).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from autoshard import meta
 from autoshard.cost import collective_time, spans_nodes
+from autoshard.passes.floor import MemoryFloor
 from autoshard.passes.units import first_use_order, module_groups, size_groups, span_names
 from autoshard.simulate import activations
 from autoshard.spec import group_size
@@ -117,18 +118,21 @@ def auto_candidates(gm, ctx, order, options) -> list:
     """Candidate groupings, fastest first: ``[(seconds, lower bound bytes, groups)]``. The
     groupings are kept in ``options["auto_cache"]["groupings"]`` when given (they depend on
     the parameters' order of first use, not on the graph's activations); the graph's
-    ``autoshard.simulate.activations`` are read from ``["activations"]`` when there."""
+    ``autoshard.simulate.activations`` are read from ``["activations"]`` when there. The
+    bound (``autoshard.passes.floor``) is of the plans built with ``ctx``'s resharding and
+    ``options["prefetch"]`` and ``["bucket"]`` (the Config's ``prefetch_options`` and
+    whether it buckets)."""
     specs = {p.fqn: p for p in ctx.captured.params}
     known = options.get("auto_cache", {}).get("groupings", {})
     if tuple(order) not in known:  # with their collectives' time, the same for every graph
         known[tuple(order)] = [(sum(group_cost(g, specs, ctx.profile) for _, g in groups),
                                 groups) for groups in _groupings(ctx, order, specs, options)]
-    act, live = options.get("auto_cache", {}).get("activations") or activations(gm)
-    first = _first_forward_use(gm, live)
-    out = []
-    for t, groups in known[tuple(order)]:
-        bound = max(_unit_floor(g, specs, first) for _, g in groups)
-        out.append((t, ctx.static_bytes + max(act, bound), groups))
+    _, live = options.get("auto_cache", {}).get("activations") or activations(gm)
+    floor = MemoryFloor(gm, live, specs, order, profile=ctx.profile,
+                        reshard=ctx.reshard_after_forward, grad_sync=ctx.grad_sync,
+                        prefetch=options.get("prefetch"), bucket=options.get("bucket", False))
+    out = [(t, ctx.sim_static_bytes + floor.bound(groups), groups)
+           for t, groups in known[tuple(order)]]
     out.sort(key=lambda c: (c[0], -len(c[2])))
     return out
 
@@ -158,36 +162,6 @@ def _groupings(ctx, order, specs, options) -> list:
             seen.add(key)
             out.append(groups)
     return out
-
-
-def _first_forward_use(gm, live: dict) -> dict:
-    """Per parameter FQN, ``(position, activation bytes live)`` at its first forward read
-    (``live``: per node name, ``autoshard.simulate.activations``); None if none."""
-    out = {}
-    for i, n in enumerate(gm.graph.nodes):
-        if meta.is_param(n):
-            out[meta.tag(n, meta.FQN)] = None
-        for a in n.all_input_nodes if meta.is_forward(n) else ():
-            if meta.is_param(a) and out.get(meta.tag(a, meta.FQN)) is None:
-                out[meta.tag(a, meta.FQN)] = (i, live.get(n.name, 0))
-    return out
-
-
-def _unit_floor(fqns, specs, first: dict) -> int:
-    """Bytes that one unit's parameters surely need at once besides the model state: all of
-    them are gathered when the first is read, beside the activations live then; and a unit
-    of several parameters over several ranks is unpacked by copying out of its buffer, so
-    buffer and copies are live together (per dtype)."""
-    reads = [first[f] for f in fqns if first.get(f) is not None]
-    floor = unit_bytes(fqns, specs) + (min(reads)[1] if reads else 0)
-    by_dtype = {}
-    for f in fqns:
-        if specs[f].sharded and specs[f].shards > 1:
-            by_dtype.setdefault(specs[f].compute_dtype, []).append(f)
-    for group in by_dtype.values():
-        if len(group) > 1:
-            floor = max(floor, 2 * unit_bytes(group, specs))
-    return floor
 
 
 def tries(gm, ctx, options, order=None) -> list:

@@ -26,11 +26,12 @@ when no plan of the placement fits with it). Per choice, the unit candidates of 
 policy (``autoshard.passes.auto``), fastest first, or the one grouping a fixed policy gives.
 Skipped without a pipeline, with the reason recorded: a choice whose activation peak alone
 already exceeds the budget; a unit candidate whose lower bound on memory does
-(``autoshard.passes.auto``); once a plan fits, a choice whose compute alone takes longer
-than that plan's step, and a unit candidate whose compute plus the copies its grouping
-surely makes (``copy_floor``, ``gradient_copies``) does. On graphs over ``BIG_GRAPH`` nodes
-the first choice whose activations fit, and within a choice the first unit candidate that
-fits, are found by bisection (peaks fall along both orders), and once every plan of a choice
+(``autoshard.passes.floor``, never above the predicted peak); once a plan fits, a choice
+whose compute alone takes longer than that plan's step, and a unit candidate whose compute
+plus the copies its grouping surely makes (``copy_floor``, ``gradient_copies``) does. On
+graphs over ``BIG_GRAPH`` nodes the first choice whose activations fit is found by bisection,
+and within a choice the first unit candidate that fits by an exponential search from the
+fastest (peaks fall along both orders), and once every plan of a choice
 is ruled out as slower, the choices after it (which recompute more) are not built; so there
 the guarantee holds among the candidates tried. Smaller graphs try every choice and
 candidate. Each candidate is predicted on its joint graph

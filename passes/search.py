@@ -343,11 +343,18 @@ class _Placement:
 
     def unit_candidates(self, ch: _Choice) -> list:
         """Each unit candidate's outcome (``attempt``): all of them, or on a big graph the
-        first that fits, by bisection (fastest first is most memory first)."""
+        first that fits (fastest first is most memory first), by exponential search: the
+        first, the second, the fourth, ... until one fits, then bisection between it and the
+        last that did not. The candidates are those whose memory bound fits
+        (``autoshard.passes.floor``), close enough to their peaks that the first fits where
+        any does, or else the second: at GPT-175B one or two pipelines per recomputation
+        choice, where a bisection of the six built two or three."""
         if self.searching_units:
             with progress.timed("plan: unit candidates"):
                 ch.cands = tries(ch.base, self.ctx, {**unit_options(self.config),
-                                                     "auto_cache": ch.cache})
+                                                     "auto_cache": ch.cache,
+                                                     "prefetch": self.config.prefetch_options,
+                                                     "bucket": bool(self.config.bucket_options)})
         ch.compute += gradient_copies(ch.base, self.specs, self.ctx.profile)
         ch.read = {meta.tag(p, meta.FQN) for p in ch.base.graph.nodes
                    if meta.is_param(p) and any(meta.is_forward(u) for u in p.users)}
@@ -355,7 +362,13 @@ class _Placement:
             return [self.attempt(ch, 0)]
         if not self.big:
             return [self.attempt(ch, k) for k in range(len(ch.cands))]
-        lo, hi, outcomes = 0, len(ch.cands) - 1, []
+        lo, hi, outcomes, k = 0, len(ch.cands) - 1, [], 0
+        while k < hi:  # the first, second, fourth, eighth ...
+            outcomes.append(self.attempt(ch, k))
+            if outcomes[-1] is not False:
+                hi = k
+                break
+            lo, k = k + 1, 2 * k + 1
         while lo < hi:
             mid = (lo + hi) // 2
             outcomes.append(self.attempt(ch, mid))
