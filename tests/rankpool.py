@@ -148,13 +148,26 @@ def _serve(rank: int, world: int, conn) -> None:
             out = fn(rank, world, payload)
             torch.save(out, os.path.join(tmp, f"result{rank}.pt"))
             del out
-            dist.barrier()
+            _barrier(os.path.join(tmp, "done"), world)
             dist.destroy_process_group()
             gc.collect()  # sharded modules of the call die: autoshard's hooks go with them
         except BaseException:  # noqa: BLE001 - the parent reports it and ends the pool
             conn.send(("error", traceback.format_exc()))
             return
         conn.send(("ok", None))
+
+
+def _barrier(path: str, world: int) -> None:
+    """Wait for every rank through a store of its own, not through the call's process group.
+
+    A call may leave that group failed on purpose (a test of a refused collective), and gloo's
+    barrier waits on the group's earlier work, so it would raise that failure again, or not,
+    depending on whether the failed work had been retired yet.
+    """
+    store = dist.FileStore(path, world)
+    if store.add("arrived", 1) == world:
+        store.set("go", "1")
+    store.wait(["go"])
 
 
 class _Start:
