@@ -32,8 +32,7 @@ from autoshard.options import Bucket, Module, Offload, Prefetch, Size  # noqa: E
 from autoshard.plans import Plan  # noqa: E402
 from autoshard.api import ShardedModule, autoshard, plan  # noqa: E402
 from autoshard.check import CheckReport, check  # noqa: E402
-from autoshard.runtime.export import load  # noqa: E402
-from autoshard.runtime.checkpoint import load as load_checkpoint, save  # noqa: E402
+from autoshard.files import load, load_checkpoint, save  # noqa: E402
 from autoshard.runtime.deferred import deferred_init  # noqa: E402
 
 __all__ = ["autoshard", "plan", "check", "load", "save", "load_checkpoint", "deferred_init",

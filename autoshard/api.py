@@ -22,9 +22,8 @@ from autoshard.config_model import check_names
 from autoshard.errors import AutoshardError
 from autoshard.guards import user_class_name
 from autoshard.plans import Plan
-from autoshard.runtime import dist as _dist, optim, record as recording
+from autoshard.runtime import dist as _dist, export as exporting, optim, record as recording
 from autoshard.runtime.checkpoint import localize_state_dict
-from autoshard.runtime.export import export
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.spec import param_specs
 
@@ -111,7 +110,9 @@ class ShardedModule(torch.nn.Module):
         (every rank calls it); ``autoshard.load(path)`` runs them without the model's source,
         at this or another world size. ``inference``: also compile and store each training
         signature's eval-mode, no-gradient program. See ``autoshard.runtime.export``."""
-        export(self, path, inference=inference)
+        st = self._autoshard
+        exporting.export(self, st, path,
+                         add_programs=(lambda: _precompile_eval(self, st)) if inference else None)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """FSDP2's switch for gradient accumulation without communication. False: the
@@ -181,7 +182,7 @@ class ShardedModule(torch.nn.Module):
         order and this rank's live bytes (``autoshard.runtime.record``). Pass the optimizer
         and the step's input tensors so the baseline counts their bytes."""
         extra = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
-        return recording.record(self, optimizer, extra_bytes=extra)
+        return recording.record(self, optimizer, extra_bytes=extra, device=self._autoshard.device)
 
     def full_state_dict(self, *, cpu_offload: bool = False, rank0_only: bool = False) -> dict:
         """Full (gathered) tensors under the original keys. Every rank calls it (one
@@ -264,6 +265,37 @@ def plan(model: torch.nn.Module, example_inputs=None, *, world_size: int, config
     return p
 
 
+
+
+def state_of(model, what: str, otherwise: str = "") -> CallState:
+    """The CallState of a model ``autoshard()`` returned, which only the front door reads
+    (the layers below are handed what they need of it); for any other object a TypeError:
+    ``what`` (``"autoshard.save takes"``) the model autoshard() returned, and ``otherwise``,
+    what to do instead."""
+    st = model.__dict__.get("_autoshard") if isinstance(model, ShardedModule) else None
+    if st is None:
+        raise TypeError(f"{what} the model autoshard() returned, not a "
+                        f"{type(model).__name__}" + (f"; {otherwise}" if otherwise else ""))
+    return st
+
+def _precompile_eval(model: ShardedModule, st: CallState) -> None:
+    """For each training signature, compile the same call in eval mode without gradients
+    (the graph an inference-only load runs), unless it is compiled already."""
+    if st.is_loaded():
+        return  # loaded from an export: it holds what it holds
+    device = st.placement()[1]
+    training = model.training
+    try:
+        for key, prog in st.compiled_programs().items():
+            if not (key[2] and key[3]):
+                continue
+            args, kwargs = exporting.example_inputs(prog, device)
+            model.eval()
+            with torch.no_grad():
+                model.precompile(*args, **kwargs)
+    finally:
+        model.train(training)
+
 def _sharded_class(cls: type) -> type:
     """The class a sharded ``cls`` becomes: ShardedModule's calls, ``cls``'s everything else,
     and ``forward`` with ``cls.forward``'s signature and docstring, so a library that reads
@@ -280,7 +312,7 @@ def _sharded_class(cls: type) -> type:
         forward.__signature__ = inspect.signature(cls.forward)
     except (TypeError, ValueError):  # a forward inspect cannot read: (*args, **kwargs)
         pass
-    methods = {"__module__": cls.__module__, "forward": forward}
+    methods = {"__module__": cls.__module__, "forward": forward, "_autoshard_user_class": cls}
     if callable(getattr(cls, "save_pretrained", None)):  # a Hugging Face model
         methods["save_pretrained"] = _save_pretrained(cls.save_pretrained)
     return type(f"Sharded{cls.__name__}", (ShardedModule, cls), methods)
@@ -473,6 +505,12 @@ def _checked(model, config, param_init_fn) -> Config:
         raise TypeError(f"autoshard() takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, ShardedModule):
         raise ValueError(f"{type(model).__name__} is already sharded by autoshard")
+    for name, mod in model.named_modules():
+        if isinstance(mod, ShardedModule):
+            raise ValueError(
+                f"module '{name}' ({type(mod).__name__}) is already sharded by autoshard; "
+                "autoshard the whole model once, on the unsharded model (autoshard chooses "
+                "the units itself)")
     if param_init_fn is not None and not callable(param_init_fn):
         raise TypeError("param_init_fn must be a callable taking a module, got "
                         f"{type(param_init_fn).__name__}")

@@ -107,7 +107,7 @@ class CallState:
         export, the stored ones not called yet (read now)."""
         out = {}
         if self.exported is not None:
-            out = {key: self.exported.program(key, model) for key in self.exported.entries}
+            out = {key: self.exported.program(key, model, self) for key in self.exported.entries}
         out.update((repr(key), prog) for key, prog in self.programs.items())
         return out
 
@@ -300,10 +300,10 @@ def compile_for(module, st: CallState, args, kwargs, key, *, sharded: bool) -> P
 
 def stored_program(module, st: CallState, args, kwargs, key) -> Program:
     """A loaded module's program for this call: one of the export's, or an error."""
-    prog = st.exported.program(repr(key), module)
+    prog = st.exported.program(repr(key), module, st)
     for autocast in _compat.legacy_autocast_states(key[5]) if prog is None else ():
         # an export written before 0.3 named the autocast state by device type
-        prog = st.exported.program(repr((*key[:5], autocast, *key[6:])), module)
+        prog = st.exported.program(repr((*key[:5], autocast, *key[6:])), module, st)
         if prog is not None:
             break
     if prog is None:

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from autoshard import _compat, meta, progress
+from autoshard.api import state_of
 from autoshard.check_report import Difference, coarser_dtype, fmt_value, max_abs, max_delta
 from autoshard.check_runs import (EagerRun, Ranks, fresh_inputs, group_device, split_inputs,
                                   tensor_leaves)
@@ -114,7 +115,7 @@ def locate_difference(sharded, eager: EagerRun, example_inputs, step_ok: bool, r
     node by node, against the joint graph; then its gradient shards, against the joint
     graph's gradients."""
     args, kwargs = split_inputs(fresh_inputs(example_inputs))
-    state = sharded._autoshard
+    state = state_of(sharded, "autoshard.check takes")
     with progress.phase("localising the first difference", unit="nodes") as p:
         def counted(on_node):
             def on(graph, n, v):

@@ -399,10 +399,10 @@ def recording(model: torch.nn.Module):
 
 
 def user_class_name(mod: torch.nn.Module) -> str:
-    """The user's class name, also for a model autoshard has wrapped (ShardedX -> X)."""
-    mro = user_class(mod).__mro__
-    wrapped = hasattr(mod, "_autoshard") and len(mro) > 2
-    return mro[2].__qualname__ if wrapped else mro[0].__qualname__
+    """The user's class name, also for a model autoshard has wrapped (ShardedX -> X, which
+    the sharded class names as ``_autoshard_user_class``)."""
+    cls = user_class(mod)
+    return cls.__dict__.get("_autoshard_user_class", cls).__qualname__
 
 
 def _random_states() -> dict:

@@ -26,7 +26,7 @@ import os
 import torch
 
 from autoshard.api import ShardedModule
-from autoshard.runtime.checkpoint import load as load_checkpoint, save
+from autoshard.files import load_checkpoint, save
 
 # the folder, inside a Trainer checkpoint, of the sharded model and optimizer
 FOLDER = "autoshard"

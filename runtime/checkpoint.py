@@ -5,9 +5,9 @@ rows), so torch.distributed.checkpoint (DCP) and its state-dict helpers
 (``get_model_state_dict`` / ``set_model_state_dict`` / ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict``) work on the model unchanged, at the same or another world size.
 
-``save`` and ``load`` (``autoshard.save`` / ``autoshard.load_checkpoint``) are that recipe,
-committed whole (``autoshard.runtime.commit``): the checkpoint directory holds
-``checkpoint.json`` and the DCP folder it names. An interrupted save, over a fresh path or
+``save`` and ``load`` (what ``autoshard.save`` / ``autoshard.load_checkpoint`` run, handed the
+model's agreement of its ranks) are that recipe, committed whole (``autoshard.runtime.commit``):
+the checkpoint directory holds ``checkpoint.json`` and the DCP folder it names. An interrupted save, over a fresh path or
 over an earlier checkpoint, never loads as a mix: the earlier checkpoint stays whole and is
 what loads, or the load says the path is incomplete. A load reads into new tensors and
 copies them into the model and the optimizer only once every rank read its part, so a
@@ -49,17 +49,16 @@ _HOW = (
 )
 
 
-def save(path, model: torch.nn.Module, optimizer=None) -> None:
+def save(path, model: torch.nn.Module, agreement, optimizer=None) -> None:
     """Save the model's (and the optimizer's) state under ``"model"`` (``"optim"``) with DCP,
-    committed whole: every rank calls it; it returns once the checkpoint is complete on
-    every rank, or raises ``AutoshardError`` on every rank naming the ranks that failed and
-    why, leaving ``path`` as it was (an earlier checkpoint there stays loadable)."""
+    committed whole, over ``agreement``'s ranks (``runtime.dist.Agreement``): every rank calls
+    it; it returns once the checkpoint is complete on every rank, or raises ``AutoshardError``
+    on every rank naming the ranks that failed and why, leaving ``path`` as it was (an earlier checkpoint there stays loadable)."""
     with progress.phase("saving a checkpoint"):
-        _save(path, model, optimizer)
+        _save(path, model, agreement, optimizer)
 
 
-def _save(path, model: torch.nn.Module, optimizer) -> None:
-    agreement = _agreement(model)
+def _save(path, model: torch.nn.Module, agreement, optimizer) -> None:
     state = _state(model, optimizer)
 
     def document(folder, files):
@@ -73,7 +72,7 @@ def _save(path, model: torch.nn.Module, optimizer) -> None:
                  document, other_markers=("manifest.json",))
 
 
-def load(path, model: torch.nn.Module, optimizer=None, *,
+def load(path, model: torch.nn.Module, agreement, optimizer=None, *,
          strict: bool = True) -> dcpio.IncompatibleKeys:
     """Load what ``save`` wrote, at this or another world size, into the model's parameters
     (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
@@ -88,15 +87,15 @@ def load(path, model: torch.nn.Module, optimizer=None, *,
     it holds that the model lacks, is an error naming them; ``strict=False`` loads the keys
     both hold and returns the others (``missing_keys``, ``unexpected_keys``)."""
     with progress.phase("loading a checkpoint"), commit.reading(
-            path, MARKER, _agreement(model), "load of a checkpoint"):
-        return _load(path, model, optimizer, strict)
+            path, MARKER, agreement, "load of a checkpoint"):
+        return _load(path, model, agreement, optimizer, strict)
 
 
-def _load(path, model: torch.nn.Module, optimizer, strict: bool) -> dcpio.IncompatibleKeys:
+def _load(path, model: torch.nn.Module, agreement, optimizer,
+          strict: bool) -> dcpio.IncompatibleKeys:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     path = os.path.abspath(os.fspath(path))
-    agreement = _agreement(model)
     folder, doc = _folder(path)
     if doc is not None and optimizer is not None and "optim" not in doc["contents"]:
         raise AutoshardError(f"{path} holds no optimizer state (it was saved without an "
@@ -137,15 +136,6 @@ def _folder(path: str):
         raise AutoshardError(f"{os.path.join(path, MARKER)}: an entry of 'files' is not a size "
                              "and a SHA-256: the file was changed. Save the checkpoint again.")
     return folder, doc
-
-
-def _agreement(model):
-    st = getattr(model, "_autoshard", None)
-    if st is None:
-        raise TypeError(f"autoshard.save and load_checkpoint take the model autoshard() "
-                        f"returned, not a {type(model).__name__}; for another model use "
-                        "torch.distributed.checkpoint directly")
-    return st.agreement
 
 
 def _state(model, optimizer) -> dict:

@@ -42,6 +42,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -56,7 +58,7 @@ from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, VERSI
 from autoshard.runtime.export_load import read_json, read_manifest
 # autoshard.runtime.export's public names (docs/api.md), whichever module holds them
 from autoshard.runtime.export_format import OUTPUT_LIBRARIES, READS  # noqa: F401
-from autoshard.runtime.export_load import Loaded, load  # noqa: F401
+from autoshard.runtime.export_load import Loaded  # noqa: F401
 from autoshard.ops import chunk_op
 from autoshard.plans import Plan
 from autoshard.plans import fmt_bytes
@@ -75,7 +77,7 @@ def _write_json(path: str, doc, *, compact: bool = False) -> None:
             json.dump(doc, f, indent=1)
 
 
-def _example(prog, device) -> tuple:
+def example_inputs(prog, device) -> tuple:
     """Zero tensors of a program's input signature, as (args, kwargs)."""
     cap = prog.captured
     it = iter(_input_vals(cap.pristine))
@@ -95,30 +97,12 @@ def _input_vals(gm) -> list:
             if n.op == "placeholder" and meta.role(n) == meta.ROLE_INPUT]
 
 
-def _add_inference_programs(model) -> None:
-    """For each training signature, compile the same call in eval mode without gradients
-    (the graph an inference-only load runs), unless it is compiled already."""
-    st = model._autoshard
-    if st.is_loaded():
-        return  # loaded from an export: it holds what it holds
-    _, device, _ = st.placement()
-    training = model.training
-    try:
-        for key, prog in st.compiled_programs().items():
-            if not (key[2] and key[3]):
-                continue
-            args, kwargs = _example(prog, device)
-            model.eval()
-            with torch.no_grad():
-                model.precompile(*args, **kwargs)
-    finally:
-        model.train(training)
-
-
-def export(model, path, *, inference: bool = True) -> None:
+def export(model, st, path, *, add_programs=None) -> None:
     """Write ``model``'s compiled programs, plan and state to the directory ``path`` (every
-    rank calls it; see the module docstring for what it holds). ``inference``: also compile
-    and store each training signature's eval-mode, no-gradient program.
+    rank calls it; see the module docstring for what it holds). ``st``: the model's
+    ``CallState``, handed by ``ShardedModule.export``. ``add_programs``: called once the
+    path is checked, before anything is written (the eval-mode programs ``inference=True``
+    compiles).
 
     Everything that can refuse (the path, a call or output that cannot be stored) is checked
     on every rank before anything is written, so a refusal is an error on every rank and
@@ -126,7 +110,6 @@ def export(model, path, *, inference: bool = True) -> None:
     (``autoshard.runtime.commit``): an earlier export at ``path`` is replaced only once
     every rank wrote its part, and stays whole otherwise."""
 
-    st = model._autoshard
     mesh, device, config = st.placement()
     ranks = st.ranks()
     path = os.path.abspath(os.fspath(path))
@@ -139,10 +122,11 @@ def export(model, path, *, inference: bool = True) -> None:
     if found not in ("free", "complete", "interrupted"):
         raise AutoshardError(f"cannot export to {path}: it is {found}, not an export; choose "
                              "a new path or remove it first")
-    if inference:
-        _add_inference_programs(model)
+    if add_programs is not None:
+        add_programs()
     groups = group_names(mesh)
-    programs = [_program_files(key, prog, groups) for key, prog in _programs(model).items()]
+    programs = [_program_files(key, prog, groups)
+                for key, prog in _programs(model, st).items()]
     model_doc = module_tree_doc(model, config)
     rank0 = ranks.rank == 0
 
@@ -176,10 +160,10 @@ def export(model, path, *, inference: bool = True) -> None:
                  other_markers=("checkpoint.json",))
 
 
-def _programs(model) -> dict:
+def _programs(model, st) -> dict:
     """Every program of the module by repr(signature): those compiled, and for a module
     loaded from an export, the stored ones not called yet."""
-    out = model._autoshard.every_program(model)
+    out = st.every_program(model)
     for prog in out.values():
         lifted = getattr(prog.captured, "lifted", None)
         if lifted:  # fed from the module's attribute on each call: an export has no module
@@ -285,3 +269,15 @@ def describe(path, *, verify: bool = True) -> str:
 def _mesh_text(manifest: dict) -> str:
     shape = manifest["mesh_shape"]
     return f" ({' x '.join(map(str, shape))} mesh)" if len(shape) > 1 else ""
+
+
+def __getattr__(name: str):
+    """``autoshard.runtime.export.load``, the loader's spelling before 0.4.3, until 0.5: the
+    loader builds a ShardedModule, which is the front door's job, so it is ``autoshard.load``
+    (``autoshard/files.py``). The package is imported before any of its modules, so it is
+    read from there, not imported upward."""
+    if name == "load":
+        warnings.warn("autoshard.runtime.export.load is autoshard.load since 0.4.3; the old "
+                      "spelling goes in 0.5", DeprecationWarning, stacklevel=2)
+        return sys.modules["autoshard"].load
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,9 @@
-"""Loading an export without the model's source: ``load(path)`` checks the manifest field by
-field and every file against it, rebuilds the module tree with its parameters as DTensor
-shards over this mesh, and the stored programs (run as they are on a mesh of the export's
-shape, planned again from the stored joint graphs on another).
+"""Loading an export without the model's source, the parts ``autoshard.load(path)`` runs
+around building the module (``autoshard/files.py``): ``open_export`` checks the manifest field
+by field and reads the module tree; ``read_into`` checks every file and reads the parameters
+into the module built from that tree, as DTensor shards over this mesh; ``Loaded`` reads the
+stored programs on their first call (run as they are on a mesh of the export's shape, planned
+again from the stored joint graphs on another).
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from autoshard.plans import Plan
 from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, dist as _dist, graphio
 from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, READS, VERSION,
                                              captured_from_doc, dtype_name, group_names,
-                                             module_tensors, respec, skeleton, spec_from_doc,
-                                             zero_tensors)
+                                             module_tensors, respec, spec_from_doc)
 from autoshard.spec import hosted
 
 
@@ -125,12 +126,13 @@ class Loaded:
     def calls(self) -> list:
         return [e["call"] for e in self.entries.values()]
 
-    def program(self, key: str, model):
+    def program(self, key: str, model, st):
+        """The program of ``key`` (None if the export holds none), read on its first call onto
+        ``st``, the loaded ``model``'s CallState."""
         if key not in self.programs and key in self.entries:
             folder = os.path.join(self.path, self.entries[key]["dir"])
             try:
-                self.programs[key] = _load_program(folder, model, model._autoshard, self.same,
-                                                   self.version)
+                self.programs[key] = _load_program(folder, model, st, self.same, self.version)
             except Exception:  # a file gone, or cut short while a sweep removed it
                 data = self.entries[key]["dir"].split("/")[0]
                 if data.startswith(commit.DATA) and not os.path.isdir(
@@ -142,29 +144,21 @@ class Loaded:
         return self.programs.get(key)
 
 
-def load(path, mesh=None, config: Optional[Config] = None, *, inference: bool = False,
-         verify: bool = True):
-    """The exported model on ``mesh`` (every rank calls it): a ShardedModule with the same
-    parameter, buffer and state-dict names, DTensor parameters, and the stored programs.
-    ``config``: plan with this instead of the export's Config (the passes then run again).
-    ``inference``: load only the eval-mode, no-gradient programs (forward graphs only); the
-    module is put in eval mode and runs every call without gradients. ``verify``: check
-    every file's SHA-256.
+@dataclasses.dataclass
+class Opened:
+    """An export's manifest and module tree, read and checked before any module is built."""
 
-    The module reads each program's files on its first call, so it holds the export's data
-    folder while it lives (``commit.reading``): another export to ``path`` meanwhile
-    replaces it for later loads and leaves this one's files until a sweep after the module
-    is gone."""
-    with commit.reading(path, MANIFEST) as held:
-        model = _load(path, mesh, config, inference=inference, verify=verify)
-        model._autoshard.exported.held = held.kept()
-    return model
+    path: str
+    manifest: dict
+    model_doc: dict  # model.json: the module tree and the Config it was planned with
+    config: Config  # what the load plans with: the one passed, else the stored one
+    stored: Config
+    entries: dict  # repr(signature) -> the manifest's entry, of the programs to load
 
 
-def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool):
-    """``load``, the export's data folder held."""
-    from autoshard import api
-
+def open_export(path, config: Optional[Config], *, inference: bool, verify: bool) -> Opened:
+    """The first half of ``autoshard.load``: the manifest and the module tree (hashed first
+    with ``verify``), and the Config the load plans with, checked against the export's."""
     path = os.fspath(path)
     manifest = read_manifest(path, verify=False)  # the files: below, shared by the ranks
     data = os.path.join(path, manifest["data"])
@@ -186,24 +180,25 @@ def _load(path, mesh, config: Optional[Config], *, inference: bool, verify: bool
         raise AutoshardError(
             f"{path} holds no inference program (eval mode, no gradients): export with "
             "sharded.export(path, inference=True), or load without inference=True")
-    mesh = mesh if mesh is not None else _dist.default_mesh(cfg.timeout)
-    _check_backend(mesh, path)
-    model = api.autoshard(skeleton(model_doc), mesh=mesh, config=cfg, param_init_fn=zero_tensors)
-    st = model._autoshard
-    st.ranks()("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"],
-               explain=lambda seen: _differ(path, seen))
-    if verify:  # each file hashed by one rank
-        commit_files.verify(path, manifest["files"], manifest["world_size"], "export", st.ranks())
-        _nothing_unlisted(path, manifest)
-    _read_state(model, os.path.join(data, CHECKPOINT), manifest, path)
+    return Opened(path, manifest, model_doc, cfg, stored, entries)
 
-    same = (list(mesh.shape) == manifest["mesh_shape"]
-            and st.placement()[1].type == manifest["device"]
-            and cfg.to_dict() == stored.to_dict())
-    st.mark_loaded(Loaded(path, entries, same, inference, manifest["version"]))
-    if inference:
-        model.eval()
-    return model
+
+def read_into(model, st, opened: Opened, *, inference: bool, verify: bool) -> Loaded:
+    """The second half of ``autoshard.load``, on every rank: the export's state into
+    ``model`` (the module built from its tree, whose CallState is ``st``), once the ranks
+    agree that they read the same export and every file is checked; what the module runs."""
+    path, manifest = opened.path, opened.manifest
+    ranks = st.ranks()
+    ranks("load", f"export {manifest['hash'][:16]}", exact=manifest["hash"],
+          explain=lambda seen: _differ(path, seen))
+    if verify:  # each file hashed by one rank
+        commit_files.verify(path, manifest["files"], manifest["world_size"], "export", ranks)
+        _nothing_unlisted(path, manifest)
+    _read_state(model, ranks, os.path.join(path, manifest["data"], CHECKPOINT), manifest, path)
+    mesh, device, _ = st.placement()
+    same = (list(mesh.shape) == manifest["mesh_shape"] and device.type == manifest["device"]
+            and opened.config.to_dict() == opened.stored.to_dict())
+    return Loaded(path, opened.entries, same, inference, manifest["version"])
 
 
 def _differ(path, seen: list) -> str:
@@ -215,13 +210,12 @@ def _differ(path, seen: list) -> str:
             "every rank sees.")
 
 
-def _read_state(model, folder: str, manifest: dict, path: str) -> None:
+def _read_state(model, ranks, folder: str, manifest: dict, path: str) -> None:
     """The stored parameters and buffers into ``model``'s (the skeleton's, which has no
     state-dict hooks), every rank's part read before any is used."""
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          set_model_state_dict)
 
-    ranks = model._autoshard.ranks()
     version = manifest["version"]
     if version == 1:
         loose = set(model.state_dict())
@@ -249,7 +243,8 @@ def _listed(path: str, folder: str, manifest: dict) -> set:
 _BACKENDS = {"cpu": ("gloo",), "cuda": ("nccl",)}
 
 
-def _check_backend(mesh, path: str) -> None:
+def check_backend(mesh, path: str) -> None:
+    """Refuse a mesh whose process group cannot run the export's collectives."""
     device = mesh.device_type
     backend = str(dist.get_backend(mesh.get_group(0)))
     per_device = dict(b.split(":", 1) for b in backend.split(",") if ":" in b)

@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autoshard import _compat
 from autoshard.cost import tensor_bytes
 from autoshard.ops import free_op
+from autoshard.runtime.dist import mesh_device
 
 _OPS = {
     torch.ops._c10d_functional.all_gather_into_tensor_out.default: "all_gather",
@@ -165,14 +168,22 @@ def state_bytes(model: torch.nn.Module, optimizer=None, device=None) -> int:
     return total
 
 
+def _step_device(model: torch.nn.Module) -> torch.device:
+    """Where the step runs: an offloaded DTensor parameter lives on the host, its mesh (and
+    so the step) on the device."""
+    p = next(model.parameters())
+    return mesh_device(p.device_mesh) if isinstance(p, DTensor) else p.device
+
+
 @contextlib.contextmanager
-def record(model: torch.nn.Module, optimizer=None, extra_bytes: int = 0):
+def record(model: torch.nn.Module, optimizer=None, extra_bytes: int = 0, *,
+           device: Optional[torch.device] = None):
     """Record one step run inside the block. ``extra_bytes``: other live tensors to count in
-    the baseline (the step's inputs). Memory is the step's device's: on a GPU an offloaded
-    model's host state is left out; on a CPU host and device are one memory."""
-    # the step's device (offloaded parameters live on the host, the step does not)
-    state = getattr(model, "_autoshard", None)
-    device = state.device if state is not None else next(model.parameters()).device
+    the baseline (the step's inputs). Memory is the step's ``device``'s (by default its mesh's
+    for DTensor parameters, sharded by autoshard or FSDP2, else the first parameter's): on a
+    GPU an offloaded model's host state is left out; on a CPU host and device are one
+    memory."""
+    device = device if device is not None else _step_device(model)
     cuda = device.type == "cuda"
     rec = Recording(baseline_bytes=state_bytes(model, optimizer, device) + extra_bytes)
     if cuda:

@@ -63,17 +63,13 @@ def _other_wrappers() -> list:
 
 def check_shardable(model: torch.nn.Module) -> None:
     """Raise ``ValueError`` if something else already distributes part of ``model``: FSDP2's
-    ``fully_shard`` (the module's class became ``FSDP<Name>``), FSDP1, DDP, an earlier
-    ``autoshard`` of a submodule, or DTensor parameters from tensor parallelism. The message
-    names the module or parameter and the wrapper."""
+    ``fully_shard`` (the module's class became ``FSDP<Name>``), FSDP1, DDP, or DTensor
+    parameters from tensor parallelism. The message names the module or parameter and the
+    wrapper. (An earlier ``autoshard`` of a submodule is the front door's to refuse, first.)"""
     wrappers = _other_wrappers()
     for name, mod in model.named_modules():
         where = f"module '{name}'" if name else "the model"
         cls = type(mod).__name__
-        if mod is not model and getattr(mod, "_autoshard", None) is not None:
-            raise ValueError(
-                f"{where} ({cls}) is already sharded by autoshard; autoshard the whole "
-                "model once, on the unsharded model (autoshard chooses the units itself)")
         for kind, what, advice in wrappers:
             if isinstance(mod, kind):
                 raise ValueError(

@@ -116,4 +116,14 @@ def test_the_function_carries_the_package_names():
     for name in package.__all__:
         if name != "autoshard":
             assert getattr(autoshard, name) is getattr(package, name), name
-    assert autoshard.load is package.runtime.export.load  # autoshard.load(...) either way
+    assert autoshard.load is package.files.load  # autoshard.load(...) either way
+
+
+def test_the_loaders_old_spelling_warns_and_loads_the_same():
+    import autoshard as package
+    from autoshard.runtime import export
+
+    with pytest.warns(DeprecationWarning, match="autoshard.load since 0.4.3"):
+        assert export.load is package.load
+    with pytest.raises(AttributeError, match="no attribute 'lode'"):
+        export.lode  # noqa: B018

@@ -196,7 +196,7 @@ def _export_replaced(path, a, b) -> dict:
     """a exported to ``path`` and loaded; one call (which reads its program); b exported to
     ``path``; the other call (whose program is read now)."""
     a.export(path, inference=False)
-    model = export.load(path)
+    model = autoshard.load(path)
     first = model(X).detach()
     res = {"replaced": outcome(lambda: b.export(path, inference=False))}
     second = []
@@ -204,7 +204,7 @@ def _export_replaced(path, a, b) -> dict:
     res["equal"] = (torch.equal(first, a(X).detach()) and bool(second)
                     and torch.equal(second[0], a(X2).detach()))
     res["listing"] = listing(path)
-    fresh = export.load(path)
+    fresh = autoshard.load(path)
     res["fresh_equal"] = torch.equal(fresh(X2).detach(), b(X2).detach())
     del model, fresh
     gc.collect()
@@ -261,12 +261,12 @@ def held_worker(rank, world, root) -> dict:
                 fresh = job(99, compiled=False)
                 got = outcome(lambda: autoshard.load_checkpoint(path, fresh))
             else:
-                got = outcome(lambda: export.load(path))
+                got = outcome(lambda: autoshard.load(path))
         finally:
             commit.hold = real
             dcpio.SafeReader.read_metadata = real_read
         out[what] = {"load": got, "first": first, "dcp_read": dcp_read,
-                     "again": outcome(lambda: export.load(path)) if what == "export" else None}
+                     "again": outcome(lambda: autoshard.load(path)) if what == "export" else None}
     return out
 
 

@@ -81,18 +81,16 @@ def _checkpoints_move(rank, world, trained):
     run once before the load, so its replicas must be gathered again."""
     import shutil
 
-    from autoshard.runtime import checkpoint
-
     base = os.path.join(tempfile.gettempdir(), f"autoshard-strategies-{os.getppid()}")
     xr = batches("gpt", 0)[0].chunk(world)[rank]
     out = {}
     for src, dst in (("ddp", "zero3"), ("ddp", "zero1"), ("zero3", "ddp")):
         saved = trained[("gpt", src)]
-        checkpoint.save(f"{base}-{src}", saved)
+        autoshard.save(f"{base}-{src}", saved)
         model = autoshard(build("gpt"), config=Config(policy="module", strategy=dst))
         with torch.no_grad():
             call("gpt", model, xr)
-            checkpoint.load(f"{base}-{src}", model)
+            autoshard.load_checkpoint(f"{base}-{src}", model)
             dlogits = (call("gpt", model, xr) - call("gpt", saved, xr)).abs().max().item()
         theirs, mine = saved.full_state_dict(), model.full_state_dict()
         out[(src, dst)] = (max((theirs[k] - mine[k]).abs().max().item() for k in theirs),

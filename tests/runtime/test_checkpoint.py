@@ -31,7 +31,6 @@ from torch.utils._pytree import tree_map_only
 
 from autoshard import autoshard
 from autoshard.models import GPT, gpt_loss
-from autoshard.runtime import checkpoint
 from harness import run_ranks, train_step
 
 N, M = 3, 3
@@ -143,7 +142,7 @@ def _resume(rank, world, root):
     _dcp_load(f"{root}/ckpt2", model, opt)
     loaded = _full(model, opt)
     if world == 4:
-        checkpoint.save(f"{root}/ckpt4", model, opt)
+        autoshard.save(f"{root}/ckpt4", model, opt)
         torch.save(model.state_dict(), f"{root}/w4_rank{rank}.pt")
     before = [p.to_local().clone() for p in model.parameters() if p.requires_grad]
     losses = [_step(model, opt, s, rank, world) for s in range(N, N + M)]
@@ -157,9 +156,9 @@ def _resume(rank, world, root):
 def _resume_w2(rank, world, root):
     """World 2, fresh: the bitwise resume, the world-4 save, full state dicts both ways."""
     out = _resume(rank, world, root)
-    # the save made at world 4 (helpers of autoshard.runtime.checkpoint) loads at world 2
+    # the save made at world 4 loads at world 2
     model, opt = _build(seed=2)
-    checkpoint.load(f"{root}/ckpt4", model, opt)
+    autoshard.load_checkpoint(f"{root}/ckpt4", model, opt)
     out["from4"] = _full(model, opt)
     out["refusals"] = {"other_world": _refused(model, torch.load(f"{root}/w4_rank{rank}.pt"))}
 
