@@ -20,7 +20,7 @@ from autoshard.config import offloads
 from autoshard.config import reshard_group_size, reshard_group_sizes
 from autoshard.cost import device_profile
 from autoshard.errors import AutoshardError
-from autoshard.passes import PassContext, plan_step_pass, run_passes
+from autoshard.passes import PassContext, choose_plan
 from autoshard.plans import Plan
 from autoshard.progress import timed
 from autoshard.runtime.storage import fqn_aliases
@@ -131,14 +131,13 @@ def plan_captured(cap, model, *, group_name, device, config, aliases=None, progr
         profile=profile, memory_budget=config.memory_budget or profile.memory,
         grad_sync=grad_sync, accumulated=accumulated)
     say("planning units, recomputation and collectives; predicting time and memory")
-    gm, ctx = run_passes(cap.gm, ctx, [(plan_step_pass, {
+    gm, ctx, plan = choose_plan(cap.gm, ctx, {
         "config": config, "verify": config.verify, "local_grad_bytes": local_grads,
-        "placed": placed,
-        "other_static_bytes": buffers + local_grads + inputs})])
-    if ctx.plan.unfit is not None:
-        raise AutoshardError(ctx.plan.unfit)
+        "placed": placed, "other_static_bytes": buffers + local_grads + inputs})
+    if plan.unfit is not None:
+        raise AutoshardError(plan.unfit)
     cap.gm, cap.params = gm, ctx.captured.params
-    return ctx, ctx.plan
+    return ctx, plan
 
 
 def fit_symbolic(p1: Plan, p2: Plan, p3: Plan, batch: int, seq: int) -> dict:

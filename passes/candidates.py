@@ -2,9 +2,11 @@
 
 A candidate is one frozen choice of strategy, units, recomputation, resharding and offload;
 ``lower`` runs the pipeline for it on a copy of the captured graph and predicts it. The
-choice ladders the search walks (``recompute_choices``, ``first_choices``) and the context
-of one placement of the sharded state (``placed_context``) live here too, so that the
-search (``search.py``) and the planner (``plan.py``) share one way to build a candidate.
+choice ladders the search walks (``recompute_choices``, ``first_choices``) and one placement
+of the sharded state in host or device memory (``StatePlacement``, ``place_state``) live here
+too, so that the search (``search.py``) and the planner (``plan.py``) share one way to build a
+candidate. What the planner keeps of a candidate (its placement's bytes, its prediction) is
+its own, in these records; the pass context holds only what passes decide and read.
 """
 
 from __future__ import annotations
@@ -136,24 +138,37 @@ class Candidate:
     offload_params: float
 
 
+@dataclasses.dataclass(frozen=True)
+class StatePlacement:
+    """The sharded state with ``offload`` of it in host memory: the pass context whose
+    parameter descriptions place it so, with the bytes held all step that follow, and the
+    model state's bytes (``autoshard.spec.model_state_bytes``: on the device and the host)."""
+
+    ctx: Any  # autoshard.passes.pipeline.PassContext
+    offload: float
+    state: dict
+
+
 @dataclasses.dataclass
 class Lowered:
     """A candidate lowered: its joint graph with every collective in place (not yet split),
-    the pass context that built it (its units, placement and model state) and the
-    simulator's prediction of its step."""
+    the pass context that built it (its units and placement), its placement's model state
+    bytes and the simulator's prediction of its step."""
 
     candidate: Candidate
     gm: fx.GraphModule
     ctx: Any
     prediction: Any
+    state: dict
 
 
-def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
+def lower(base: fx.GraphModule, placed: StatePlacement, cand: Candidate, config, cache: dict, *,
           verify: bool = False) -> Lowered:
     """``cand`` built on ``base`` (the captured graph with ``cand``'s recomputation applied,
     left untouched) and predicted: units, collectives, prefetch, then the simulator. Reads
-    ``ctx`` (the placement's context: specs, profile, bytes held all step) without changing
-    it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
+    ``placed`` (the placement's context: specs, profile, bytes held all step) without
+    changing it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
+    ctx, state = placed.ctx, placed.state
     cctx = dataclasses.replace(ctx, reshard_after_forward=cand.reshard,
                                offload_params=cand.offload_params)
     # recomputation is done already, per choice; the chosen plan alone is split
@@ -163,19 +178,16 @@ def lower(base: fx.GraphModule, ctx, cand: Candidate, config, cache: dict, *,
         out = clone_graph(base)
     out, cctx = run_passes(out, cctx, passes, verify_each=verify, lint=False)
     params = cand.offload_params
-    if ctx.offload:  # the fraction that took effect: a whole number of units copy again
+    if placed.offload:  # the fraction that took effect: a whole number of units copy again
         specs = {p.fqn: p for p in ctx.captured.params}
         hosted = offloaded_units(cctx.units, specs)
         params = sum(not u.held for u in hosted) / len(hosted) if hosted else 0.0
     with progress.timed("plan: simulate"):
-        pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes,
-                              ctx.state["host"] - ctx.state["host_grads"])
-    cctx = dataclasses.replace(cctx, offload_params=params, prediction=pred,
-                               recompute=(cand.recompute, cand.modes))
-    return Lowered(cand, out, cctx, pred)
+        pred = simulate_joint(out, ctx.profile, ctx.sim_static_bytes, ctx.sim_host_bytes)
+    return Lowered(cand, out, dataclasses.replace(cctx, offload_params=params), pred, state)
 
 
-def placed_context(ctx, offload: float, config, options, keep: bool = False):
+def place_state(ctx, offload: float, config, options, keep: bool = False) -> StatePlacement:
     """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
     the device (``keep``: as the specs place it already), and the bytes held all step that
     follow."""
@@ -188,7 +200,7 @@ def placed_context(ctx, offload: float, config, options, keep: bool = False):
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
     state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     other = options.get("other_static_bytes", 0)
-    return dataclasses.replace(
-        ctx, state=state, offload=offload,
-        static_bytes=state["params"] + state["grads"] + state["optimizer"] + other,
-        sim_static_bytes=state["params"] + state["optimizer"] + other)
+    return StatePlacement(dataclasses.replace(
+        ctx, static_bytes=state["params"] + state["grads"] + state["optimizer"] + other,
+        sim_static_bytes=state["params"] + state["optimizer"] + other,
+        sim_host_bytes=state["host"] - state["host_grads"]), offload, state)

@@ -55,18 +55,11 @@ class PassContext:
     memory_budget: int = 0  # bytes per rank
     static_bytes: int = 0  # bytes per rank held all step: model state, buffers, inputs
     sim_static_bytes: int = 0  # of those, what the simulator holds from the step's start
+    sim_host_bytes: int = 0  # what it holds in host memory from the start (the state there)
     units: Optional[list] = None  # list[Unit], set by assign_units
     prefetch_cap: Optional[int] = None  # bound on in-flight gathered bytes (prefetch)
     collectives_inserted: bool = False
     split: Any = None  # autoshard.captured.SplitProgram, set by split
-    # set by plan_step: the chosen plan's Prediction, its recomputation (label, modes),
-    # the fraction of the sharded state it keeps on the host, that state's bytes
-    # (autoshard.spec.model_state_bytes)
-    prediction: Any = None
-    recompute: Any = None
-    offload: float = 0.0
-    state: Optional[dict] = None
-    plan: Any = None  # set by plan_step: the finished autoshard.plans.Plan
 
 
 def debug_level() -> int:

@@ -1,4 +1,4 @@
-"""plan_step: the planner, as the one pass the compiler runs.
+"""The planner: it chooses among lowered candidates, above the passes.
 
 A plan is a choice of strategy (``Config.strategy``; "auto" searches zero1, zero2 and zero3),
 of units (which parameters are gathered together), of recomputation (which activations cross
@@ -7,8 +7,8 @@ parameters after the forward) and of offload (whether the sharded state lives in
 memory): one frozen ``Candidate``. ``lower`` builds a candidate on a copy of the graph and
 predicts it (a ``Lowered``); the ``Planner`` enumerates and bounds them, one ``Search`` per
 strategy (``search.py``) and one placement of the state each, and returns the finished Plan.
-This pass runs the rest of the pipeline once per candidate on a
-copy of the captured graph, predicts each result's step time and peak memory
+It is not a pass: the compiler calls ``choose`` on the captured step; it runs the passes
+(``autoshard.passes.pipeline``) once per candidate on a copy of the captured graph, predicts each result's step time and peak memory
 (``autoshard.simulate``) and keeps the fastest that fits the memory budget; every candidate
 tried, with its prediction, is recorded for the plan to show.
 
@@ -85,7 +85,7 @@ from autoshard.config import reshard_group_size
 from autoshard.cost import collective_time, share_node_times
 from autoshard.options import Prefetch
 from autoshard.passes.auto import BIG_GRAPH
-from autoshard.passes.candidates import (Candidate, Lowered, lower, placed_context, reshard_label,
+from autoshard.passes.candidates import (Candidate, Lowered, lower, place_state, reshard_label,
                                          shard_size)
 from autoshard.passes.readout import make_plan
 from autoshard.passes.pipeline import run_passes
@@ -140,21 +140,20 @@ def _target(prefer: str, reference, budget: int) -> Optional[tuple]:
 STRATEGIES_SEARCHED = ("zero1", "zero2", "zero3")  # Config.strategy="auto", least memory last
 
 
-def plan_step_pass(gm: fx.GraphModule, ctx, *, options):
-    """Choose and build the plan: returns the chosen candidate's split graph and the context
-    it was built in.
+def choose(gm: fx.GraphModule, ctx, options: dict):
+    """Choose and build the plan: ``(split graph, PassContext, Plan)`` of the chosen
+    candidate.
 
-    Needs: the captured joint graph (untouched: every candidate works on a copy) and in
+    Reads: the captured joint graph (untouched: every candidate works on a copy) and in
     ``ctx`` the profile and budget. Options: ``config`` (the Config), ``other_static_bytes``
     (buffers and inputs, held all step), ``local_grad_bytes`` (of those, the full local
     gradients a step without gradient sync holds), ``placed`` (the fraction of the state an
     earlier plan stored in host memory, kept as the specs say; None: searched), ``verify``.
-    Guarantees: the context returned is the chosen candidate's (units, split program,
-    parameter descriptions with the strategy's placement), its ``prediction`` the
-    Prediction, its ``plan`` the finished Plan: every candidate tried, the entries after
-    the optimizer step, and ``plan.unfit`` saying why when nothing fits (the plan with the
-    least peak is chosen then). Shows progress (``autoshard.progress``) per candidate.
-    Does nothing else to ``gm``.
+    Returns the context the chosen candidate was built in (units, split program, parameter
+    descriptions with the strategy's placement) and the finished Plan: every candidate
+    tried, the entries after the optimizer step, and ``plan.unfit`` saying why when nothing
+    fits (the plan with the least peak is chosen then). Shows progress
+    (``autoshard.progress``) per candidate.
     """
     with _Garbage() as garbage, progress.phase("planning", unit="candidates") as bar:
         return Planner(gm, ctx, options, garbage, bar).run()
@@ -171,7 +170,7 @@ class Planner:
         self.config = options["config"]
 
     def run(self):
-        """``(split graph, the chosen context's fields with its "plan")``: per strategy the
+        """``(split graph, the chosen context, its Plan)``: per strategy the
         best plan (``Search``), then among those the fastest that fits the budget and, with
         ``Config(prefer="memory")``, that meets the target against FSDP2's plan where one
         does (``lightest_near``); the plan says why when the fastest was not taken."""
@@ -209,8 +208,7 @@ class Planner:
             plan.predicted["fsdp2_peak_bytes"] = reference.peak_bytes
             plan.predicted["fsdp2_step_s"] = reference.total
             plan.choice = _choice(plan, reference, prefer, target)
-        chosen = {f.name: getattr(best.ctx, f.name) for f in dataclasses.fields(best.ctx)}
-        return out, {**chosen, "plan": plan}
+        return out, best.ctx, plan
 
     def _fsdp2(self, prefer: str):
         """FSDP2's plan for this model, predicted as every candidate is (``lower``): one unit
@@ -229,7 +227,7 @@ class Planner:
         specs = [dataclasses.replace(p, replica=False) for p in ctx.captured.params]
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs),
                                   reshard_after_forward="auto")
-        placed = placed_context(ctx, 0.0, config, self.options)
+        placed = place_state(ctx, 0.0, config, self.options)
         # FSDP2 recomputes nothing and offloads no activation (recompute=False refuses
         # offload_activations=True, which the user's Config may hold)
         fsdp2 = dataclasses.replace(config, policy="module", units=None, recompute=False,
@@ -289,21 +287,22 @@ class Planner:
         ctx, config, pred = best.ctx, self.config, best.prediction
         specs = {p.fqn: p for p in ctx.captured.params}
         mesh_shape = ctx.captured.params[0].mesh_shape if ctx.captured.params else (1,)
-        state = ctx.state
+        state = best.state
         plan = make_plan(
             math.prod(mesh_shape), ctx.units, specs, [ctx.split.fwd, ctx.split.bwd],
             prediction=pred, profile=ctx.profile, budget=ctx.memory_budget,
             policy="pinned" if config.units is not None else config.policy_name,
             model_state_bytes=state["params"] + state["grads"] + state["optimizer"],
-            host_state_bytes=state["host"], recompute=ctx.recompute, candidates=candidates,
-            offload=ctx.offload, offload_params=ctx.offload_params,
+            host_state_bytes=state["host"], candidates=candidates,
+            recompute=(best.candidate.recompute, best.candidate.modes),
+            offload=best.candidate.offload, offload_params=ctx.offload_params,
             reshard=(reshard_label(ctx.reshard_after_forward)
                      if any(p.gathers for p in ctx.captured.params) else "nothing gathered"),
             strategy=strategy, mesh_shape=mesh_shape, grad_sync=ctx.grad_sync)
         plan.predicted["local_grad_bytes"] = self.options.get("local_grad_bytes", 0)
         if any(p.replica for p in ctx.captured.params):
             _after_step(plan, ctx)
-        plan.unfit = (_unfit(plan, ctx, config)
+        plan.unfit = (_unfit(plan, best, config)
                       if self._searched() and pred.peak_bytes > ctx.memory_budget else None)
         return plan
 
@@ -372,17 +371,18 @@ def _choice(plan, reference, prefer: str, target: tuple) -> Optional[str]:
             f"step ({reference.total * 1e3:.3f} ms), so the fastest is chosen")
 
 
-def _unfit(plan, ctx, config) -> str:
+def _unfit(plan, best: Lowered, config) -> str:
     """Why no plan fits: the smallest plan the search made (the last candidates tried are
     the least memory a plan can take: one unit per parameter, and with recompute True or
     "auto" every repeated block recomputed whole) and what would make one fit."""
+    ctx, cand = best.ctx, best.candidate
     budget, world_size = ctx.memory_budget, plan.world_size
     return (
         f"no plan fits the memory budget of {fmt_bytes(budget)} per rank on "
-        f"{world_size} ranks: the smallest plan autoshard can make ({ctx.recompute[0]} "
+        f"{world_size} ranks: the smallest plan autoshard can make ({cand.recompute} "
         f"recomputation, {len(ctx.units)} units"
         + (f", the model state in host memory (offload: "
-           f"{offload_label(ctx.offload, ctx.offload_params)})" if ctx.offload else "")
+           f"{offload_label(cand.offload, ctx.offload_params)})" if cand.offload else "")
         + f") needs {fmt_bytes(plan.predicted['peak_bytes'])}. "
         "Raise Config.memory_budget to at least that, shard over more ranks, use a "
         "smaller batch" + (", or Config(recompute=True) to recompute activations"

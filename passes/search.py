@@ -19,9 +19,9 @@ from autoshard.config import offloads, reshard_group_sizes
 from autoshard.cost import node_time
 from autoshard.graph import clone_graph
 from autoshard.passes.auto import BIG_GRAPH, copy_floor, gradient_copies, tries
-from autoshard.passes.candidates import (Candidate, Lowered, first_choices, lower, offload_choice,
-                                         offloaded_blocks, placed_context, recompute_choices,
-                                         reshard_label, shard_size)
+from autoshard.passes.candidates import (Candidate, Lowered, StatePlacement, first_choices, lower,
+                                         offload_choice, offloaded_blocks, place_state,
+                                         recompute_choices, reshard_label, shard_size)
 from autoshard.passes.collectives import offloaded_units
 from autoshard.passes.offload import offload_activations_pass, offloaded_bytes
 from autoshard.passes.pipeline import run_passes, unit_options
@@ -32,7 +32,7 @@ from autoshard.simulate import activations
 
 
 # with no Config.offload_policy and nothing fitting on the device, the fractions of the
-# sharded state in host memory tried (PassContext.offload), least first
+# sharded state in host memory tried (StatePlacement.offload), least first
 OFFLOAD_STATE = (0.25, 0.5, 0.75, 1.0)
 # with the state on the host, the fractions of units copying their shards in twice tried
 # (PassContext.offload_params), fastest first
@@ -91,8 +91,8 @@ class Search:
         fits; "all"). ``keep``: the specs' devices are the placement (``offload`` its
         fraction)."""
         budget = self.ctx.memory_budget
-        placed = placed_context(self.ctx, offload, self.config, self.options, keep)
-        key = frozenset(s.fqn for s in placed.captured.params if s.device == "host")
+        placed = place_state(self.ctx, offload, self.config, self.options, keep)
+        key = frozenset(s.fqn for s in placed.ctx.captured.params if s.device == "host")
         if key in self.searched:
             return self.searched[key]
         # brought back onto the device, optimizer state is held all step: every plan tried
@@ -160,7 +160,7 @@ class Search:
             return pa.peak_bytes < pb.peak_bytes
         if _meets(pa, target) != _meets(pb, target):
             return _meets(pa, target)
-        return (pa.total, a.ctx.state["host"]) < (pb.total, b.ctx.state["host"])
+        return (pa.total, a.state["host"]) < (pb.total, b.state["host"])
 
 
 @dataclasses.dataclass
@@ -180,12 +180,13 @@ class _Choice:
 
 
 class _Placement:
-    """Every recomputation choice and unit candidate for one placement of the state (``ctx``
-    from ``placed_context``), recorded in the search. Choices go from recomputing nothing to
+    """Every recomputation choice and unit candidate for one placement of the state
+    (``place_state``), recorded in the search. Choices go from recomputing nothing to
     recomputing most; see ``plan.py``'s docstring for what is skipped and why."""
 
-    def __init__(self, search: Search, ctx, reuse):
-        self.search, self.ctx, self.reuse = search, ctx, reuse
+    def __init__(self, search: Search, placed: StatePlacement, reuse):
+        self.search, self.placed, self.reuse = search, placed, reuse
+        ctx = self.ctx = placed.ctx
         self.start = len(search.candidates)  # this placement's rows come after
         config = self.config = search.config
         self.verify = search.options.get("verify", False)
@@ -197,8 +198,8 @@ class _Placement:
         self.budget = ctx.memory_budget
         # offloaded, the fractions of units copying their shards in twice to try per candidate
         pinned = config.offload_options.params if config.offload_options else None
-        self.ladder = (((pinned,) if pinned is not None else OFFLOAD_PARAMS) if ctx.offload
-                       else (1.0,))
+        self.ladder = (((pinned,) if pinned is not None else OFFLOAD_PARAMS)
+                       if placed.offload else (1.0,))
         self.specs = {p.fqn: p for p in ctx.captured.params}
         self.floors: dict = {}  # choice -> bytes held all step plus its activations
         # trying the fallback choices for Config(prefer="memory")'s target (``run``): each
@@ -207,7 +208,7 @@ class _Placement:
 
     def row(self, label, **fields) -> dict:
         """A candidate's row as the plan shows it."""
-        return {"recompute": label, "offload": self.ctx.offload, "offload_params": None,
+        return {"recompute": label, "offload": self.placed.offload, "offload_params": None,
                 **fields}
 
     def prepare(self, i: int):
@@ -333,7 +334,7 @@ class _Placement:
         nothing)."""
         limit = getattr(self.ctx.profile, "host_memory", 0)
         moved = sum(offloaded_bytes(base).values()) if limit else 0
-        if not moved or moved + self.ctx.state["host"] <= limit:
+        if not moved or moved + self.placed.state["host"] <= limit:
             return False
         self.search.candidates.append(self.row(
             label, units=None, step_s=None, peak_bytes=None, fits=False,
@@ -412,7 +413,7 @@ class _Placement:
         reshard = self.ctx.reshard_after_forward
         low = self.evaluate(ch, k, reshard, self.ladder[0])
         fits = low.prediction.peak_bytes <= self.budget
-        n = len(offloaded_units(low.ctx.units, self.specs)) if self.ctx.offload else 0
+        n = len(offloaded_units(low.ctx.units, self.specs)) if self.placed.offload else 0
         steps = sorted({round(f * n) for f in self.ladder}) if n else [0]
         if not fits and len(steps) > 1:
             last = self.evaluate(ch, k, reshard, steps[-1] / n)
@@ -457,13 +458,13 @@ class _Placement:
     def evaluate(self, ch: _Choice, k: int, reshard, params) -> Lowered:
         """Unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``, lowered,
         predicted and recorded."""
-        cand = Candidate(self.search.strategy, self.ctx.offload, ch.label, ch.modes, k, reshard,
-                         params)
+        cand = Candidate(self.search.strategy, self.placed.offload, ch.label, ch.modes, k,
+                         reshard, params)
         with progress.timed("plan: lower candidates"):
-            low = lower(ch.base, self.ctx, cand, self.config, ch.cache, verify=self.verify)
+            low = lower(ch.base, self.placed, cand, self.config, ch.cache, verify=self.verify)
         pred = low.prediction
         self.search.consider(low, self.row(
-            ch.label, offload_params=low.ctx.offload_params if self.ctx.offload else None,
+            ch.label, offload_params=low.ctx.offload_params if self.placed.offload else None,
             units=len(low.ctx.units), reshard=reshard_label(reshard), step_s=pred.total,
             peak_bytes=pred.peak_bytes, fits=pred.peak_bytes <= self.budget, note=""))
         return low
@@ -477,7 +478,7 @@ def _undominated(near: list) -> list:
     dozen plans come within 2% of the fastest, and the collector walked every one of them."""
     def key(o):
         pred = o[0].prediction
-        return o[0].ctx.state["host"], pred.peak_bytes, pred.total
+        return o[0].state["host"], pred.peak_bytes, pred.total
 
     return [a for a in near if not any(b[0].prediction.total <= a[0].prediction.total
                                        and key(b) < key(a) for b in near)]
@@ -491,7 +492,7 @@ def lightest_near(options: list, lowered, target, near: float):
     def key(o):
         low = lowered(o)
         return (not _meets(low.prediction, target), low.prediction.total,
-                low.ctx.state["host"])
+                low.state["host"])
 
     best = min(options, key=key)
     if not near:
@@ -501,7 +502,7 @@ def lightest_near(options: list, lowered, target, near: float):
         limit = min(limit, target[1])
     return min((o for o in options if key(o)[0] == key(best)[0]
                 and lowered(o).prediction.total <= limit),
-               key=lambda o: (lowered(o).ctx.state["host"], lowered(o).prediction.peak_bytes,
+               key=lambda o: (lowered(o).state["host"], lowered(o).prediction.peak_bytes,
                               lowered(o).prediction.total))
 
 

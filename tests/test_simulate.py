@@ -28,7 +28,7 @@ def test_joint_prediction_is_the_split_prediction(name):
     args, kwargs = ((x,), {}) if name.startswith("gpt") else ((), {"input_ids": x})
     cap, ctx, plan = compile_step(model, type(model).forward, args, kwargs, world_size=4,
                                   group_name="plan", device=torch.device("cpu"), config=cfg)
-    host = ctx.state["host"] - ctx.state["host_grads"]
+    host = ctx.sim_host_bytes
     n_user = sum(r[meta.ROLE] == meta.OUT_FWD for r in ctx.split.fwd_roles)
     split = simulate(ctx.split.fwd, ctx.split.bwd, ctx.profile, ctx.sim_static_bytes, n_user,
                      host)
@@ -37,4 +37,4 @@ def test_joint_prediction_is_the_split_prediction(name):
                   "host_peak_bytes", "both_peak_bytes", "comm_bytes"):
         assert getattr(joint, field) == getattr(split, field), field
     assert [t[1] for t in joint.timeline] == [t[1] for t in split.timeline]
-    assert ctx.prediction.peak_bytes == split.peak_bytes
+    assert plan.predicted["peak_bytes"] == split.peak_bytes

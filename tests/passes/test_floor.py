@@ -70,9 +70,9 @@ def _bounds(monkeypatch) -> list:
     were bounded for, ``(bound, predicted peak, candidate)``."""
     rows, lower = [], search_mod.lower
 
-    def spy(base, ctx, cand, config, cache, **kw):
-        low = lower(base, ctx, cand, config, cache, **kw)
-        if "tries" in cache and cand.reshard == ctx.reshard_after_forward:
+    def spy(base, placed, cand, config, cache, **kw):
+        low = lower(base, placed, cand, config, cache, **kw)
+        if "tries" in cache and cand.reshard == placed.ctx.reshard_after_forward:
             rows.append((cache["tries"][cand.units][1], low.prediction.peak_bytes, cand))
         return low
 
