@@ -10,7 +10,8 @@ from autoshard.spec import group_size
 from autoshard.passes.units import Unit
 
 
-def bucket_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+def bucket_units_pass(gm: fx.GraphModule, ctx, *,
+                      options) -> tuple[fx.GraphModule, dict]:
     """Merge runs of adjacent units (in first-use order) smaller than ``min_bytes`` into one
     unit of at most ``min_bytes``, so one all-gather and one reduce-scatter serve them all.
 

@@ -81,7 +81,8 @@ def _recompute_param_derived(gm: fx.GraphModule, kept: set) -> None:
             graph.erase_node(n)
 
 
-def insert_collectives_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+def insert_collectives_pass(gm: fx.GraphModule, ctx, *,
+                            options) -> tuple[fx.GraphModule, dict]:
     """Make every parameter read go through its unit's all-gather, and every gradient
     through its unit's reduce-scatter.
 

@@ -56,7 +56,8 @@ def gathered_spans(gm: fx.GraphModule, region: str) -> list:
             and meta.tag(n, meta.REGION) == region]
 
 
-def prefetch_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+def prefetch_pass(gm: fx.GraphModule, ctx, *,
+                  options) -> tuple[fx.GraphModule, dict]:
     """Move each all-gather (with its packing) earlier, and each reduce-scatter's wait later.
 
     Needs: the tags insert_collectives writes; ``ctx.profile`` for compute times.

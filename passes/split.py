@@ -17,7 +17,8 @@ def _copy_into(graph: fx.Graph, nodes, env: dict) -> None:
         env[n] = new
 
 
-def split_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+def split_pass(gm: fx.GraphModule, ctx, *,
+               options) -> tuple[fx.GraphModule, dict]:
     """Partition by region tag and record the result in ``ctx.split``.
 
     Needs: every node tagged with a region (capture; passes tag what they add).

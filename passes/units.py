@@ -131,7 +131,8 @@ def size_groups(order, numel, min_numel) -> list:
     return list(zip(span_names(groups, order), groups))
 
 
-def assign_units_pass(gm: fx.GraphModule, ctx, *, options) -> fx.GraphModule:
+def assign_units_pass(gm: fx.GraphModule, ctx, *,
+                      options) -> tuple[fx.GraphModule, dict]:
     """Group parameters into units and tag each parameter placeholder with its unit.
 
     Needs: parameter placeholders tagged ``role=param`` with their ``fqn`` (capture).
