@@ -6,12 +6,11 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
-import warnings
 from typing import Optional
 
 import torch
 
-from autoshard import compiler, state
+from autoshard import compiler
 from autoshard._compat import tree_flatten
 from autoshard.calls import (CallState, call, call_key, compile_for, install_entry,
                              install_submodule_entries, refuse_accelerate_autocast, split_inputs,
@@ -26,11 +25,6 @@ from autoshard.runtime import dist as _dist, export as exporting, optim, record 
 from autoshard.runtime.checkpoint import localize_state_dict
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.spec import param_specs
-
-
-# torch.compile's keyword arguments, which torch.nn.Module.compile passes on
-_TORCH_COMPILE_ARGS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options",
-                                 "disable"})
 
 
 class ShardedModule(torch.nn.Module):
@@ -73,26 +67,6 @@ class ShardedModule(torch.nn.Module):
         if key not in st.programs:
             compile_for(self, st, args, kwargs, key, sharded=True)
         return self
-
-    def compile(self, *args, **kwargs):
-        """``torch.nn.Module.compile``: ``torch.compile`` this module's calls, with
-        torch.compile's arguments (``backend``, ``mode``, ``fullgraph``, ...). The sharded
-        step stays opaque to TorchDynamo (``Config(compile=True)`` compiles the step itself
-        with inductor); the code around it is compiled.
-
-        Deprecated: called with example inputs (a tensor among the arguments, or a keyword
-        torch.compile does not take) it captures the step now, as ``precompile`` does,
-        with a ``DeprecationWarning``; that meaning goes in autoshard 0.3."""
-        leaves, _ = tree_flatten((args, kwargs))
-        if set(kwargs) - _TORCH_COMPILE_ARGS or any(
-                isinstance(x, torch.Tensor) or state.is_state(x) for x in leaves):
-            warnings.warn(
-                "ShardedModule.compile(*example_inputs) is deprecated and will be removed in "
-                "autoshard 0.3: use sharded.precompile(*example_inputs) to capture the step "
-                "now. sharded.compile(...) takes torch.compile's arguments, as "
-                "torch.nn.Module.compile does.", DeprecationWarning, stacklevel=2)
-            return self.precompile(*args, **kwargs)
-        return torch.nn.Module.compile(self, *args, **kwargs)
 
     def register_forward_method(self, name: str) -> None:
         """Run the method ``name`` (``encode``, ``get_text_features``: code that reads the
@@ -283,7 +257,7 @@ def _precompile_eval(model: ShardedModule, st: CallState) -> None:
     (the graph an inference-only load runs), unless it is compiled already."""
     if st.is_loaded():
         return  # loaded from an export: it holds what it holds
-    device = st.placement()[1]
+    device = st.sharding()[1]
     training = model.training
     try:
         for key, prog in st.compiled_programs().items():

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from autoshard import _compat, compiler, hooks, state
+from autoshard import _compat, carried, compiler, hooks
 from autoshard._compat import keystr, tree_flatten, tree_flatten_with_path
 from autoshard.capture import flat_inputs, input_names, tracing
 from autoshard.config import Config
@@ -20,7 +20,7 @@ from autoshard.guards import user_class_name
 from autoshard.runtime import dist as _dist, optim, optim as _optim
 from autoshard.runtime.executor import Program
 from autoshard.runtime.replicas import refresh_replicas
-from autoshard.runtime.storage import fqn_aliases, place
+from autoshard.runtime.storage import fqn_aliases, move_to_host
 
 
 @dataclasses.dataclass
@@ -55,7 +55,7 @@ class CallState:
     entry_names: dict = dataclasses.field(default_factory=dict)
     # where the shards are stored, shared by every entry: {"offload": the fraction of the
     # state in host memory once the first plan placed it (None before); later plans keep it}
-    placed: dict = dataclasses.field(default_factory=lambda: {"offload": None})
+    offload_stored: dict = dataclasses.field(default_factory=lambda: {"offload": None})
 
     def __post_init__(self):
         # autoshard's optimizer hooks are in place while a sharded module's state lives
@@ -90,7 +90,7 @@ class CallState:
         return prog.run_instrumented(own, bufs, inputs, tangents, on_node, graphs=graphs,
                                      replicas=replicas, pending=self.pending)
 
-    def placement(self) -> tuple:
+    def sharding(self) -> tuple:
         """(mesh, device, config): where and how this state's module is sharded and run."""
         return self.mesh, self.device, self.config
 
@@ -174,7 +174,7 @@ def call(module, st: CallState, args, kwargs):
                          exact=lambda: repr(key), flag=found is None)
     st.agreement.step = step
     tensors = flat_inputs(leaves)
-    objects = [x for x in leaves if state.is_state(x)]
+    objects = [x for x in leaves if carried.is_carried(x)]
     for attempt in range(2):  # again only if a hook turned out to change values
         if attempt:
             found, again = cached(st, key), False
@@ -202,7 +202,7 @@ def call(module, st: CallState, args, kwargs):
                 buffers[i].copy_(new)
     written = user[len(user) - prog.captured.n_state:] if prog.captured.n_state else []
     for k, description in prog.captured.state_in:  # the objects, left as eager leaves them
-        state.apply(objects[k], description, state.tensors(objects[k]), written)
+        carried.apply(objects[k], description, carried.tensors(objects[k]), written)
     return prog.unflatten(user, objects, written)
 
 
@@ -243,8 +243,8 @@ def call_key(module, st: CallState, args, kwargs):
             if x.device != st.device:
                 refuse_device(args, kwargs, st.device)
             parts.append((tuple(x.shape), x.dtype, x.requires_grad, tuple(x.stride())))
-        elif state.is_state(x):
-            parts.append(("state", state.signature(x)))
+        elif carried.is_carried(x):
+            parts.append(("state", carried.signature(x)))
         else:
             parts.append(("const", type(x).__name__, repr(x)))
     params = [mod._parameters[name] for mod, name in st.param_refs]
@@ -322,7 +322,7 @@ def entry_state(root_st: CallState, module, name: str, fn) -> CallState:
     """The state of an entry other than the root's forward: the root's mesh, config and
     agreement, its own programs over ``module``'s parameters."""
     st = CallState(root_st.mesh, root_st.device, root_st.config, fn, fqn_aliases(module),
-                agreement=root_st.agreement, entry=name, placed=root_st.placed)
+                agreement=root_st.agreement, entry=name, offload_stored=root_st.offload_stored)
     st.param_refs = tensor_refs(module, "_parameters", module.named_parameters())
     st.buffer_refs = tensor_refs(module, "_buffers", module.named_buffers())
     return st
@@ -373,7 +373,7 @@ def capture_and_compile(model: torch.nn.Module, st: CallState, args, kwargs) -> 
         group_name=_dist.group_name(st.mesh), device=st.device, config=st.config,
         reshard_groups=reshard_groups(st), aliases=st.aliases, grad_sync=st.grad_sync,
         accumulated=bool(st.pending) and st.grad_sync, traced_hooks=st.traced_hooks,
-        placed=st.placed["offload"],
+        offload_stored=st.offload_stored["offload"],
         lifted=tuple((m, n) for m, n in st.lifted.values() if type(m.__dict__.get(n)) is float),
     )
     st.traced_hooks = st.traced_hooks | cap.traced_hooks  # with those the forward installed
@@ -431,7 +431,7 @@ def follow(model, st: CallState, guards) -> None:
 
 def make_program(st: CallState, cap, ctx, plan, model=None) -> Program:
     """The runnable program of a planned step, once every rank has the same schedule; the
-    plan's placement (the shards it keeps in host memory) applied to ``model``'s parameters
+    plan's hosting (the shards it keeps in host memory) applied to ``model``'s parameters
     (``storage.place``) when it is the first plan, so later plans keep it."""
     # the same signature can still compile differently (a rank-dependent model): compare
     st.agreement(f"step {st.agreement.step}: compiled program",
@@ -439,8 +439,8 @@ def make_program(st: CallState, cap, ctx, plan, model=None) -> Program:
                  exact=repr([(e.region, e.unit, e.op, e.bytes) for e in plan.schedule]))
     if model is not None:
         pin = getattr(st.config.offload_policy, "pin_memory", True)
-        place(model, cap.params, st.device, pin=pin)
-        st.placed["offload"] = plan.offload
+        move_to_host(model, cap.params, st.device, pin=pin)
+        st.offload_stored["offload"] = plan.offload
     prog = Program(cap, ctx.split, plan, st.mesh.size(), _dist.shard_rank(st.mesh),
                    st.device.type, agreement=st.agreement,
                    compiled=st.config.compile)

@@ -20,7 +20,7 @@ import torch.fx as fx
 from autoshard._compat import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
                                tree_unflatten)
 
-from autoshard import _compat, guards, hooks, meta, progress, state
+from autoshard import _compat, carried, guards, hooks, meta, progress
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, fold_alias_pairs, written_inputs
 from autoshard.ops import capture_decompositions
@@ -168,7 +168,7 @@ def capture(
     names = _module_names(model)
     hooks.refuse_backward_hooks(model, names)
     leaves, in_spec = tree_flatten((args, kwargs))
-    objects = [x for x in leaves if state.is_state(x)]
+    objects = [x for x in leaves if carried.is_carried(x)]
     fparams, fbufs, finputs = _fake_inputs(params, buffers, flat_inputs(leaves), lifted,
                                            device)
     joint = _Joint(model=model, forward=forward, params=list(params), bnames=list(buffers),
@@ -183,9 +183,9 @@ def capture(
 
 def _input_consts(leaves) -> list:
     """Per input leaf: ``TENSOR``, a ``StateIn`` for an object holding state, else the leaf."""
-    count = iter(range(sum(1 for x in leaves if state.is_state(x))))
+    count = iter(range(sum(1 for x in leaves if carried.is_carried(x))))
     return [TENSOR if isinstance(x, torch.Tensor) else
-            StateIn(next(count), len(state.tensors(x))) if state.is_state(x) else x
+            StateIn(next(count), len(carried.tensors(x))) if carried.is_carried(x) else x
             for x in leaves]
 
 
@@ -267,7 +267,7 @@ class _Joint:
         for c in self.in_consts:
             if isinstance(c, StateIn):
                 fakes = [next(it) for _ in range(c.n)]
-                shadows.append((state.shadow(self.objects[c.index], iter(fakes)),
+                shadows.append((carried.shadow(self.objects[c.index], iter(fakes)),
                                 {id(f): i for i, f in enumerate(fakes)}))
                 full.append(shadows[-1][0])
             else:
@@ -298,14 +298,14 @@ class _Joint:
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
         n_user = len(touts)
         souts: list = []  # what the forward left in objects, after the taps
-        rec["state_in"] = [(k, state.describe(sh, ins, souts)) for k, (sh, ins) in
+        rec["state_in"] = [(k, carried.describe(sh, ins, souts)) for k, (sh, ins) in
                            enumerate(shadows)]
         whose = {id(sh): k for k, (sh, _) in enumerate(shadows)}
         for i, o in enumerate(out_leaves):
             if id(o) in whose:
                 out_leaves[i] = StateOut(whose[id(o)])
-            elif state.is_state(o):
-                out_leaves[i] = NewState(state.describe(o, {}, souts))
+            elif carried.is_carried(o):
+                out_leaves[i] = NewState(carried.describe(o, {}, souts))
         rec["n_state"] = len(souts)
         touts = touts + rec["tapped"] + [t.detach() for t in souts]
         rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
@@ -421,13 +421,13 @@ def _lifting(lifted, values):
 
 def flat_inputs(leaves) -> list:
     """The graph's input tensors of a call's leaves: each tensor, and the tensors each object
-    holding state holds (``autoshard.state``), in order."""
+    holding state holds (``autoshard.carried``), in order."""
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             out.append(x)
-        elif state.is_state(x):
-            out.extend(t.detach() for t in state.tensors(x))
+        elif carried.is_carried(x):
+            out.extend(t.detach() for t in carried.tensors(x))
     return out
 
 

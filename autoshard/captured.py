@@ -42,7 +42,7 @@ class Captured:
     # (module, attribute) of float attributes read as graph inputs, after the tensor inputs
     lifted: list = dataclasses.field(default_factory=list)
     traced_hooks: frozenset = frozenset()  # hooks traced into the graph (hooks.Replaces)
-    # objects among the inputs the forward updates (autoshard.state): (input object number,
+    # objects among the inputs the forward updates (autoshard.carried): (input object number,
     # its description after the forward); their new tensors are the last ``n_state``
     # tensor outputs of the forward
     state_in: list = dataclasses.field(default_factory=list)
@@ -75,7 +75,7 @@ class StateOut:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class NewState:
-    """An output leaf that is an object the forward created (``state.describe``)."""
+    """An output leaf that is an object the forward created (``carried.describe``)."""
 
     description: Any
 

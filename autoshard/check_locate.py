@@ -64,7 +64,7 @@ class _Recorded:
     module: str
 
 
-class _Keep:
+class _NodeValues:
     """``on_node`` for the captured graph's run: each comparable node's value, by name."""
 
     def __init__(self):
@@ -123,13 +123,13 @@ def locate_difference(sharded, eager: EagerRun, example_inputs, step_ok: bool, r
                 p.step()
             return on
 
-        keep = _Keep()
+        seen = _NodeValues()
         with rk.seeded():
-            joint = state.run_instrumented(args, kwargs, eager.tangents, counted(keep),
+            joint = state.run_instrumented(args, kwargs, eager.tangents, counted(seen),
                                            graphs="joint", params=eager.init_params,
                                            buffers=eager.init_buffers)
         capture_diff = _capture_difference(joint, eager, rk)
-        search = _Search(keep.values, rk)
+        search = _Search(seen.values, rk)
         with rk.seeded():
             traced = state.run_instrumented(args, kwargs, eager.tangents, counted(search),
                                             buffers=eager.init_buffers)

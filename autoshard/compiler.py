@@ -2,8 +2,9 @@
 
 ``compile_step`` captures a step (``autoshard.capture``, or ``autoshard.depth`` for deep
 stacks of identical blocks) and hands it to ``plan_captured``, which runs the planner
-(``autoshard.passes.plan``: one pass, run once by the pass runner) and returns the chosen
-program's graphs, the placement of every parameter (``cap.params``) and the finished Plan.
+(``autoshard.passes.planner``, above the passes: it runs them once per candidate) and
+returns the chosen program's graphs, the placements of every parameter (``cap.params``) and
+the finished Plan.
 ``autoshard()``, ``autoshard.plan()`` and a loaded export all plan through here.
 
     model, inputs -capture-> Captured(joint graph, ParamSpecs)
@@ -30,7 +31,7 @@ from autoshard.spec import param_specs
 def compile_step(model, forward, args, kwargs, *, world_size, group_name, device, config,
                  reshard_groups=None, aliases=None, progress=None, from_shallow=False,
                  grad_sync=True, accumulated=False, traced_hooks=frozenset(), lifted=(),
-                 placed=None):
+                 offload_stored=None):
     """Capture ``model``'s step, run the passes and predict the result; no process group is
     touched. Returns ``(captured, ctx, plan)``; ``ctx.split`` holds the two graphs.
     ``world_size``: the ranks, or the mesh's shape (``(replicate, shard)`` for hybrid
@@ -41,11 +42,11 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     the process group names of this rank's hpZ groups by size
     (``autoshard.runtime.dist.reshard_groups``); None when planning only.
     ``from_shallow``: build a deep stack of identical blocks from a few traced ones
-    (``autoshard.depth``) instead of tracing them all. ``placed``: the fraction of the state
+    (``autoshard.depth``) instead of tracing them all. ``offload_stored``: the fraction of the state
     an earlier plan put in host memory (the parameters are stored so already, marked
     ``autoshard.spec.ON_HOST``), which this plan keeps; None: the plan chooses.
 
-    The planner (``autoshard.passes.plan``) tries candidate units (policy "auto") and
+    The planner (``autoshard.passes.planner``) tries candidate units (policy "auto") and
     recomputation (recompute "auto") and keeps the fastest that fits the budget; with no
     ``Config.offload_policy``, it then tries the model state in host memory. If none fits,
     AutoshardError says the smallest budget that would.
@@ -77,7 +78,7 @@ def compile_step(model, forward, args, kwargs, *, world_size, group_name, device
     ctx, plan = plan_captured(cap, model, group_name=group_name, device=device,
                               config=config, reshard_groups=reshard_groups, aliases=aliases,
                               progress=progress, grad_sync=grad_sync,
-                              accumulated=accumulated, placed=placed)
+                              accumulated=accumulated, offload_stored=offload_stored)
     return cap, ctx, plan
 
 
@@ -108,7 +109,7 @@ def reshard_sizes(config, mesh_shape, device) -> tuple:
 
 
 def plan_captured(cap, model, *, group_name, device, config, aliases=None, progress=None,
-                  grad_sync=True, accumulated=False, placed=None, reshard_groups=None):
+                  grad_sync=True, accumulated=False, offload_stored=None, reshard_groups=None):
     """The planner on a captured step (``compile_step`` after capture; also what a loaded
     export runs on its stored joint graph at another world size), over the mesh its
     ``ParamSpec``s name. ``model`` gives the module structure and the buffers. The planner
@@ -133,7 +134,7 @@ def plan_captured(cap, model, *, group_name, device, config, aliases=None, progr
     say("planning units, recomputation and collectives; predicting time and memory")
     gm, ctx, plan = choose_plan(cap.gm, ctx, {
         "config": config, "verify": config.verify, "local_grad_bytes": local_grads,
-        "placed": placed, "other_static_bytes": buffers + local_grads + inputs})
+        "offload_stored": offload_stored, "other_static_bytes": buffers + local_grads + inputs})
     if plan.unfit is not None:
         raise AutoshardError(plan.unfit)
     cap.gm, cap.params = gm, ctx.captured.params

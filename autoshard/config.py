@@ -116,7 +116,7 @@ class Config:
           all-gathers within that group only (``k`` must divide the shard dimension's size;
           1 means ``True``, the shard size ``False``);
         - "search": the planner's choice per candidate between "auto", ``False`` and one
-          hpZ group size (``passes/plan.py`` says which), the fastest where it is surely
+          hpZ group size (``passes/planner.py`` says which), the fastest where it is surely
           within the budget (``plan.reshard`` says which).
     partial_mesh: the 1-D mesh covers only some of the ranks on purpose (for example one
         pipeline stage); the ranks outside it train their own copy, and nothing keeps those
@@ -221,7 +221,7 @@ class Config:
     compile: run the forward and backward graphs through inductor (torch.compile's compiler;
         C++ kernels on CPU, Triton on CUDA), each compiled on its first call, with the
         collectives inside the compiled code in the plan's order (checked on the generated
-        code; see ``autoshard.runtime.compiled``). The plan is the same; the first call of
+        code; see ``autoshard.runtime.inductor``). The plan is the same; the first call of
         each input signature takes longer. Default False: the graphs run as fx code.
     verify: run the verifier after every pass (always on in tests and under AUTOSHARD_DEBUG).
     """

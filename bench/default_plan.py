@@ -51,7 +51,7 @@ def _inputs(name: str, seq: int):
 
 
 def fsdp2_config(profile: str):
-    """FSDP2's plan as the planner predicts it (``passes.plan.Planner._fsdp2``), pinned."""
+    """FSDP2's plan as the planner predicts it (``passes.planner.Planner._fsdp2``), pinned."""
     from autoshard import Config, Prefetch
 
     return Config(device_profile=profile, policy="module", recompute=False,

@@ -18,7 +18,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from autoshard.passes import plan as planner
+from autoshard.passes import planner
 from bench import compare, membound, strategies
 
 

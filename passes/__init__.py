@@ -8,7 +8,7 @@ ordered list, lints the graph after each, and runs the verifier when asked (``Co
 ``AUTOSHARD_VERIFY=1`` as the tests set it, or ``AUTOSHARD_DEBUG``). ``AUTOSHARD_DEBUG=1``
 prints per-pass time and op-count diff; ``=2`` also dumps the numbered graph after each pass.
 
-The planner (``choose_plan``, ``passes/plan.py``) is not a pass: above them, it lowers each
+The planner (``choose_plan``, ``passes/planner.py``) is not a pass: above them, it lowers each
 candidate plan with the runner and chooses among them. The planner's modules (plan, search,
 candidates, readout) import the passes; no pass imports them.
 """
@@ -25,4 +25,4 @@ from autoshard.passes.remat import recompute_activations_pass  # noqa: F401
 from autoshard.passes.offload import offload_activations_pass  # noqa: F401
 from autoshard.passes.split import split_pass  # noqa: F401
 from autoshard.passes.verify import verify  # noqa: F401
-from autoshard.passes.plan import choose as choose_plan  # noqa: F401
+from autoshard.passes.planner import choose as choose_plan  # noqa: F401

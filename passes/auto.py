@@ -14,7 +14,7 @@ the predicted peak exceeds the budget are dropped unbuilt: the state held all st
 the worst point of the step, the activations live there and what the grouping surely holds
 beside them, its gathered units, prefetched all-gathers, full gradients and the reductions'
 buffers (``autoshard.passes.floor``). The rest are tried fastest first through the full
-pipeline and its memory simulation (``autoshard.passes.plan``), and the fastest that fits
+pipeline and its memory simulation (``autoshard.passes.planner``), and the fastest that fits
 wins. So "auto" is never predicted slower than a fixed policy that
 fits, and what it picks is checked, not estimated. Complexity: O(P * K) segment evaluations
 per cap for P parameters and at most K parameters per unit (O(P^2) for the largest cap), each

@@ -36,7 +36,7 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *,
             else:
                 name = f"{run[0].name}+{len(run) - 1}"
                 merged.append(Unit(0, name, [f for u in run for f in u.fqns],
-                                   keep=any(u.keep for u in run)))
+                                   stays_gathered=any(u.stays_gathered for u in run)))
         run.clear()
 
     for u in ctx.units:
@@ -52,7 +52,7 @@ def bucket_units_pass(gm: fx.GraphModule, ctx, *,
     by_fqn = {meta.tag(n, meta.FQN): n for n in gm.graph.nodes if meta.is_param(n)}
     units = []
     for i, u in enumerate(merged):
-        units.append(Unit(i, u.name, list(u.fqns), keep=u.keep))
+        units.append(Unit(i, u.name, list(u.fqns), stays_gathered=u.stays_gathered))
         for f in u.fqns:
             meta.tags(by_fqn[f])[meta.UNIT] = i
     return gm, {"units": units}

@@ -2,10 +2,10 @@
 
 A candidate is one frozen choice of strategy, units, recomputation, resharding and offload;
 ``lower`` runs the pipeline for it on a copy of the captured graph and predicts it. The
-choice ladders the search walks (``recompute_choices``, ``first_choices``) and one placement
-of the sharded state in host or device memory (``StatePlacement``, ``place_state``) live here
-too, so that the search (``search.py``) and the planner (``plan.py``) share one way to build a
-candidate. What the planner keeps of a candidate (its placement's bytes, its prediction) is
+choice ladders the search walks (``recompute_choices``, ``first_choices``) and one hosting
+of the sharded state in host or device memory (``Hosting``, ``host_state``) live here
+too, so that the search (``search.py``) and the planner (``planner.py``) share one way to build a
+candidate. What the planner keeps of a candidate (its hosting's bytes, its prediction) is
 its own, in these records; the pass context holds only what passes decide and read.
 """
 
@@ -139,7 +139,7 @@ class Candidate:
 
 
 @dataclasses.dataclass(frozen=True)
-class StatePlacement:
+class Hosting:
     """The sharded state with ``offload`` of it in host memory: the pass context whose
     parameter descriptions place it so, with the bytes held all step that follow, and the
     model state's bytes (``autoshard.spec.model_state_bytes``: on the device and the host)."""
@@ -152,7 +152,7 @@ class StatePlacement:
 @dataclasses.dataclass
 class Lowered:
     """A candidate lowered: its joint graph with every collective in place (not yet split),
-    the pass context that built it (its units and placement), its placement's model state
+    the pass context that built it (its units and hosting), its hosting's model state
     bytes and the simulator's prediction of its step."""
 
     candidate: Candidate
@@ -162,13 +162,13 @@ class Lowered:
     state: dict
 
 
-def lower(base: fx.GraphModule, placed: StatePlacement, cand: Candidate, config, cache: dict, *,
+def lower(base: fx.GraphModule, hosting: Hosting, cand: Candidate, config, cache: dict, *,
           verify: bool = False) -> Lowered:
     """``cand`` built on ``base`` (the captured graph with ``cand``'s recomputation applied,
     left untouched) and predicted: units, collectives, prefetch, then the simulator. Reads
-    ``placed`` (the placement's context: specs, profile, bytes held all step) without
+    ``hosting`` (the hosting's context: specs, profile, bytes held all step) without
     changing it. ``cache``: the per-graph cache of ``autoshard.passes.auto``."""
-    ctx, state = placed.ctx, placed.state
+    ctx, state = hosting.ctx, hosting.state
     cctx = dataclasses.replace(ctx, reshard_after_forward=cand.reshard,
                                offload_params=cand.offload_params)
     # recomputation is done already, per choice; the chosen plan alone is split
@@ -178,7 +178,7 @@ def lower(base: fx.GraphModule, placed: StatePlacement, cand: Candidate, config,
         out = clone_graph(base)
     out, cctx = run_passes(out, cctx, passes, verify_each=verify, lint=False)
     params = cand.offload_params
-    if placed.offload:  # the fraction that took effect: a whole number of units copy again
+    if hosting.offload:  # the fraction that took effect: a whole number of units copy again
         specs = {p.fqn: p for p in ctx.captured.params}
         hosted = offloaded_units(cctx.units, specs)
         params = sum(not u.held for u in hosted) / len(hosted) if hosted else 0.0
@@ -187,12 +187,12 @@ def lower(base: fx.GraphModule, placed: StatePlacement, cand: Candidate, config,
     return Lowered(cand, out, dataclasses.replace(cctx, offload_params=params), pred, state)
 
 
-def place_state(ctx, offload: float, config, options, keep: bool = False) -> StatePlacement:
+def host_state(ctx, offload: float, config, options, as_specs: bool = False) -> Hosting:
     """``ctx`` with ``offload`` of the sharded state kept on the host (``hosted``), the rest on
-    the device (``keep``: as the specs place it already), and the bytes held all step that
-    follow."""
+    the device (``as_specs``: as the specs place it already), and the bytes held all step
+    that follow."""
     specs = ctx.captured.params
-    host = ({s.fqn for s in specs if s.device == "host"} if keep
+    host = ({s.fqn for s in specs if s.device == "host"} if as_specs
             else hosted([(s.fqn, s.shape) for s in specs], offload))
     if any((s.device == "host") != (s.fqn in host) for s in specs):
         specs = [dataclasses.replace(s, device="host" if s.fqn in host else "device")
@@ -200,7 +200,7 @@ def place_state(ctx, offload: float, config, options, keep: bool = False) -> Sta
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs))
     state = model_state_bytes(specs, OPTIMIZER_STATES[config.optimizer])
     other = options.get("other_static_bytes", 0)
-    return StatePlacement(dataclasses.replace(
+    return Hosting(dataclasses.replace(
         ctx, static_bytes=state["params"] + state["grads"] + state["optimizer"] + other,
         sim_static_bytes=state["params"] + state["optimizer"] + other,
         sim_host_bytes=state["host"] - state["host_grads"]), offload, state)

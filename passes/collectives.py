@@ -89,8 +89,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *,
     Needs: ``ctx.units`` and parameter placeholders tagged with ``unit`` (assign_units),
     regions and output roles (capture).
     Guarantees, per unit and dtype: one all_gather+wait before the unit's first forward use
-    and one before its first backward use (unless ``Unit.keep``: then the forward's serves;
-    the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
+    and one before its first backward use (unless ``Unit.stays_gathered``: then the forward's
+    serves; the backward all-gather of a ``Unit.held`` unit sends the forward's send buffer again,
     with no copy from the host and no packing, ``ctx.offload_params`` choosing those among
     ``offloaded_units``; that of a unit resharded to groups of k (``Unit.group``, hpZ) sends
     the ``autoshard::chunk`` (tagged ``meta.AG_CHUNK``) that copied this rank's 1/k of the
@@ -116,7 +116,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx, *,
     groups = group_names(ctx)
     specs = {p.fqn: p for p in ctx.captured.params}
     phs = {meta.tag(n, meta.FQN): n for n in graph.nodes if meta.is_param(n)}
-    _recompute_param_derived(gm, {f for u in ctx.units if u.keep for f in u.fqns})
+    _recompute_param_derived(gm, {f for u in ctx.units if u.stays_gathered for f in u.fqns})
     # where the step computes: capture traced every parameter there, full size
     device = next((n.meta["val"].device for n in phs.values()), HOST)
     _store_placeholders(gm, phs, specs)
@@ -151,18 +151,18 @@ def _store_placeholders(gm: fx.GraphModule, phs: dict, specs: dict) -> None:
 def _insert_gathers(gm, ctx, pos, roots: dict, specs: dict, phs: dict, group: str,
                     device) -> None:
     """Per unit and compute dtype, the all-gathers of its gathered parameters (forward, and
-    backward unless ``Unit.keep``); what they allocate joins ``roots``, to be freed."""
+    backward unless ``Unit.stays_gathered``); what they allocate joins ``roots``, to be freed."""
     for unit in ctx.units:
         fqns = [f for f in unit.fqns if specs[f].gathers]
-        k = unit.group if not unit.keep else 0
+        k = unit.group if not unit.stays_gathered else 0
         sub = reshard_group(ctx, k) if k else None
         for dtype, group_fqns in _by_dtype(fqns, lambda f: specs[f].compute_dtype):
             held = None  # the forward's send buffer, when the unit holds it for the backward
-            for region in (meta.FWD,) if unit.keep else (meta.FWD, meta.BWD):
+            for region in (meta.FWD,) if unit.stays_gathered else (meta.FWD, meta.BWD):
                 hpz = k and region == meta.BWD and held is not None
                 new, sent = _gather(gm, pos, unit.index, region,
                                     [specs[f] for f in group_fqns], phs,
-                                    sub if hpz else group, unit.keep, dtype, device, held,
+                                    sub if hpz else group, unit.stays_gathered, dtype, device, held,
                                     ranks=k if hpz else None)
                 held = sent if unit.held else None
                 if k and region == meta.FWD and new and _read_in_backward(group_fqns, phs):
@@ -319,7 +319,7 @@ def _cast_unsharded(gm, ph, storage_dtype):
 def offloaded_units(units, specs: dict) -> list:
     """The units resharded after the forward whose shards are in host memory: each copies
     them in again for the backward's all-gather or holds the forward's copy."""
-    return [u for u in units if not u.keep and not u.group and any(
+    return [u for u in units if not u.stays_gathered and not u.group and any(
         specs[f].sharded and specs[f].device == "host" for f in u.fqns)]
 
 

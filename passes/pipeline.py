@@ -1,5 +1,5 @@
 """The pass pipeline: what passes share (``PassContext``), their declared order, and the
-one runner that applies a list of them (``run_passes``). The planner (``passes/plan.py``)
+one runner that applies a list of them (``run_passes``). The planner (``passes/planner.py``)
 lowers each candidate plan with this runner, so the runner knows no planner: it imports the
 passes it lists, never the planner (``autoshard.passes`` re-exports both)."""
 

@@ -146,8 +146,8 @@ def make_plan(world_size: int, units, specs: dict, graphs, *, prediction=None, p
         numel = sum(_numel(specs[f].shape) for f in u.fqns)
         nbytes = sum(specs[f].gathered_bytes() for f in u.fqns)
         host = sum(_numel(specs[f].shape) for f in u.fqns if specs[f].device == "host")
-        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.keep, u.held,
-                              host / numel if numel else 0.0, u.group))
+        infos.append(UnitInfo(u.index, u.name, list(u.fqns), numel, nbytes, u.stays_gathered,
+                              u.held, host / numel if numel else 0.0, u.group))
     plan = Plan(world_size, infos, read_schedule(graphs), policy=policy, memory_budget=budget,
                 recompute=recompute[0], recompute_blocks=recompute[1],
                 offload=offload, offload_params=offload_params if offload else None,

@@ -1,9 +1,9 @@
-"""The planner's search: ``Search``, one per strategy, and one placement of the state each.
+"""The planner's search: ``Search``, one per strategy, and one hosting of the state each.
 
-A ``Search`` walks the placements of the sharded state (on the device, then in host memory
-by the fractions of ``OFFLOAD_STATE``); per placement, the recomputation choices and unit
-candidates in order, bounded and bisected as ``plan.py``'s docstring says, and keeps the
-best ``Lowered`` it predicts. The planner (``plan.py``) runs one per strategy and picks.
+A ``Search`` walks the hostings of the sharded state (on the device, then in host memory
+by the fractions of ``OFFLOAD_STATE``); per hosting, the recomputation choices and unit
+candidates in order, bounded and bisected as ``planner.py``'s docstring says, and keeps the
+best ``Lowered`` it predicts. The planner (``planner.py``) runs one per strategy and picks.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from autoshard.config import offloads, reshard_group_sizes
 from autoshard.cost import node_time
 from autoshard.graph import clone_graph
 from autoshard.passes.auto import BIG_GRAPH, copy_floor, gradient_copies, tries
-from autoshard.passes.candidates import (Candidate, Lowered, StatePlacement, first_choices, lower,
-                                         offload_choice, offloaded_blocks, place_state,
+from autoshard.passes.candidates import (Candidate, Lowered, Hosting, first_choices, lower,
+                                         offload_choice, offloaded_blocks, host_state,
                                          recompute_choices, reshard_label, shard_size)
 from autoshard.passes.collectives import offloaded_units
 from autoshard.passes.offload import offload_activations_pass, offloaded_bytes
@@ -32,7 +32,7 @@ from autoshard.simulate import activations
 
 
 # with no Config.offload_policy and nothing fitting on the device, the fractions of the
-# sharded state in host memory tried (StatePlacement.offload), least first
+# sharded state in host memory tried (Hosting.offload), least first
 OFFLOAD_STATE = (0.25, 0.5, 0.75, 1.0)
 # with the state on the host, the fractions of units copying their shards in twice tried
 # (PassContext.offload_params), fastest first
@@ -40,9 +40,9 @@ OFFLOAD_PARAMS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 class Search:
-    """One strategy's search: the placements of the state (on the device; with no
+    """One strategy's search: the hostings of the state (on the device; with no
     ``Config.offload_policy`` and nothing fitting there, in host memory, as little as fits)
-    and per placement every recomputation choice and unit candidate (``_Placement``).
+    and per hosting every recomputation choice and unit candidate (``_HostingSearch``).
     ``setting``: the strategy's ``reshard_after_forward`` ("search" tries keeping every unit
     gathered too)."""
 
@@ -57,25 +57,25 @@ class Search:
         self.near: list = []
         self.searched: dict = {}  # the parameters on the host -> whether a plan fits
         self.all_hosted = None  # (least peak, optimizer bytes) with all of the state hosted
-        # what every placement computes alike: each choice's graph and activations, the unit
+        # what every hosting computes alike: each choice's graph and activations, the unit
         # groupings
         self.bases, self.activations, self.groupings = {}, {}, {}
         self.cuts: dict = {}  # the recompute pass's cut_cache, for the choices' copies of gm
 
     def run(self):
         """``(best Lowered, candidates)``; the best is the least peak when none fits."""
-        forced, placed = offloads(self.config), self.options.get("placed")
+        forced, stored = offloads(self.config), self.options.get("offload_stored")
         may_offload = self.config.offload_policy is None  # when nothing fits on the device
-        if placed is not None:  # an earlier plan stored the state: the specs say where
-            self.placement(placed, None, keep=True)
+        if stored is not None:  # an earlier plan stored the state: the specs say where
+            self.try_hosting(stored, None, as_specs=True)
         elif forced:
-            self.placement(forced, None)
-        elif (not self.placement(0.0, "unfit" if may_offload else None) and may_offload
-              and self.placement(1.0, "all")):
+            self.try_hosting(forced, None)
+        elif (not self.try_hosting(0.0, "unfit" if may_offload else None) and may_offload
+              and self.try_hosting(1.0, "all")):
             lo, hi = 0, len(OFFLOAD_STATE) - 1  # OFFLOAD_STATE[-1] fits
             while lo < hi:
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if self.placement(OFFLOAD_STATE[mid], "all") else (mid + 1,
+                lo, hi = (lo, mid) if self.try_hosting(OFFLOAD_STATE[mid], "all") else (mid + 1,
                                                                                       hi)
         if self.near and self._class(self.best)[0]:  # with none that fits: the least peak
             self.best, self.best_row = lightest_near(
@@ -84,22 +84,22 @@ class Search:
             c["chosen"] = c is self.best_row
         return self.best, self.candidates
 
-    def placement(self, offload: float, reuse, keep: bool = False) -> bool:
-        """Search with ``offload`` of the state on the host (once per placement: on a small
+    def try_hosting(self, offload: float, reuse, as_specs: bool = False) -> bool:
+        """Search with ``offload`` of the state on the host (once per hosting: on a small
         model two fractions can place alike); whether a plan fits then. ``reuse``: whether a
-        later placement reads the choices' graphs (None: none; "unfit": one does if no plan
-        fits; "all"). ``keep``: the specs' devices are the placement (``offload`` its
+        later hosting reads the choices' graphs (None: none; "unfit": one does if no plan
+        fits; "all"). ``as_specs``: the specs' devices are the hosting (``offload`` its
         fraction)."""
         budget = self.ctx.memory_budget
-        placed = place_state(self.ctx, offload, self.config, self.options, keep)
-        key = frozenset(s.fqn for s in placed.ctx.captured.params if s.device == "host")
+        hosting = host_state(self.ctx, offload, self.config, self.options, as_specs)
+        key = frozenset(s.fqn for s in hosting.ctx.captured.params if s.device == "host")
         if key in self.searched:
             return self.searched[key]
         # brought back onto the device, optimizer state is held all step: every plan tried
         # with all of the state on the host needs that much more, at least
         if self.all_hosted is not None:
             least, hosted_optimizer = self.all_hosted
-            back = placed.state["optimizer"] - hosted_optimizer
+            back = hosting.state["optimizer"] - hosted_optimizer
             if least + back > budget:
                 self.candidates.append({
                     "recompute": "-", "offload": offload, "offload_params": None,
@@ -109,12 +109,12 @@ class Search:
                             "the budget"})
                 self.searched[key] = False
                 return False
-        _Placement(self, placed, reuse).run()
+        _HostingSearch(self, hosting, reuse).run()
         self.searched[key] = any(c["fits"] and c["offload"] == offload for c in self.candidates)
         if offload == 1.0:
             self.all_hosted = (min(c["peak_bytes"] for c in self.candidates
                                    if c["offload"] == 1.0 and c["step_s"] is not None),
-                               placed.state["optimizer"])
+                               hosting.state["optimizer"])
         return self.searched[key]
 
     def consider(self, low: Lowered, row: dict) -> None:
@@ -165,7 +165,7 @@ class Search:
 
 @dataclasses.dataclass
 class _Choice:
-    """One recomputation choice within a placement: its graph and what every unit candidate
+    """One recomputation choice within a hosting: its graph and what every unit candidate
     on it shares."""
 
     label: str
@@ -179,15 +179,15 @@ class _Choice:
     read: set = dataclasses.field(default_factory=set)  # parameters the forward reads
 
 
-class _Placement:
-    """Every recomputation choice and unit candidate for one placement of the state
-    (``place_state``), recorded in the search. Choices go from recomputing nothing to
-    recomputing most; see ``plan.py``'s docstring for what is skipped and why."""
+class _HostingSearch:
+    """Every recomputation choice and unit candidate for one hosting of the state
+    (``host_state``), recorded in the search. Choices go from recomputing nothing to
+    recomputing most; see ``planner.py``'s docstring for what is skipped and why."""
 
-    def __init__(self, search: Search, placed: StatePlacement, reuse):
-        self.search, self.placed, self.reuse = search, placed, reuse
-        ctx = self.ctx = placed.ctx
-        self.start = len(search.candidates)  # this placement's rows come after
+    def __init__(self, search: Search, hosting: Hosting, reuse):
+        self.search, self.hosting, self.reuse = search, hosting, reuse
+        ctx = self.ctx = hosting.ctx
+        self.start = len(search.candidates)  # this hosting's rows come after
         config = self.config = search.config
         self.verify = search.options.get("verify", False)
         blocks = repeated_blocks(ctx.model) if ctx.model is not None else []
@@ -199,7 +199,7 @@ class _Placement:
         # offloaded, the fractions of units copying their shards in twice to try per candidate
         pinned = config.offload_options.params if config.offload_options else None
         self.ladder = (((pinned,) if pinned is not None else OFFLOAD_PARAMS)
-                       if placed.offload else (1.0,))
+                       if hosting.offload else (1.0,))
         self.specs = {p.fqn: p for p in ctx.captured.params}
         self.floors: dict = {}  # choice -> bytes held all step plus its activations
         # trying the fallback choices for Config(prefer="memory")'s target (``run``): each
@@ -208,7 +208,7 @@ class _Placement:
 
     def row(self, label, **fields) -> dict:
         """A candidate's row as the plan shows it."""
-        return {"recompute": label, "offload": self.placed.offload, "offload_params": None,
+        return {"recompute": label, "offload": self.hosting.offload, "offload_params": None,
                 **fields}
 
     def prepare(self, i: int):
@@ -222,7 +222,7 @@ class _Placement:
 
     def _build(self, i: int) -> None:
         """Choice ``i``'s graph (recomputed and offloaded as it says) and its activations,
-        kept in the search for every placement."""
+        kept in the search for every hosting."""
         s = self.search
         base = clone_graph(s.gm)
         modes = self.choices[i][1]
@@ -257,7 +257,7 @@ class _Placement:
         slower = None  # on a big graph, a choice whose plans were all slower than the chosen
         for i, (label, modes) in enumerate(self.choices):
             if i == first and self.fastest_meets(s.candidates[tried_before:]):
-                break  # the rest are fallbacks, and a plan of this placement fits without them
+                break  # the rest are fallbacks, and a plan of this hosting fits without them
             if i == first and any(c["fits"] for c in s.candidates[tried_before:]):
                 self.for_target = True  # the fallbacks are tried for the target alone
             if slower is not None:  # each choice recomputes more than the one before
@@ -307,7 +307,7 @@ class _Placement:
             i, (label, modes) = i - 1, self.choices[i - 1]  # the same without offload
             base, floor = self.prepare(i)
         if self.reuse is None or (self.reuse == "unfit" and s.best_fits()):
-            for j in [j for j in s.bases if j <= i]:  # no later placement reads them
+            for j in [j for j in s.bases if j <= i]:  # no later hosting reads them
                 del s.bases[j]
         # and per choice, its activations and unit candidates, computed once
         ch = _Choice(label, modes, base, {"groupings": s.groupings,
@@ -330,11 +330,11 @@ class _Placement:
     def over_host(self, base, label: str) -> bool:
         """Whether the activations ``base`` offloads, with the state on the host, exceed the
         profile's host memory per device (recorded, not built, then; the last choice, with
-        no plan of the placement built, gives way to the one before it, which offloads
+        no plan of the hosting built, gives way to the one before it, which offloads
         nothing)."""
         limit = getattr(self.ctx.profile, "host_memory", 0)
         moved = sum(offloaded_bytes(base).values()) if limit else 0
-        if not moved or moved + self.placed.state["host"] <= limit:
+        if not moved or moved + self.hosting.state["host"] <= limit:
             return False
         self.search.candidates.append(self.row(
             label, units=None, step_s=None, peak_bytes=None, fits=False,
@@ -413,7 +413,7 @@ class _Placement:
         reshard = self.ctx.reshard_after_forward
         low = self.evaluate(ch, k, reshard, self.ladder[0])
         fits = low.prediction.peak_bytes <= self.budget
-        n = len(offloaded_units(low.ctx.units, self.specs)) if self.placed.offload else 0
+        n = len(offloaded_units(low.ctx.units, self.specs)) if self.hosting.offload else 0
         steps = sorted({round(f * n) for f in self.ladder}) if n else [0]
         if not fits and len(steps) > 1:
             last = self.evaluate(ch, k, reshard, steps[-1] / n)
@@ -442,7 +442,7 @@ class _Placement:
         than a larger's (fewer ring steps, a link within a node), so the least that fits is
         the fastest of them."""
         pred = low.prediction
-        held = sum(self.specs[f].gathered_bytes() for u in low.ctx.units if not u.keep
+        held = sum(self.specs[f].gathered_bytes() for u in low.ctx.units if not u.stays_gathered
                    for f in u.fqns)
         if held <= 0:
             return
@@ -458,13 +458,13 @@ class _Placement:
     def evaluate(self, ch: _Choice, k: int, reshard, params) -> Lowered:
         """Unit candidate ``k`` with ``reshard`` and ``offload_params`` as ``params``, lowered,
         predicted and recorded."""
-        cand = Candidate(self.search.strategy, self.placed.offload, ch.label, ch.modes, k,
+        cand = Candidate(self.search.strategy, self.hosting.offload, ch.label, ch.modes, k,
                          reshard, params)
         with progress.timed("plan: lower candidates"):
-            low = lower(ch.base, self.placed, cand, self.config, ch.cache, verify=self.verify)
+            low = lower(ch.base, self.hosting, cand, self.config, ch.cache, verify=self.verify)
         pred = low.prediction
         self.search.consider(low, self.row(
-            ch.label, offload_params=low.ctx.offload_params if self.placed.offload else None,
+            ch.label, offload_params=low.ctx.offload_params if self.hosting.offload else None,
             units=len(low.ctx.units), reshard=reshard_label(reshard), step_s=pred.total,
             peak_bytes=pred.peak_bytes, fits=pred.peak_bytes <= self.budget, note=""))
         return low

@@ -20,7 +20,7 @@ class Unit:
     index: int
     name: str  # the module paths covering its parameters (``span_names``), or "root"
     fqns: list
-    keep: bool = False  # gathered from forward to backward (not resharded after forward)
+    stays_gathered: bool = False  # from forward to backward (not resharded after forward)
     # its shards, in host memory, are copied to the device once for the forward's all-gather
     # and held there for the backward's (set by insert_collectives from ctx.offload_params)
     held: bool = False
@@ -143,9 +143,10 @@ def assign_units_pass(gm: fx.GraphModule, ctx, *,
     Guarantees: every parameter is in exactly one unit; parameters no explicit unit or module
     names form the "root" unit; a unit is named by its block (module policy), else by the
     module paths covering its parameters (``span_names``); units are numbered in order of
-    first use in the graph; ``Unit.keep`` follows ``ctx.reshard_after_forward`` (True: none
-    kept, False: all, "auto": the unit read last in forward, which the backward would gather
-    again first; an int k: none kept, each resharded to groups of k, ``Unit.group``).
+    first use in the graph; ``Unit.stays_gathered`` follows ``ctx.reshard_after_forward``
+    (True: none kept, False: all, "auto": the unit read last in forward, which the backward
+    would gather again first; an int k: none kept, each resharded to groups of k,
+    ``Unit.group``).
     Never changes the graph's nodes.
     """
     phs = first_use_order(gm)
@@ -217,7 +218,7 @@ def _choose_kept(gm, mode, units: list, by_fqn) -> None:
         return
     if mode is False:
         for u in units:
-            u.keep = True
+            u.stays_gathered = True
         return
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     end = {}  # unit -> position of its last forward read
@@ -226,4 +227,4 @@ def _choose_kept(gm, mode, units: list, by_fqn) -> None:
         if reads:
             end[u.index] = max(reads)
     if end:  # the backward starts by gathering it again
-        units[max(end, key=end.__getitem__)].keep = True
+        units[max(end, key=end.__getitem__)].stays_gathered = True

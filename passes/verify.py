@@ -31,7 +31,7 @@ def verify(gm: fx.GraphModule, ctx) -> None:
       2. no node reads a freed storage after its free, and a collective's input stays alive
          until its wait;
       3. no gathered parameter (or view of one) is read across forward -> backward unless
-         its unit is kept (``Unit.keep``, from ``reshard_after_forward``);
+         its unit is kept (``Unit.stays_gathered``, from ``reshard_after_forward``);
       4. each gradient is reduced exactly once, after its last accumulation, over every
          mesh dimension as its ``ParamSpec.reduction`` says (reduce-scattered over the
          dimension it is sharded over, all-reduced over each it is replicated over, in that
@@ -120,7 +120,7 @@ def _check_frees(gm, pos):
 
 
 def _check_crossing(gm, ctx):
-    kept = {u.index for u in ctx.units or () if u.keep}
+    kept = {u.index for u in ctx.units or () if u.stays_gathered}
     for n in gm.graph.nodes:
         if not meta.is_backward(n):
             continue
@@ -135,7 +135,7 @@ def _check_crossing(gm, ctx):
 
 
 def _check_chunks(gm, ctx):
-    groups = {u.index: u.group for u in ctx.units or () if not u.keep and u.group}
+    groups = {u.index: u.group for u in ctx.units or () if not u.stays_gathered and u.group}
     freed = {a for f in gm.graph.nodes if meta.is_free(f) for a in f.args[0]}
     for c in gm.graph.nodes:
         unit = meta.tag(c, meta.UNIT)

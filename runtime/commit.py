@@ -131,7 +131,7 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
                 return folder
             raise
         if agreement.rank == 0:
-            _sweep(path, keep=os.path.basename(folder))
+            _sweep(path, spare=os.path.basename(folder))
         return folder
     finally:
         if lock is not None:
@@ -208,12 +208,12 @@ def _committed(path: str, marker: str, folder: str) -> bool:
         return False
 
 
-def _sweep(path: str, keep: str) -> None:
+def _sweep(path: str, spare: str) -> None:
     """Data folders no marker names any more (the previous write, interrupted ones), but
-    not one a reader holds (a later sweep removes it); lock files left by readers of
-    folders that are gone."""
+    not ``spare`` (the one just committed) nor one a reader holds (a later sweep removes it);
+    lock files left by readers of folders that are gone."""
     for name in os.listdir(path):
-        if name.startswith(DATA) and name != keep:
+        if name.startswith(DATA) and name != spare:
             _remove_unread(path, name)
         elif name.startswith(READ_LOCK + DATA):
             if not os.path.exists(os.path.join(path, name[len(READ_LOCK):])):
@@ -383,7 +383,7 @@ class Held:
 
     def __init__(self, path: str, marker: str, doc=None, fd=None, where=None):
         self.path, self.marker, self.doc = path, marker, doc
-        self.keep = False
+        self.outlives_block = False  # held after the reading block (``kept``)
         self._release = (weakref.finalize(self, _release, fd, where, os.getpid())
                          if fd is not None else None)
 
@@ -398,7 +398,7 @@ class Held:
     def kept(self) -> "Held":
         """Hold on after the ``reading`` block (a module loaded from an export, for its
         lifetime)."""
-        self.keep = True
+        self.outlives_block = True
         return self
 
 
@@ -468,7 +468,7 @@ def reading(path, marker: str, agreement=None, what: str = "load"):
         finally:
             _held.reset(token)
     finally:
-        if not held.keep:
+        if not held.outlives_block:
             held.release()
 
 

@@ -22,13 +22,13 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from autoshard import _compat, hooks, meta, state
+from autoshard import _compat, carried, hooks, meta
 from autoshard._compat import tree_unflatten
 from autoshard.captured import NewState, StateOut, TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
 from autoshard.runtime import bindings, streams
-from autoshard.runtime.compiled import CompiledGraph, failing_sources
+from autoshard.runtime.inductor import CompiledGraph, failing_sources
 
 
 class Program:
@@ -214,10 +214,10 @@ class Program:
     def unflatten(self, user: list, objects=(), written=()):
         """The forward's output from the graph's tensors: ``objects``, the call's input
         objects holding state, and ``written``, the tensors the forward left in objects
-        (``autoshard.state``), for the outputs that are such objects."""
+        (``autoshard.carried``), for the outputs that are such objects."""
         it = iter(user)
         leaves = [next(it) if c is TENSOR else objects[c.index] if isinstance(c, StateOut)
-                  else state.build(c.description, written) if isinstance(c, NewState) else c
+                  else carried.build(c.description, written) if isinstance(c, NewState) else c
                   for c in self.captured.out_consts]
         return tree_unflatten(leaves, self.captured.out_spec)
 

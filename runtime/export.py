@@ -110,7 +110,7 @@ def export(model, st, path, *, add_programs=None) -> None:
     (``autoshard.runtime.commit``): an earlier export at ``path`` is replaced only once
     every rank wrote its part, and stays whole otherwise."""
 
-    mesh, device, config = st.placement()
+    mesh, device, config = st.sharding()
     ranks = st.ranks()
     path = os.path.abspath(os.fspath(path))
     if not st.compiled_programs() and not st.is_loaded():

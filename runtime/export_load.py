@@ -195,7 +195,7 @@ def read_into(model, st, opened: Opened, *, inference: bool, verify: bool) -> Lo
         commit_files.verify(path, manifest["files"], manifest["world_size"], "export", ranks)
         _nothing_unlisted(path, manifest)
     _read_state(model, ranks, os.path.join(path, manifest["data"], CHECKPOINT), manifest, path)
-    mesh, device, _ = st.placement()
+    mesh, device, _ = st.sharding()
     same = (list(mesh.shape) == manifest["mesh_shape"] and device.type == manifest["device"]
             and opened.config.to_dict() == opened.stored.to_dict())
     return Loaded(path, opened.entries, same, inference, manifest["version"])
@@ -264,7 +264,7 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     dimension here; otherwise its joint graph planned again for this mesh and Config."""
     doc = read_json(os.path.join(folder, "program.json"))
     constants = _read_constants(os.path.join(folder, "constants.pt"))
-    mesh, device, config = st.placement()
+    mesh, device, config = st.sharding()
     # before version 3 the export's mesh was 1-D: every collective on its one group
     regroup = dict(zip(doc.get("groups", [None]), group_names(mesh)))
     hpz = doc.get("reshard_groups", {})  # format 3 before hpZ has none

@@ -237,7 +237,8 @@ def _shard(slot: Slot, value, spec, mesh, rank: int, device: torch.device,
     return new
 
 
-def place(model: torch.nn.Module, specs, device: torch.device, *, pin: bool = True) -> list:
+def move_to_host(model: torch.nn.Module, specs, device: torch.device, *,
+                 pin: bool = True) -> list:
     """Store the shard of every parameter ``specs`` places in host memory there, in place
     (``param.data``: an optimizer already built over the parameters keeps them), marked
     ``ON_HOST`` so every later plan keeps it there; pinned on a GPU when ``pin``. What a plan

@@ -75,7 +75,7 @@ class _Double(torch.nn.Module):
 
 
 def test_inductor_compiles_inside_a_phase(monkeypatch):
-    from autoshard.runtime.compiled import CompiledGraph
+    from autoshard.runtime.inductor import CompiledGraph
 
     seen = []
 

@@ -1,7 +1,6 @@
 """``torch.compile(sharded)``, as torchtitan and nanoGPT loops write it, trains as eager: the
 sharded step is opaque to TorchDynamo (one graph break at the call). ``sharded.compile``
-is ``torch.nn.Module.compile``; capturing now is ``sharded.precompile(*inputs)``, and the old
-``sharded.compile(*inputs)`` still captures, with a DeprecationWarning."""
+is ``torch.nn.Module.compile``; capturing now is ``sharded.precompile(*inputs)``."""
 
 import time
 import warnings
@@ -82,15 +81,13 @@ def test_compiled_sharded_model_trains_as_eager_at_world_size_2():
         torch.testing.assert_close(params[k], v, rtol=1e-6, atol=1e-6, msg=k)
 
 
-def test_precompile_captures_now_and_compile_with_inputs_still_does_with_a_warning():
+def test_precompile_captures_now_and_compile_is_torchs():
     x = torch.randn(BATCH, 8)
     _, sharded = eager_and_sharded(Net)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sharded.precompile(x) is sharded
     assert len(sharded._autoshard.programs) == 1
-    _, sharded = eager_and_sharded(Net)
-    with pytest.warns(DeprecationWarning, match="precompile"):
-        assert sharded.compile(x) is sharded
-    assert len(sharded._autoshard.programs) == 1
     assert sharded._compiled_call_impl is None  # not torch.compile'd
+    # compile(*example_inputs) meant precompile until 0.3: compile is nn.Module's alone now
+    assert type(sharded).compile is torch.nn.Module.compile

@@ -144,15 +144,15 @@ def test_keeping_parameters_gathered_skips_the_backward_gather():
 
 def test_auto_keeps_only_the_unit_read_last_in_forward():
     gm, ctx = _gpt(reshard_after_forward="auto")
-    kept = [u for u in ctx.units if u.keep]
+    kept = [u for u in ctx.units if u.stays_gathered]
     # the GPT's head is tied to the embedding: the root unit is read last in forward
     assert [u.name for u in kept] == ["root"]
     c = _comm(gm)
     for u in ctx.units:
-        assert c[("bwd", u.index, meta.AG_ISSUE)] == (0 if u.keep else 1)
+        assert c[("bwd", u.index, meta.AG_ISSUE)] == (0 if u.stays_gathered else 1)
     verify(gm, ctx)
     # a unit that is not kept may not be read across: the verifier names the node
-    kept[0].keep = False
+    kept[0].stays_gathered = False
     with pytest.raises(VerificationError, match="must be re-gathered in backward"):
         verify(gm, ctx)
 

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-import autoshard.passes.plan as plan_mod
+import autoshard.passes.planner as plan_mod
 import autoshard.passes.search as search_mod
 from autoshard import Config, Offload, Prefetch
 from autoshard.cost import PROFILES
@@ -70,9 +70,9 @@ def _bounds(monkeypatch) -> list:
     were bounded for, ``(bound, predicted peak, candidate)``."""
     rows, lower = [], search_mod.lower
 
-    def spy(base, placed, cand, config, cache, **kw):
-        low = lower(base, placed, cand, config, cache, **kw)
-        if "tries" in cache and cand.reshard == placed.ctx.reshard_after_forward:
+    def spy(base, hosting, cand, config, cache, **kw):
+        low = lower(base, hosting, cand, config, cache, **kw)
+        if "tries" in cache and cand.reshard == hosting.ctx.reshard_after_forward:
             rows.append((cache["tries"][cand.units][1], low.prediction.peak_bytes, cand))
         return low
 

@@ -203,7 +203,7 @@ def test_a_unit_holding_its_shards_copies_them_in_once_per_step(mp):
     held, again = (_sharded_compiled(Offload(params=f), layers=4, mp_policy=mp)
                    for f in (0.0, 1.0))
     (hctx, hplan), (actx, aplan) = held, again
-    resharded = [u.index for u in hctx.units if not u.keep]
+    resharded = [u.index for u in hctx.units if not u.stays_gathered]
     assert [u.index for u in hctx.units if u.held] == resharded and len(resharded) == 4
     assert not any(u.held for u in actx.units)
     assert [u.held for u in hplan.units] == [u.held for u in hctx.units]

@@ -187,7 +187,7 @@ def test_on_a_big_graph_the_search_finds_the_same_offload_plan(monkeypatch):
     """Over BIG_GRAPH nodes the first choice whose activations fit is found by bisection
     over a ladder that now holds offload choices; the plan is the one the full search
     picks."""
-    import autoshard.passes.plan as plan_mod
+    import autoshard.passes.planner as plan_mod
     import autoshard.passes.search as search_mod
     from autoshard.cost import PROFILES
 

@@ -103,7 +103,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
     here (communication free) the first choice fits, so every later one is slower."""
     import dataclasses
 
-    import autoshard.passes.plan as plan_mod
+    import autoshard.passes.planner as plan_mod
     import autoshard.passes.search as search_mod
     from autoshard.cost import PROFILES
 
@@ -129,7 +129,7 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
 def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     import gc
 
-    import autoshard.passes.plan as plan_mod
+    import autoshard.passes.planner as plan_mod
 
     monkeypatch.setattr(plan_mod, "COLLECT_EVERY", 1)  # a collection after every candidate
     states, real = [], gc.collect

@@ -9,7 +9,7 @@ import torch
 import autoshard
 from autoshard import Config, Prefetch
 from autoshard.models import GPT
-from autoshard.passes.plan import IMMATERIAL, NEAR, PEAK_TARGET, STEP_CAP
+from autoshard.passes.planner import IMMATERIAL, NEAR, PEAK_TARGET, STEP_CAP
 
 # a GPT whose fastest plan (one unit) peaks just above PEAK_TARGET of FSDP2's plan's
 # predicted peak
@@ -105,7 +105,7 @@ def test_offload_activations_plans_with_the_reference_and_symbolically():
 
 def test_auto_is_memory_on_a_cpu_and_balanced_on_a_gpu_profile(plans):
     from autoshard.cost import PROFILES
-    from autoshard.passes.plan import preference
+    from autoshard.passes.planner import preference
 
     assert Config().prefer == "auto"
     assert preference(Config(), PROFILES["cpu"]) == "memory"
@@ -163,7 +163,7 @@ def test_balanced_builds_fsdp2s_plan_on_a_graph_too_big_to_search_whole(monkeypa
     """Past BIG_GRAPH nodes the search bisects for the first grouping that fits, which need
     not be as fast as FSDP2's plan: that plan is built as a candidate, and taken when the
     search finds nothing faster."""
-    from autoshard.passes import plan as plan_mod
+    from autoshard.passes import planner as plan_mod
 
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 10)
     monkeypatch.setattr("autoshard.passes.search.BIG_GRAPH", 10)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from autoshard import Config, autoshard
-from autoshard.runtime.compiled import planned_order
+from autoshard.runtime.inductor import planned_order
 from models import CASES, build, call
 from parity_workers import _train, batches
 
@@ -36,7 +36,7 @@ def _held(g) -> dict:
     free), concatenations of gradients inductor would allocate before their first gradient,
     inputs the code takes and never reads."""
     from autoshard import meta
-    from autoshard.runtime.compiled import functional
+    from autoshard.runtime.inductor import functional
     from autoshard.ops import pack_op
 
     f = functional(g.gm)

@@ -285,7 +285,7 @@ def _replace(path, marker) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f)
     os.replace(tmp, os.path.join(path, marker))
-    commit._sweep(path, keep=new)
+    commit._sweep(path, spare=new)
 
 
 # --- two processes -------------------------------------------------------------------------

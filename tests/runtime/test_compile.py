@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.compiled import check_order, compiled_order
+from autoshard.runtime.inductor import check_order, compiled_order
 from harness import run_ranks
 from parity_workers import reference
 

@@ -50,7 +50,7 @@ def test_host_shards_stay_on_the_host_of_a_gpu_mesh():
         model = torch.nn.Module()
         model.w = p
         spec = type("Spec", (), {"device": "host", "fqn": "w"})()
-        assert storage.place(model, [spec], torch.device("cpu"), pin=False) == ["w"]
+        assert storage.move_to_host(model, [spec], torch.device("cpu"), pin=False) == ["w"]
         assert model.w is p and opt.param_groups[0]["params"][0] is p and p.mine == 1
         assert getattr(p, ON_HOST) and p.device_mesh.device_type == "cuda"
         assert p.device.type == "cpu" and p.to_local().device.type == "cpu"

@@ -24,7 +24,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
           torch.Size)
 
 
-def is_state(x: Any) -> bool:
+def is_carried(x: Any) -> bool:
     """An input or output leaf that is an object holding state (not a tensor, a plain value,
     a function or a module)."""
     return (not isinstance(x, (torch.Tensor, torch.nn.Module, type) + _PLAIN)
@@ -36,7 +36,7 @@ def _children(x):
         return list(enumerate(x))
     if isinstance(x, dict):
         return list(x.items())
-    if is_state(x):
+    if is_carried(x):
         return list(vars(x).items())
     return None
 

@@ -6,10 +6,11 @@ from forward to backward, per repeated block), of resharding (which units free t
 parameters after the forward) and of offload (whether the sharded state lives in host
 memory): one frozen ``Candidate``. ``lower`` builds a candidate on a copy of the graph and
 predicts it (a ``Lowered``); the ``Planner`` enumerates and bounds them, one ``Search`` per
-strategy (``search.py``) and one placement of the state each, and returns the finished Plan.
-It is not a pass: the compiler calls ``choose`` on the captured step; it runs the passes
-(``autoshard.passes.pipeline``) once per candidate on a copy of the captured graph, predicts each result's step time and peak memory
-(``autoshard.simulate``) and keeps the fastest that fits the memory budget; every candidate
+strategy (``search.py``) and one hosting of the state (its part in host memory) each, and
+returns the finished Plan. It is not a pass: the compiler calls ``choose`` on the captured
+step; it runs the passes (``autoshard.passes.pipeline``) once per candidate on a copy of the
+captured graph, predicts each result's step time and peak memory (``autoshard.simulate``)
+and keeps the fastest that fits the memory budget; every candidate
 tried, with its prediction, is recorded for the plan to show.
 
 Candidates. Recomputation choices, fastest first (each recomputes more than the one before):
@@ -22,7 +23,7 @@ ladder stays as short as the blocks' fractions (``autoshard.passes.offload`` mov
 every saved value). Any k blocks save the same bytes, since every
 block's saved activations are live when the backward starts; the first ones are taken
 (``Config.recompute="auto"``; the default, True, tries the choices after the min cut only
-when no plan of the placement fits with it). Per choice, the unit candidates of the "auto"
+when no plan of the hosting fits with it). Per choice, the unit candidates of the "auto"
 policy (``autoshard.passes.auto``), fastest first, or the one grouping a fixed policy gives.
 Skipped without a pipeline, with the reason recorded: a choice whose activation peak alone
 already exceeds the budget; a unit candidate whose lower bound on memory does
@@ -85,7 +86,7 @@ from autoshard.config import reshard_group_size
 from autoshard.cost import collective_time, share_node_times
 from autoshard.options import Prefetch
 from autoshard.passes.auto import BIG_GRAPH
-from autoshard.passes.candidates import (Candidate, Lowered, lower, place_state, reshard_label,
+from autoshard.passes.candidates import (Candidate, Lowered, lower, host_state, reshard_label,
                                          shard_size)
 from autoshard.passes.readout import make_plan
 from autoshard.passes.pipeline import run_passes
@@ -147,10 +148,10 @@ def choose(gm: fx.GraphModule, ctx, options: dict):
     Reads: the captured joint graph (untouched: every candidate works on a copy) and in
     ``ctx`` the profile and budget. Options: ``config`` (the Config), ``other_static_bytes``
     (buffers and inputs, held all step), ``local_grad_bytes`` (of those, the full local
-    gradients a step without gradient sync holds), ``placed`` (the fraction of the state an
+    gradients a step without gradient sync holds), ``hosting`` (the fraction of the state an
     earlier plan stored in host memory, kept as the specs say; None: searched), ``verify``.
     Returns the context the chosen candidate was built in (units, split program, parameter
-    descriptions with the strategy's placement) and the finished Plan: every candidate
+    descriptions with the strategy's placements) and the finished Plan: every candidate
     tried, the entries after the optimizer step, and ``plan.unfit`` saying why when nothing
     fits (the plan with the least peak is chosen then). Shows progress
     (``autoshard.progress``) per candidate.
@@ -161,7 +162,7 @@ def choose(gm: fx.GraphModule, ctx, options: dict):
 
 class Planner:
     """The search: per strategy (``Config.strategy``, or each of ``STRATEGIES_SEARCHED`` for
-    "auto") a ``Search`` over placements, recomputation, units and resharding; the fastest
+    "auto") a ``Search`` over hostings, recomputation, units and resharding; the fastest
     plan that fits wins, else the one with the least peak."""
 
     def __init__(self, gm, ctx, options: dict, garbage, bar):
@@ -227,7 +228,7 @@ class Planner:
         specs = [dataclasses.replace(p, replica=False) for p in ctx.captured.params]
         ctx = dataclasses.replace(ctx, captured=dataclasses.replace(ctx.captured, params=specs),
                                   reshard_after_forward="auto")
-        placed = place_state(ctx, 0.0, config, self.options)
+        hosting = host_state(ctx, 0.0, config, self.options)
         # FSDP2 recomputes nothing and offloads no activation (recompute=False refuses
         # offload_activations=True, which the user's Config may hold)
         fsdp2 = dataclasses.replace(config, policy="module", units=None, recompute=False,
@@ -235,7 +236,7 @@ class Planner:
                                     bucket=False, prefetch=Prefetch(depth=1),
                                     reshard_after_forward="auto", strategy="zero3")
         cand = Candidate("zero3", 0.0, "none", None, 0, "auto", 1.0)
-        return lower(self.gm, placed, cand, fsdp2, {})
+        return lower(self.gm, hosting, cand, fsdp2, {})
 
     def _fsdp2_outcome(self, low: Lowered):
         """FSDP2's plan (``low``) as a strategy's outcome: split, with a candidate row of its
