@@ -7,11 +7,11 @@ rows), so torch.distributed.checkpoint (DCP) and its state-dict helpers
 
 ``save`` and ``load`` (what ``autoshard.save`` / ``autoshard.load_checkpoint`` run, handed the
 model's agreement of its ranks) are that recipe, committed whole (``autoshard.runtime.commit``):
-the checkpoint directory holds ``checkpoint.json`` and the DCP folder it names. An interrupted save, over a fresh path or
-over an earlier checkpoint, never loads as a mix: the earlier checkpoint stays whole and is
-what loads, or the load says the path is incomplete. A load reads into new tensors and
-copies them into the model and the optimizer only once every rank read its part, so a
-failed load leaves both as they were.
+the checkpoint directory holds ``checkpoint.json`` and the DCP folder it names. An
+interrupted save, over a fresh path or over an earlier checkpoint, never loads as a mix: the
+earlier checkpoint stays whole and is what loads, or the load says the path is incomplete.
+A load reads into new tensors and copies them into the model and the optimizer only once
+every rank read its part, so a failed load leaves both as they were.
 
 What a plain ``sharded.load_state_dict(sd)`` needs on top is here (``localize_state_dict``,
 called by ``ShardedModule``): a full tensor loads as this rank's rows, and a DTensor shard
@@ -53,7 +53,8 @@ def save(path, model: torch.nn.Module, agreement, optimizer=None) -> None:
     """Save the model's (and the optimizer's) state under ``"model"`` (``"optim"``) with DCP,
     committed whole, over ``agreement``'s ranks (``runtime.dist.Agreement``): every rank calls
     it; it returns once the checkpoint is complete on every rank, or raises ``AutoshardError``
-    on every rank naming the ranks that failed and why, leaving ``path`` as it was (an earlier checkpoint there stays loadable)."""
+    on every rank naming the ranks that failed and why, leaving ``path`` as it was (an
+    earlier checkpoint there stays loadable)."""
     with progress.phase("saving a checkpoint"):
         _save(path, model, agreement, optimizer)
 
