@@ -552,6 +552,32 @@ def drop_destroyed_groups(mesh) -> None:
                     del registry[name]
 
 
+def forget_dtensor_meshes() -> None:
+    """Empty the caches in which DTensor keeps what it derived from a mesh: its sharding
+    propagation's (Python's and the C++ fast path's) and its redistribution planners. They
+    compare meshes by value (ranks, shape, dimension names; not their process groups), so
+    once the default group was destroyed and initialised again, an entry made before hands
+    a new mesh's tensors the earlier mesh, equal to it, whose groups are gone: a collective
+    on them fails ("Could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor import _redistribute
+
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # pragma: no cover - another torch: the Python cache alone
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    else:
+        _clear_sharding_prop_cache()
+    planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if planners is not None:
+        planners()
+    transforms = getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear",
+                         None)
+    if transforms is not None:
+        transforms()
+
+
 def collectives_in_flight() -> int:
     """How many functional collectives (the compiled steps' all-gathers and reduce-scatters)
     were issued and not waited for yet: a step an error interrupted leaves its own."""

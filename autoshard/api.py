@@ -426,6 +426,7 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
     config = _checked(model, config, param_init_fn)
     mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
     _dist.check_mesh(mesh, config.partial_mesh)
+    _dist.forget_earlier_meshes()
     device = _dist.mesh_device(mesh)
     st = CallState(mesh, device, config, type(model).forward, fqn_aliases(model),
                 agreement=_dist.Agreement(mesh, config.timeout))

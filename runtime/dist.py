@@ -30,6 +30,8 @@ _at_exit = False
 # hpZ groups autoshard created: (the mesh's ranks, k) -> this rank's group of k, destroyed
 # by release_at_exit
 _reshard: dict = {}
+# the default process group DTensor's caches were last emptied under (forget_earlier_meshes)
+_cached_under = None
 
 
 def default_mesh(timeout_s: float = 300) -> DeviceMesh:
@@ -72,6 +74,23 @@ def default_mesh(timeout_s: float = 300) -> DeviceMesh:
                                     timeout=datetime.timedelta(seconds=timeout_s))
             track(group=dist.group.WORLD)
     return init_device_mesh(mesh_device_type(), (dist.get_world_size(),))
+
+
+def forget_earlier_meshes() -> None:
+    """Empty DTensor's caches (``_compat.forget_dtensor_meshes``) when the default process
+    group is another one than at the last call: destroyed and initialised again since (a
+    notebook that starts over, a process that runs one job after another). The caches
+    compare meshes by value, so what they kept names the meshes of the earlier group, whose
+    groups are gone: a model sharded now would get such a mesh back from the first DTensor
+    op on its parameters (making them), and fail at its first collective on them
+    (``full_tensor()``, the optimizer's, a checkpoint's)."""
+    global _cached_under
+    if not dist.is_initialized():
+        return
+    world = dist.group.WORLD
+    if _cached_under is None or _cached_under() is not world:
+        _compat.forget_dtensor_meshes()
+        _cached_under = weakref.ref(world)
 
 
 def mesh_device_type(group=None) -> str:

@@ -91,6 +91,7 @@ def export_cases(rank, world, root):
                                                   **OPTIONS.get(name, {})))
         train(model, RECIPE, rank, world, local=True)
         out[name] = probe(model, rank, world)
+        out[name]["collectives"] = collective_dims(model)  # the probe's program's
         model.precompile(torch.zeros(GLOBAL // 2, SEQ, dtype=torch.long))
         model.export(os.path.join(root, name))
         out[name]["groups"] = export_groups(model)
@@ -104,10 +105,35 @@ def export_groups(model) -> list:
     return [names] if isinstance(names, str) else list(names)
 
 
+def collective_dims(model) -> dict:
+    """On which of this process's mesh groups the collectives of the program that ran last
+    run: {op: the mesh dimensions whose group (here) its nodes name}; a group that is no
+    mesh dimension's here (hpZ's groups of k, or a group of another process) by its name."""
+    from torch._ops import OpOverload
+
+    names, split = export_groups(model), model._autoshard.last.split
+    found: dict = {}
+    for gm in (split.fwd, split.bwd):
+        for n in gm.graph.nodes if gm is not None else ():
+            t = n.target
+            if not (n.op == "call_function" and isinstance(t, OpOverload)
+                    and t.namespace == "_c10d_functional"):
+                continue
+            args = [a.name for a in t._schema.arguments]
+            if "group_name" not in args:
+                continue
+            at = args.index("group_name")
+            group = n.args[at] if at < len(n.args) else n.kwargs["group_name"]
+            found.setdefault(t._opname, set()).add(
+                names.index(group) if group in names else group)
+    return {op: sorted(dims, key=str) for op, dims in found.items()}
+
+
 def load_cases(rank, world, root):
     """Each export loaded on this world's ranks (its own mesh shape at world size 4, a 1-D
-    mesh otherwise) and probed; a group made first gives this process other group names than
-    the exporting one's."""
+    mesh otherwise) and probed. A group made first advances this process's count of groups,
+    which names them, so that the export's names are seldom this process's own (they may
+    coincide: how many groups a run makes differs between torch versions)."""
     dist.new_group(list(range(world)))
     out = {}
     for name, (_, shape) in LOADED.items():
@@ -120,4 +146,5 @@ def load_cases(rank, world, root):
             continue
         out[name]["same"] = model._autoshard.exported.same
         out[name]["groups"] = export_groups(model)
+        out[name]["collectives"] = collective_dims(model)
     return out

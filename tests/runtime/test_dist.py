@@ -63,3 +63,39 @@ def test_host_shards_stay_on_the_host_of_a_gpu_mesh():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"]
+
+
+def test_a_process_group_made_again_shards_on_its_own_groups():
+    """A process that destroys its process group and initialises another (a notebook that
+    starts over) shards on the new group's meshes: DTensor's caches compare meshes by value,
+    and kept the first mesh, whose groups are gone, for the parameters and gradients made on
+    the second. Three groups made first give the second mesh's groups other names. Torch's
+    fake process group stands in for 4 ranks."""
+    code = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        import autoshard
+
+        def shard(extra):
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+            for _ in range(extra):
+                dist.new_group([0, 1, 2, 3])
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            torch.manual_seed(0)
+            model = autoshard.autoshard(torch.nn.Sequential(torch.nn.Linear(8, 8)), mesh=mesh)
+            model(torch.randn(2, 8)).sum().backward()
+            names = [mesh.get_group(d).group_name for d in range(2)]
+            for t in [*model.parameters(), *(p.grad for p in model.parameters())]:
+                got = [t.device_mesh.get_group(d).group_name for d in range(2)]
+                assert got == names, (got, names)
+                t.full_tensor()
+            dist.destroy_process_group()
+            return names
+
+        print(shard(0) != shard(3))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "True"
