@@ -395,14 +395,23 @@ class _Garbage:
     every ``COLLECT_EVERY`` candidates instead. Each candidate builds graphs of up to 10^5
     nodes and drops them; fx nodes and their graph form cycles, which survive into the
     oldest generation, so the collector ran full collections over every live graph again and
-    again: a third of the time planning GPT-175B. Restored as it was on the way out."""
+    again: a third of the time planning GPT-175B. What lives when the search starts (the
+    imported libraries, the model, the captured graph) lives through it, so it is frozen
+    (``gc.freeze``): a collection walks only what the search made. Unless the process froze
+    objects of its own (then every collection walks everything, as before). Restored as it
+    was on the way out."""
 
     def __enter__(self):
         self.enabled, self.count = gc.isenabled(), 0
         gc.disable()
+        self.frozen = self.enabled and gc.get_freeze_count() == 0
+        if self.frozen:
+            gc.freeze()
         return self
 
     def __exit__(self, *exc):
+        if self.frozen:
+            gc.unfreeze()
         if self.enabled:
             gc.enable()
 

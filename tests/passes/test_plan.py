@@ -133,20 +133,28 @@ def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
     monkeypatch.setattr(plan_mod, "COLLECT_EVERY", 1)  # a collection after every candidate
     states, real = [], gc.collect
-    monkeypatch.setattr(gc, "collect", lambda *a: states.append(gc.isenabled()) or real(*a))
-    assert gc.isenabled()
+    monkeypatch.setattr(gc, "collect", lambda *a: states.append(
+        (gc.isenabled(), gc.get_freeze_count() > 0)) or real(*a))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     try:
         plan = _plan(recompute="auto")
-        assert gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() == 0  # nothing left frozen
         gc.disable()
         _plan(recompute="auto")
         assert not gc.isenabled()
-    finally:
         gc.enable()
-    # one collection per candidate, with the collector paused, and none for a caller who
-    # paused it
+        gc.freeze()  # the process's own: the search leaves it frozen (objects freed by their
+        frozen = gc.get_freeze_count()  # references leave it meanwhile)
+        _plan(recompute="auto")
+        assert frozen * 0.9 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    # one collection per candidate, with the collector paused and what lived before the
+    # search frozen (not walked), and none for a caller who paused it
     ran = sum(c["step_s"] is not None for c in plan.candidates)
-    assert ran > 1 and len(states) == ran and not any(states)
+    assert ran > 1 and states[:ran] == [(False, True)] * ran
+    assert len(states) == 2 * ran  # and the process that froze its own still collects
 
 
 def _plan4(**config):
