@@ -50,11 +50,8 @@ _HOW = (
 
 
 def save(path, model: torch.nn.Module, agreement, optimizer=None) -> None:
-    """Save the model's (and the optimizer's) state under ``"model"`` (``"optim"``) with DCP,
-    committed whole, over ``agreement``'s ranks (``runtime.dist.Agreement``): every rank calls
-    it; it returns once the checkpoint is complete on every rank, or raises ``AutoshardError``
-    on every rank naming the ranks that failed and why, leaving ``path`` as it was (an
-    earlier checkpoint there stays loadable)."""
+    """``autoshard.save`` (``autoshard/files.py``, whose docstring is the contract) over
+    ``agreement``'s ranks (``runtime.dist.Agreement``), committed whole."""
     with progress.phase("saving a checkpoint"):
         _save(path, model, agreement, optimizer)
 
@@ -75,18 +72,9 @@ def _save(path, model: torch.nn.Module, agreement, optimizer) -> None:
 
 def load(path, model: torch.nn.Module, agreement, optimizer=None, *,
          strict: bool = True) -> dcpio.IncompatibleKeys:
-    """Load what ``save`` wrote, at this or another world size, into the model's parameters
-    (and the optimizer's state) in place; every rank calls it. A path that holds a plain DCP
-    checkpoint (``dcp.save`` of ``{"model": ..., "optim": ...}``) loads too. Nothing changes
-    unless every rank read its part. A save to the path meanwhile (another job's) does not
-    disturb it: it loads the checkpoint the path held when it began, or the new one, whole
-    (``commit.reading``).
-
-    Loading runs no code and reads nothing outside ``path`` (``autoshard.runtime.dcpio``);
-    every file is checked against the size and SHA-256 ``checkpoint.json`` records first.
-    ``strict`` (the default): a key of the model (or optimizer) the checkpoint lacks, or one
-    it holds that the model lacks, is an error naming them; ``strict=False`` loads the keys
-    both hold and returns the others (``missing_keys``, ``unexpected_keys``)."""
+    """``autoshard.load_checkpoint`` (``autoshard/files.py``, whose docstring is the contract)
+    over ``agreement``'s ranks, read under ``commit.reading`` so a save to the path meanwhile
+    does not disturb it."""
     with progress.phase("loading a checkpoint"), commit.reading(
             path, MARKER, agreement, "load of a checkpoint"):
         return _load(path, model, agreement, optimizer, strict)
