@@ -7,9 +7,9 @@ os.environ["AUTOSHARD_VERIFY"] = "1"  # every pass is verified in every test, sp
 
 
 # The slowest modules (most spawn rank processes many times over; together about 20 of the
-# whole suite's 34 minutes on 2 cores): marked ``slow``. The README's test command, which CI
-# runs within its time limit, is ``python -m pytest -q -m "not slow"``; ``python -m pytest
-# -q`` runs every test.
+# whole suite's 34 minutes on 2 cores, run serially): marked ``slow``. The README's test
+# command, which CI runs within its time limit, is ``python -m pytest -q -m "not slow" -n
+# auto --dist worksteal``; without ``-m "not slow"`` it runs every test.
 SLOW = tuple(f"tests/{m}.py" for m in (
     "runtime/test_parity", "runtime/test_strategies", "runtime/test_predicted",
     "runtime/test_export", "runtime/test_commit", "runtime/test_checkpoint",
@@ -27,6 +27,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Test processes ``-n auto`` starts (pytest-xdist): one per core, at most four. Each keeps its
+# own rank pools (tests/rankpool.py: 1, 2 and 4 ranks): two took 6.5 GB at most on 2 cores
+# (the whole machine's use), four would take some 13. On 2 cores two halve the suite's time
+# (``--dist worksteal``: 483 s against 1,049 s run serially).
+MAX_WORKERS = 4
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(_cores(), MAX_WORKERS))
+
+
+def pytest_configure(config):
+    # a test process of n shares the cores with n - 1 others: torch's threads split them
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, _cores() // workers))
 
 
 def pytest_sessionfinish(session, exitstatus):
