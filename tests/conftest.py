@@ -32,8 +32,8 @@ def pytest_collection_modifyitems(config, items):
 # Test processes ``-n auto`` starts (pytest-xdist): one per core, at most four. Each keeps its
 # own rank pools (tests/rankpool.py: 1, 2 and 4 ranks): two took 6.5 GB at most on 2 cores
 # (the whole machine's use), four would take some 13. On 2 cores two halve the suite's time
-# (``--dist worksteal``: 483-675 s against 1,049-1,220 s run serially; three processes and
-# ``--dist loadfile`` were slower).
+# (``--dist worksteal``: 483-675 s against 1,049-1,220 s run serially; three processes
+# (653 s) and ``--dist loadfile`` (623 s), measured later on a slower machine, were no faster).
 MAX_WORKERS = 4
 
 
