@@ -68,17 +68,28 @@ def aliased_arg(node: fx.Node) -> Optional[fx.Node]:
     if target is operator.getitem:
         src = node.args[0]
         return src if isinstance(src, fx.Node) and aliased_arg(src) is not None else None
-    slots = _ALIAS_SLOTS.get(target)
-    if slots is None:
-        slots = _ALIAS_SLOTS[target] = _alias_slots(target)
-    for i, name in slots:
+    for i, name in _op_facts(target)[1]:
         val = node.args[i] if i < len(node.args) else node.kwargs.get(name)
         if isinstance(val, fx.Node):
             return val
     return None
 
 
-_ALIAS_SLOTS: dict = {}  # op -> its arguments the output may alias, from the schema
+# id(op) -> (op, its alias slots, its write slots, its undeclared writes); keyed by id: an
+# OpOverload hashes in Python, and the passes ask for every node many times over
+_OP_FACTS: dict = {}
+
+
+def _op_facts(target) -> tuple:
+    facts = _OP_FACTS.get(id(target))
+    if facts is None or facts[0] is not target:
+        writes = ()
+        if isinstance(target, _compat.OpOverload):
+            writes = tuple((i, a.name) for i, a in enumerate(target._schema.arguments)
+                           if a.alias_info is not None and a.alias_info.is_write)
+        facts = _OP_FACTS[id(target)] = (target, _alias_slots(target), writes,
+                                         _UNDECLARED_WRITES.get(target))
+    return facts
 
 
 def _alias_slots(target) -> tuple:
@@ -111,16 +122,14 @@ _UNDECLARED_WRITES = {
 
 def written_inputs(n: fx.Node) -> list:
     """The input nodes ``n`` writes into (in-place ops, out= ops, BatchNorm statistics)."""
-    t = n.target
-    if not isinstance(t, _compat.OpOverload):
+    if n.op != "call_function":
         return []
+    _, _, writes, hidden = _op_facts(n.target)
     out = []
-    for i, a in enumerate(t._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
-            out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v])
-                       if isinstance(x, fx.Node))
-    hidden = _UNDECLARED_WRITES.get(t)
+    for i, name in writes:
+        v = n.args[i] if i < len(n.args) else n.kwargs.get(name)
+        out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v])
+                   if isinstance(x, fx.Node))
     if hidden is not None and len(n.args) > hidden[1] and n.args[hidden[1]]:
         out.extend(n.args[i] for i in hidden[0] if isinstance(n.args[i], fx.Node))
     return out
@@ -172,6 +181,15 @@ def alias_base(node: fx.Node) -> fx.Node:
             return node
         seen.add(node)
         node = src
+
+
+def alias_bases(nodes: Iterable[fx.Node]) -> dict:
+    """``alias_base`` of every node of ``nodes`` (in graph order), in one pass."""
+    bases = {}
+    for n in nodes:
+        src = aliased_arg(n)
+        bases[n] = n if src is None else bases.get(src) or alias_base(src)
+    return bases
 
 
 def alias_closure(root: fx.Node) -> list:

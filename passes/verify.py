@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import networkx as nx
 import torch.fx as fx
 
 from autoshard import meta
-from autoshard.graph import (alias_base, alias_closure, positions, to_nx, writes_input,
-                             written_inputs)
+from autoshard.graph import (alias_base, alias_bases, alias_closure, positions,
+                             writes_input, written_inputs)
 from autoshard.passes.prefetch import gathered_spans
 
 
@@ -47,6 +46,7 @@ def verify(gm: fx.GraphModule, ctx) -> None:
     """
     graph = gm.graph
     pos = positions(graph)
+    base = alias_bases(graph.nodes).__getitem__  # alias_base, for every node at once
     for n in graph.nodes:
         if n.op == "output":
             continue
@@ -55,19 +55,19 @@ def verify(gm: fx.GraphModule, ctx) -> None:
         if meta.is_forward(n) and any(meta.is_backward(a) for a in n.all_input_nodes):
             _fail(f"forward node {n.name} reads a backward node")
         for w in written_inputs(n):
-            if alias_base(w).op == "placeholder":
-                _fail(f"{n.name} writes into graph input {alias_base(w).name} in place")
-    _check_recomputed(list(graph.nodes), lambda n: n)
+            if base(w).op == "placeholder":
+                _fail(f"{n.name} writes into graph input {base(w).name} in place")
+    _check_recomputed(list(graph.nodes), lambda n: n, base)
     if ctx.split is not None:
         _check_split_recomputed(ctx.split)
     if not ctx.collectives_inserted:
         return
     specs = {p.fqn: p for p in ctx.captured.params}
     _check_gathers(gm, specs)
-    _check_frees(gm, pos)
-    _check_crossing(gm, ctx)
-    _check_chunks(gm, ctx)
-    _check_reductions(gm, pos, specs, ctx.grad_sync)
+    _check_frees(gm, pos, base)
+    _check_crossing(gm, ctx, base)
+    _check_chunks(gm, ctx, base)
+    _check_reductions(gm, pos, specs, ctx.grad_sync, base)
     if ctx.prefetch_cap is not None:
         _check_inflight(gm, ctx.prefetch_cap)
 
@@ -84,31 +84,36 @@ def _check_inflight(gm, cap: int):
 
 
 def _check_gathers(gm, specs):
-    g = to_nx(gm.graph)
-    waits = [n for n in gm.graph.nodes if meta.tag(n, meta.COMM) == meta.AG_WAIT]
-    g.remove_nodes_from(waits)
-    pos = positions(gm.graph)
-    for p in gm.graph.nodes:
-        if not meta.is_param(p) or not specs[meta.tag(p, meta.FQN)].gathers:
+    """In one sweep in graph order: the gathered parameters' shards each node reads along a
+    path through no all-gather wait; only moving them in (a copy from the host, packing,
+    the all-gather issue, a free) may, so the first other node is named, the same on every
+    run."""
+    allowed = (meta.H2D, meta.AG_PACK, meta.AG_ISSUE, meta.FREE)
+    reach = {}  # node -> the shards (placeholders) it reads ungathered; only non-empty sets
+    for d in gm.graph.nodes:
+        if meta.tag(d, meta.COMM) == meta.AG_WAIT:
+            continue  # gathered: what reads it reads the full parameter
+        if meta.is_param(d):
+            if specs[meta.tag(d, meta.FQN)].gathers:
+                reach[d] = (d,)
             continue
-        # in graph order: the first node that goes wrong is named, the same on every run
-        for d in sorted(nx.descendants(g, p), key=pos.__getitem__):
-            if d.op == "output":
-                _fail(f"parameter shard {p.name} is returned without being gathered")
-            if meta.tag(d, meta.COMM) not in (meta.H2D, meta.AG_PACK, meta.AG_ISSUE,
-                                              meta.FREE):
-                _fail(
-                    f"node {d.name} reads parameter {meta.tag(p, meta.FQN)} without an "
-                    "all-gather wait before it"
-                )
+        shards = [p for a in d.all_input_nodes if a in reach for p in reach[a]]
+        if not shards:
+            continue
+        if d.op == "output":
+            _fail(f"parameter shard {shards[0].name} is returned without being gathered")
+        if meta.tag(d, meta.COMM) not in allowed:
+            _fail(f"node {d.name} reads parameter {meta.tag(shards[0], meta.FQN)} without an "
+                  "all-gather wait before it")
+        reach[d] = tuple(dict.fromkeys(shards))
 
 
-def _check_frees(gm, pos):
+def _check_frees(gm, pos, base):
     for f in gm.graph.nodes:
         if not meta.is_free(f):
             continue
         for t in f.args[0]:
-            for a in alias_closure(alias_base(t)):
+            for a in alias_closure(base(t)):
                 for u in a.users:
                     if meta.is_free(u) or u.op == "output":
                         continue
@@ -119,13 +124,13 @@ def _check_frees(gm, pos):
                         _fail(f"{end.name} reads {a.name} after it is freed by {f.name}")
 
 
-def _check_crossing(gm, ctx):
+def _check_crossing(gm, ctx, base):
     kept = {u.index for u in ctx.units or () if u.stays_gathered}
     for n in gm.graph.nodes:
         if not meta.is_backward(n):
             continue
         for a in n.all_input_nodes:
-            root = alias_base(a)
+            root = base(a)
             if (meta.is_forward(a) and meta.tag(root, meta.COMM) in meta.GATHERED
                     and meta.tag(root, meta.UNIT) not in kept):
                 _fail(
@@ -134,13 +139,13 @@ def _check_crossing(gm, ctx):
                 )
 
 
-def _check_chunks(gm, ctx):
+def _check_chunks(gm, ctx, base):
     groups = {u.index: u.group for u in ctx.units or () if not u.stays_gathered and u.group}
     freed = {a for f in gm.graph.nodes if meta.is_free(f) for a in f.args[0]}
     for c in gm.graph.nodes:
         unit = meta.tag(c, meta.UNIT)
         if meta.tag(c, meta.COMM) == meta.AG_ISSUE and meta.is_backward(c) and unit in groups:
-            sent = alias_base(c.args[0])
+            sent = base(c.args[0])
             if meta.tag(sent, meta.COMM) != meta.AG_CHUNK or meta.group_size(c) != groups[unit]:
                 _fail(f"backward all-gather {c.name} of unit {unit}, resharded to groups of "
                       f"{groups[unit]}, must send its chunk over {groups[unit]} ranks; it "
@@ -153,8 +158,8 @@ def _check_chunks(gm, ctx):
                   f"resharded after the forward to {f'groups of {k}' if k else 'no group'}")
         src = c.args[0]
         if (not meta.is_forward(c) or not meta.is_forward(src)
-                or meta.tag(alias_base(src), meta.COMM) not in meta.GATHERED
-                or meta.tag(alias_base(src), meta.UNIT) != unit):
+                or meta.tag(base(src), meta.COMM) not in meta.GATHERED
+                or meta.tag(base(src), meta.UNIT) != unit):
             _fail(f"{c.name} must copy, in the forward, out of unit {unit}'s forward gathered "
                   f"buffer; it reads {src.name}")
         for u in c.users:
@@ -168,23 +173,23 @@ def _check_chunks(gm, ctx):
             _fail(f"chunk {c.name} of unit {unit} is never freed")
 
 
-def _check_reductions(gm, pos, specs, sync: bool):
+def _check_reductions(gm, pos, specs, sync: bool, base):
     out = meta.output_node(gm)
     for v, r in zip(out.args[0], meta.tags(out)[meta.OUTPUTS]):
         if r[meta.ROLE] != meta.OUT_GRAD:
             continue
-        base = alias_base(v)
-        while meta.tag(base, meta.COMM) in (meta.RS_UNPACK, meta.D2H):  # cast, or copied out
-            base = alias_base(base.args[0])
+        root = base(v)
+        while meta.tag(root, meta.COMM) in (meta.RS_UNPACK, meta.D2H):  # cast, or copied out
+            root = base(root.args[0])
         done = []  # the reductions it went through, last first
-        while meta.is_collective_issue(base):
-            kind = "rs" if meta.tag(base, meta.COMM) == meta.RS_ISSUE else "ar"
-            done.append((kind, meta.group_size(base)))
+        while meta.is_collective_issue(root):
+            kind = "rs" if meta.tag(root, meta.COMM) == meta.RS_ISSUE else "ar"
+            done.append((kind, meta.group_size(root)))
             op = specs[r[meta.FQN]].scaling[0]
-            if base.args[1] != op:
-                _fail(f"gradient of {r[meta.FQN]} is reduced by {base.name} with reduce op "
-                      f"{base.args[1]!r}; its ParamSpec.scaling says {op!r}")
-            base = alias_base(base.args[0])
+            if root.args[1] != op:
+                _fail(f"gradient of {r[meta.FQN]} is reduced by {root.name} with reduce op "
+                      f"{root.args[1]!r}; its ParamSpec.scaling says {op!r}")
+            root = base(root.args[0])
         want = [(k, n) for k, _, n in specs[r[meta.FQN]].reduction] if sync else []
         if done[::-1] != want:
             def say(steps):
@@ -195,7 +200,7 @@ def _check_reductions(gm, pos, specs, sync: bool):
                   f"ParamSpec says (it went through {say(done[::-1]) if done else 'none'})")
     for rs in gm.graph.nodes:
         if (not meta.is_collective_issue(rs) or meta.tag(rs, meta.COMM) == meta.AG_ISSUE
-                or meta.is_collective_issue(alias_base(rs.args[0]))):
+                or meta.is_collective_issue(base(rs.args[0]))):
             continue  # not a reduction's first step
         # the full gradients packed into this reduction: pack nodes' non-pack inputs
         stack, fulls, seen = [rs], set(), set()
@@ -215,22 +220,23 @@ def _check_reductions(gm, pos, specs, sync: bool):
                      if meta.tag(u, meta.COMM) == meta.RS_PACK or u is rs]
             if len({meta.tag(p, meta.UNIT) for p in packs}) != 1:
                 _fail(f"full gradient {full.name} is reduced more than once")
-            for a in alias_closure(alias_base(full)):
+            for a in alias_closure(base(full)):
                 for u in a.users:
                     if pos[u] > pos[rs] and writes_input(u) and not meta.is_free(u):
                         _fail(f"{u.name} updates gradient {full.name} after its reduction")
 
 
-def _check_recomputed(nodes: list, storage) -> None:
+def _check_recomputed(nodes: list, storage, base=None) -> None:
     """No recomputed node is, or reads, a storage some node writes (``storage`` maps an
     ``alias_base`` node to the storage it stands for)."""
-    mutated = {storage(alias_base(w)) for n in nodes if not meta.is_comm(n)
+    base = base or alias_bases(nodes).__getitem__
+    mutated = {storage(base(w)) for n in nodes if not meta.is_comm(n)
                for w in written_inputs(n)}
     for r in nodes:
         if not meta.tag(r, meta.RECOMPUTED):
             continue
         for a in (r, *r.all_input_nodes):
-            if storage(alias_base(a)) in mutated:
+            if storage(base(a)) in mutated:
                 _fail(f"recomputed node {r.name} (a copy of {meta.tag(r, meta.RECOMPUTED)}) "
                       f"reads {a.name}, whose storage is written in place during the step: "
                       "its value at recompute time may differ from the forward's")
