@@ -2,6 +2,7 @@
 so the command a GPU loan runs does not rot between loans."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,9 @@ def test_dry_run_reports_every_stage_it_ran(tmp_path):
     assert all(stages["env"]["checks"].values())
     assert [r["system"] for r in stages["smoke"]["rows"]] == ["autoshard", "fsdp2"]
     assert all(r["ok"] for r in stages["smoke"]["rows"])
+    # the GPU's own test command: its tests are collected, and skip on the CPU
+    assert re.search(r"\b[1-9]\d* skipped", stages["pytest"]["summary"]), stages["pytest"]
+    assert not re.search(r"failed|error", stages["pytest"]["summary"]), stages["pytest"]
     auto = stages["fake8"]["rows"][0]
     assert auto["system"] == "autoshard" and auto["predicted_gib"] > 0
     assert "| env" in (out / "gpu_check.md").read_text()
