@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -592,8 +593,13 @@ def stage_pytest(args, st: Stage, device) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True)
     print(out.stdout + out.stderr)  # the whole output, in the stage's log
     tail = (out.stdout + out.stderr).strip().splitlines()
+    # pytest's closing line ("4 skipped, 52 deselected in 2.55s"), not a warning after it
+    result = [line for line in tail if re.search(r"\b(passed|failed|skipped|errors?|"
+                                                 r"deselected|no tests ran)\b.* in [\d.]+s",
+                                                 line)]
     st.save(status="ok" if out.returncode == 0 else f"failed (pytest exit {out.returncode})",
-            summary=tail[-1] if tail else "", output_tail="\n".join(tail[-40:]))
+            summary=(result or tail or [""])[-1].strip("= "),
+            output_tail="\n".join(tail[-40:]))
 
 
 if __name__ == "__main__":
