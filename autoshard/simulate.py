@@ -185,10 +185,12 @@ class _Sim:
         ``hold_outputs`` is False (what only the output reads dies as soon as it is made)."""
         mem = self.mem
         last = {}
-        for i, n in enumerate(nodes):
-            for a in n.all_input_nodes:
+        inputs = [n.all_input_nodes for n in nodes]  # once: a property that builds a list
+        for i, ins in enumerate(inputs):
+            for a in ins:
                 last[a] = i
         returned = {a for a in outputs if isinstance(a, fx.Node)} if hold_outputs else set()
+        timeline, tensor = self.timeline, torch.Tensor
         for i, n in enumerate(nodes):
             if n.op == "placeholder":
                 if sids.get(n) is not None and n not in last and n not in returned:
@@ -214,20 +216,23 @@ class _Sim:
                     # a copy still reading it holds it: it goes when the copy ends
                     if self.reading.get(t, 0.0) <= self.tc:
                         mem.free(sids[t])
-            elif isinstance(n.meta.get("val"), torch.Tensor):
+            elif isinstance(n.meta.get("val"), tensor):
                 src = aliased_arg(n)
                 sids[n] = sids.get(src) if src is not None else (None if n in uncounted else n)
                 if sids[n] is not None:  # a gradient shard copied out lands in host memory
                     mem.acquire(sids[n], _size(n), host=kind == meta.D2H or (
                         kind == meta.ACT_D2H and self.host_copies))
-            self.timeline.append([self.tc, mem.total, gname, n.name])
-            if mem.total > self.peak:
-                self.peak, self.peak_at = mem.total, f"{gname}:{n.name}"
-            self.host_peak = max(self.host_peak, mem.host_total)
-            self.both_peak = max(self.both_peak, mem.total + mem.host_total)
+            total, host_total = mem.total, mem.host_total
+            timeline.append([self.tc, total, gname, n.name])
+            if total > self.peak:
+                self.peak, self.peak_at = total, f"{gname}:{n.name}"
+            if host_total > self.host_peak:
+                self.host_peak = host_total
+            if total + host_total > self.both_peak:
+                self.both_peak = total + host_total
             if n not in last and sids.get(n) is not None and n not in returned:
                 mem.release(sids[n])
-            for a in n.all_input_nodes:
+            for a in inputs[i]:
                 if last.get(a) == i and a not in returned and sids.get(a) is not None:
                     mem.release(sids[a])
         self.close_group()
