@@ -17,10 +17,14 @@ SLOW = tuple(f"tests/{m}.py" for m in (
     "test_readme", "test_depth", "test_cli", "test_teardown"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.split("::")[0] in SLOW:
+        module = item.nodeid.split("::")[0]
+        if module in SLOW:
             item.add_marker(pytest.mark.slow)
+        if _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -29,11 +33,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _shares_a_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture set up once for its module (or class): its module's
+    tests then run in one test process (``--dist loadgroup``), which sets it up once. Spread
+    over two, each set it up: seen costing 70 s more for inductor's compiled steps."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        d.scope in ("module", "class", "package")
+        for defs in info.name2fixturedefs.values() for d in defs)
+
+
 # Test processes ``-n auto`` starts (pytest-xdist): one per core, at most four. Each keeps its
 # own rank pools (tests/rankpool.py: 1, 2 and 4 ranks): two took 6.5 GB at most on 2 cores
 # (the whole machine's use), four would take some 13. On 2 cores two halve the suite's time
-# (``--dist worksteal``: 483-675 s against 1,049-1,220 s run serially; three processes
-# (653 s) and ``--dist loadfile`` (623 s), measured later on a slower machine, were no faster).
+# (483-675 s against 1,049-1,220 s run serially; three processes (653 s) and ``--dist
+# loadfile`` (623 s), measured on a slower machine, were no faster). ``--dist loadgroup``
+# hands out one test (or one group, ``_shares_a_fixture``) at a time to whichever process is
+# free, the largest groups first; ``worksteal`` split modules whose tests share a fixture.
 MAX_WORKERS = 4
 
 
