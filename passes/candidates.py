@@ -85,6 +85,22 @@ def recompute_choices(setting, blocks: list, offload=False) -> list:
     return out[1:] if setting is True else out
 
 
+def ladder_end(choices: list, i: int) -> int:
+    """The index of the last choice of the ladder ``choices[i]`` is on (``recompute_choices``'
+    "offload k/n" or "blocks k/n": one mode over the first k blocks, k growing), or ``i``
+    when it is on none. Along a ladder each choice recomputes or offloads more than the
+    one before, so its peak is lower."""
+    def mode(j):
+        modes = choices[j][1]
+        kinds = set(modes.values()) if modes and "*" not in modes else set()
+        return kinds.pop() if len(kinds) == 1 else None
+
+    m, j = mode(i), i
+    while m is not None and j + 1 < len(choices) and mode(j + 1) == m:
+        j += 1
+    return j
+
+
 def offload_choice(config, profile):
     """``recompute_choices``'s ``offload`` for a Config on a profile: "force" for
     ``offload_activations=True``; for None, whether the profile has a host link (where the

@@ -33,8 +33,12 @@ plus the copies its grouping surely makes (``copy_floor``, ``gradient_copies``) 
 graphs over ``BIG_GRAPH`` nodes the first choice whose activations fit is found by bisection,
 and within a choice the first unit candidate that fits by an exponential search from the
 fastest (peaks fall along both orders), and once every plan of a choice
-is ruled out as slower, the choices after it (which recompute more) are not built; so there
-the guarantee holds among the candidates tried. Smaller graphs try every choice and
+is ruled out as slower, the choices after it (which recompute more) are not built. There, too,
+with ``prefer="balanced"`` each ladder (offload k/n, blocks k/n) is tried from its last
+choice: when a plan of it fits within ``NEAR`` of the fastest so far (and meets the target
+against FSDP2's plan), the choices before it on the ladder are recorded, not built (peaks
+fall along a ladder, so none of them is lighter; at GPT-175B, 6 of the 11 choices). So
+there the guarantee holds among the candidates tried. Smaller graphs try every choice and
 candidate. Each candidate is predicted on its joint graph
 (``autoshard.simulate.simulate_joint``, the same prediction as its split program's); only
 the chosen one is split.

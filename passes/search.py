@@ -20,7 +20,7 @@ from autoshard.cost import node_time
 from autoshard.graph import clone_graph
 from autoshard.passes.auto import BIG_GRAPH, copy_floor, gradient_copies, tries
 from autoshard.passes.candidates import (Candidate, Lowered, Hosting, first_choices, lower,
-                                         offload_choice, offloaded_blocks, host_state,
+                                         ladder_end, offload_choice, offloaded_blocks, host_state,
                                          recompute_choices, reshard_label, shard_size)
 from autoshard.passes.collectives import offloaded_units
 from autoshard.passes.offload import offload_activations_pass, offloaded_bytes
@@ -255,7 +255,18 @@ class _HostingSearch:
         tried_before = len(s.candidates)
         start = self.first_fitting_choice(first) if self.big else 0
         slower = None  # on a big graph, a choice whose plans were all slower than the chosen
+        # choices tried out of order (-> (``choice``'s result, their rows)), and those tried
+        # or made needless by their ladder's last (``end_dominates``)
+        self.ahead, self.skip = {}, set()
         for i, (label, modes) in enumerate(self.choices):
+            if i in self.skip:
+                continue
+            if i in self.ahead:  # tried already, as its ladder's last: its rows go here
+                result, rows = self.ahead[i]
+                slower = slower or result
+                s.candidates[:] = [c for c in s.candidates
+                                   if not any(c is r for r in rows)] + rows
+                continue
             if i == first and self.fastest_meets(s.candidates[tried_before:]):
                 break  # the rest are fallbacks, and a plan of this hosting fits without them
             if i == first and any(c["fits"] for c in s.candidates[tried_before:]):
@@ -276,10 +287,37 @@ class _HostingSearch:
                     note=f"recomputes less than {self.choices[j][0]}, whose activations alone "
                          "exceed the budget"))
                 continue
+            end = ladder_end(self.choices, i) if self.big and s.options.get("near") else i
+            if (end > i and end not in self.ahead and not self.for_target
+                    and self.end_dominates(end)):
+                at = len(s.candidates) - len(self.ahead.pop(end)[1])  # before the end's rows
+                s.candidates[at:at] = [self.row(
+                    self.choices[k][0], units=None, step_s=None, peak_bytes=None, fits=None,
+                    note=f"{self.choices[end][0]}, further along, fits within "
+                         f"{100 * s.options['near']:g}% of the fastest plan")
+                    for k in range(i, end)]
+                self.skip.update(range(i + 1, end + 1))
+                continue
             before = len(s.candidates)
             slower = self.choice(i, label, modes)
             if self.for_target and self.fastest_meets(s.candidates[before:]):
                 break  # a fallback met the target: those after it recompute more
+
+    def end_dominates(self, end: int) -> bool:
+        """On a big graph with ``Config(prefer="balanced")``: try choice ``end``, the last of
+        a ladder, before the ones leading to it; whether a plan of it fits and is predicted
+        within ``options["near"]`` of the fastest so far in the best's class. Then it is the
+        lightest plan of its ladder the lightest-near rule (``lightest_near``) can take, and
+        the choices before it on the ladder are not built: at GPT-175B, 6 of 11 choices."""
+        s = self.search
+        before = len(s.candidates)
+        result = self.choice(end, *self.choices[end])
+        rows = self.ahead[end] = (result, s.candidates[before:])
+        target = s.options.get("target")
+        return s.best_fits() and any(
+            c["fits"] and c["step_s"] is not None and c["step_s"] <= s.bound()
+            and (target is None or (c["peak_bytes"] <= target[0] and c["step_s"] <= target[1]))
+            for c in rows[1])
 
     def fastest_meets(self, rows: list) -> bool:
         """Whether a plan among ``rows`` fits and the fastest of those meets

@@ -5,7 +5,7 @@ import torch
 
 import autoshard
 from autoshard.models import GPT
-from autoshard.passes.candidates import first_choices, recompute_choices
+from autoshard.passes.candidates import first_choices, ladder_end, recompute_choices
 
 INPUTS = (torch.randint(0, 96, (16, 32)),)
 
@@ -67,6 +67,14 @@ def test_recompute_choices_ladder():
     default = recompute_choices(True, blocks)
     assert [label for label, _ in default] == labels[1:] and first_choices(True, default) == 1
     assert recompute_choices(True, []) == [("min-cut", {})]
+    # the ladders: offload k/8 and blocks k/8 end at their 8/8; the rest are on none
+    both = recompute_choices("auto", blocks, True)
+    ends = {both[i][0]: both[ladder_end(both, i)][0] for i in range(len(both))}
+    assert ends == {"none": "none", "min-cut": "min-cut", "offload 2/8": "offload 8/8",
+                    "offload 8/8": "offload 8/8", "blocks 6/8": "blocks 8/8",
+                    **{k: k for k in ("blocks 8/8", "blocks 8/8, offload all")},
+                    "offload 4/8": "offload 8/8", "offload 6/8": "offload 8/8",
+                    "blocks 2/8": "blocks 8/8", "blocks 4/8": "blocks 8/8"}
 
 
 def test_the_default_recomputes_whole_blocks_only_where_the_min_cut_leaves_no_plan(peaks):
@@ -124,6 +132,38 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
     assert notes[2:] and all(n == "recomputes or offloads more than min-cut, whose plans are "
                                   "all slower than the chosen one" for n in notes[2:])
     assert "recomputes or offloads" in big.candidates_table()
+
+
+def test_on_a_big_graph_a_ladders_last_choice_within_near_spares_those_before_it(monkeypatch):
+    """Over BIG_GRAPH nodes with prefer="balanced", each ladder of choices (offload k/n,
+    blocks k/n) is tried from its last: when that fits within 2% of the fastest plan (and
+    FSDP2's plan's step), the choices before it are recorded, not built. Here the blocks
+    ladder's last is near and the offload ladder's is not (its copies are slower), so the
+    offload choices are built in order; the plan is the one the full search picks."""
+    import autoshard.passes.planner as plan_mod
+    import autoshard.passes.search as search_mod
+
+    def search():
+        return autoshard.plan(GPT(seq=64, layers=4), (torch.randint(0, 96, (8, 64)),),
+                              world_size=8, config=autoshard.Config(
+                                  policy="module", device_profile="h100", recompute="auto",
+                                  prefer="balanced"))
+
+    full = search()
+    monkeypatch.setattr(plan_mod, "BIG_GRAPH", 0)
+    monkeypatch.setattr(search_mod, "BIG_GRAPH", 0)
+    big = search()
+    assert big.recompute == full.recompute == "blocks 4/4"
+    assert big.predicted == full.predicted
+    labels = [c["recompute"] for c in big.candidates]
+    assert labels == [c["recompute"] for c in full.candidates]  # in the ladder's order
+    notes = {c["recompute"]: c["note"] for c in big.candidates}
+    for k in (1, 2, 3):
+        assert notes[f"blocks {k}/4"] == "blocks 4/4, further along, fits within 2% of the " \
+                                         "fastest plan"
+        assert notes[f"offload {k}/4"] == ""  # built: offload 4/4 is too slow
+    built = [c for c in big.candidates if c["step_s"] is not None]
+    assert len(built) == len(full.candidates) - 3
 
 
 def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
