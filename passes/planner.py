@@ -99,8 +99,9 @@ from autoshard.passes.search import Search, lightest_near
 from autoshard.plans import ScheduleEntry, fmt_bytes, offload_label
 
 
-# candidate pipelines between two runs of Python's cyclic garbage collector (see _Garbage)
-COLLECT_EVERY = 8
+# nodes of lowered candidates between two runs of Python's cyclic garbage collector (see
+# _Garbage): about 8 candidates of GPT-175B (some 30,000 nodes each)
+COLLECT_NODES = 250_000
 # Config(prefer="memory"): the plan taken is the fastest predicted to peak at most PEAK_TARGET
 # of FSDP2's plan's peak and to take at most STEP_CAP of its step, where one is. The target
 # is the 0.85x FSDP2's measured peak autoshard promises, less the error of FSDP2's predicted
@@ -396,8 +397,10 @@ def _unfit(plan, best: Lowered, config) -> str:
 
 class _Garbage:
     """Python's cyclic garbage collector, paused while the planner searches and run once
-    every ``COLLECT_EVERY`` candidates instead. Each candidate builds graphs of up to 10^5
-    nodes and drops them; fx nodes and their graph form cycles, which survive into the
+    every ``COLLECT_NODES`` nodes of lowered candidates instead (by nodes, not candidates:
+    a small model's plan leaves its garbage to the collector's next ordinary run, where one
+    collection every 8 candidates made 67 in test_floor's and test_auto's plans, 6.1 s of
+    their 80). Each candidate builds graphs of up to 10^5 nodes and drops them; fx nodes and their graph form cycles, which survive into the
     oldest generation, so the collector ran full collections over every live graph again and
     again: a third of the time planning GPT-175B. What lives when the search starts (the
     imported libraries, the model, the captured graph) lives through it, so it is frozen
@@ -406,7 +409,7 @@ class _Garbage:
     was on the way out."""
 
     def __enter__(self):
-        self.enabled, self.count = gc.isenabled(), 0
+        self.enabled, self.nodes = gc.isenabled(), 0
         gc.disable()
         self.frozen = self.enabled and gc.get_freeze_count() == 0
         if self.frozen:
@@ -419,8 +422,10 @@ class _Garbage:
         if self.enabled:
             gc.enable()
 
-    def candidate_done(self) -> None:
-        self.count += 1
-        if self.enabled and self.count % COLLECT_EVERY == 0:  # the caller may want none
+    def candidate_done(self, nodes: int) -> None:
+        """A candidate of ``nodes`` nodes lowered."""
+        self.nodes += nodes
+        if self.enabled and self.nodes >= COLLECT_NODES:  # the caller may want none
+            self.nodes = 0
             with progress.timed("plan: gc"):
                 gc.collect()

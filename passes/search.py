@@ -127,7 +127,7 @@ class Search:
                          if self._class(o[0]) == self._class(self.best) and
                          o[0].prediction.total <= self.bound()]
             self.near = _undominated(self.near)
-        self.garbage.candidate_done()
+        self.garbage.candidate_done(len(low.gm.graph.nodes))
         self.bar.step(note=f"{low.candidate.strategy}, {row['recompute']} recomputation, "
                            f"{row['units']} units, best {self.best.prediction.total * 1e3:.1f} ms")
 

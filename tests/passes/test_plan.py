@@ -171,7 +171,7 @@ def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
 
     import autoshard.passes.planner as plan_mod
 
-    monkeypatch.setattr(plan_mod, "COLLECT_EVERY", 1)  # a collection after every candidate
+    monkeypatch.setattr(plan_mod, "COLLECT_NODES", 1)  # a collection after every candidate
     states, real = [], gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: states.append(
         (gc.isenabled(), gc.get_freeze_count() > 0)) or real(*a))
