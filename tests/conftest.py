@@ -9,7 +9,7 @@ os.environ["AUTOSHARD_VERIFY"] = "1"  # every pass is verified in every test, sp
 # The slowest modules (most spawn rank processes many times over; together about 20 of the
 # whole suite's 34 minutes on 2 cores, run serially): marked ``slow``. The README's test
 # command, which CI runs within its time limit, is ``python -m pytest -q -m "not slow" -n
-# auto --dist worksteal``; without ``-m "not slow"`` it runs every test.
+# auto --dist loadgroup``; without ``-m "not slow"`` it runs every test.
 SLOW = tuple(f"tests/{m}.py" for m in (
     "runtime/test_parity", "runtime/test_strategies", "runtime/test_predicted",
     "runtime/test_export", "runtime/test_commit", "runtime/test_checkpoint",
