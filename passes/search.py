@@ -262,10 +262,9 @@ class _HostingSearch:
             if i in self.skip:
                 continue
             if i in self.ahead:  # tried already, as its ladder's last: its rows go here
-                result, rows = self.ahead[i]
+                result, rows = self.ahead.pop(i)
                 slower = slower or result
-                s.candidates[:] = [c for c in s.candidates
-                                   if not any(c is r for r in rows)] + rows
+                self._move_last(rows)
                 continue
             if i == first and self.fastest_meets(s.candidates[tried_before:]):
                 break  # the rest are fallbacks, and a plan of this hosting fits without them
@@ -302,6 +301,14 @@ class _HostingSearch:
             slower = self.choice(i, label, modes)
             if self.for_target and self.fastest_meets(s.candidates[before:]):
                 break  # a fallback met the target: those after it recompute more
+        for _, rows in self.ahead.values():  # the loop ended before them
+            self._move_last(rows)
+
+    def _move_last(self, rows: list) -> None:
+        """``rows`` (of a choice tried ahead) moved to the end of the candidates, after the
+        rows of the choices before it on its ladder."""
+        cands = self.search.candidates
+        cands[:] = [c for c in cands if not any(c is r for r in rows)] + rows
 
     def end_dominates(self, end: int) -> bool:
         """On a big graph with ``Config(prefer="balanced")``: try choice ``end``, the last of
