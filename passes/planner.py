@@ -400,9 +400,10 @@ class _Garbage:
     every ``COLLECT_NODES`` nodes of lowered candidates instead (by nodes, not candidates:
     a small model's plan leaves its garbage to the collector's next ordinary run, where one
     collection every 8 candidates made 67 in test_floor's and test_auto's plans, 6.1 s of
-    their 80). Each candidate builds graphs of up to 10^5 nodes and drops them; fx nodes and their graph form cycles, which survive into the
-    oldest generation, so the collector ran full collections over every live graph again and
-    again: a third of the time planning GPT-175B. What lives when the search starts (the
+    their 80). Each candidate builds graphs of up to 10^5 nodes and drops them; fx nodes and
+    their graph form cycles, which survive into the oldest generation, so the collector ran
+    full collections over every live graph again and again: a third of the time planning
+    GPT-175B. What lives when the search starts (the
     imported libraries, the model, the captured graph) lives through it, so it is frozen
     (``gc.freeze``): a collection walks only what the search made. Unless the process froze
     objects of its own (then every collection walks everything, as before). Restored as it
