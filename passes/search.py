@@ -320,11 +320,9 @@ class _HostingSearch:
         before = len(s.candidates)
         result = self.choice(end, *self.choices[end])
         rows = self.ahead[end] = (result, s.candidates[before:])
-        target = s.options.get("target")
         return s.best_fits() and any(
             c["fits"] and c["step_s"] is not None and c["step_s"] <= s.bound()
-            and (target is None or (c["peak_bytes"] <= target[0] and c["step_s"] <= target[1]))
-            for c in rows[1])
+            and _row_meets(c, s.options.get("target")) for c in rows[1])
 
     def fastest_meets(self, rows: list) -> bool:
         """Whether a plan among ``rows`` fits and the fastest of those meets
@@ -336,9 +334,7 @@ class _HostingSearch:
         if not fit:
             return False
         fastest = min(fit, key=lambda c: c["step_s"])
-        target = self.search.options.get("target")
-        return target is None or (fastest["peak_bytes"] <= target[0]
-                                  and fastest["step_s"] <= target[1])
+        return _row_meets(fastest, self.search.options.get("target"))
 
     def choice(self, i: int, label: str, modes):
         """Try choice ``i``'s unit candidates; the label if, on a big graph, every plan of it
@@ -555,3 +551,8 @@ def _meets(pred, target) -> bool:
     """Whether a prediction meets ``target``: ``(peak bytes, step seconds)`` at most, from
     FSDP2's plan (``PEAK_TARGET``, ``STEP_CAP``); True when there is none."""
     return target is None or (pred.peak_bytes <= target[0] and pred.total <= target[1])
+
+
+def _row_meets(row: dict, target) -> bool:
+    """``_meets`` for a candidate's row (its predicted peak and step)."""
+    return target is None or (row["peak_bytes"] <= target[0] and row["step_s"] <= target[1])
