@@ -35,10 +35,10 @@ def local_tensor(dt) -> torch.Tensor:
 def dtensor_like(dt, local: torch.Tensor):
     """A DTensor of ``local`` with ``dt``'s mesh, placements and global shape, recording no
     autograd history (a gradient shard for the parameter ``dt``)."""
-    return _new_dtensor(local, dt._spec)
+    return new_dtensor(local, dt._spec)
 
 
-def _new_dtensor(local: torch.Tensor, spec):
+def new_dtensor(local: torch.Tensor, spec):
     """``DTensor(local, spec, requires_grad=False)`` without its ``__init__``, which does
     nothing but costs two wrappers' calls (half of the gradient hand-off's host time: a step
     makes one per parameter)."""
@@ -53,7 +53,15 @@ def dtensor_here(local: torch.Tensor, mesh, placements, shape, stride):
 
     spec = DTensorSpec(mesh, tuple(placements),
                        TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
-    return _new_dtensor(local, spec)
+    return new_dtensor(local, spec)
+
+
+def dtensor_op_handlers():
+    """DTensor's table of op handlers (``OpDispatcher._custom_op_handlers``: op -> handler
+    ``(op, args, kwargs)``, which the dispatch calls instead of its own rules; torch 2.11's
+    C++ dispatch reads it too), or None where this torch has none."""
+    table = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+    return table if isinstance(table, dict) else None
 
 
 # --- inductor, imported on first use (Config.compile) ----------------------------------------

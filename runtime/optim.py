@@ -12,6 +12,12 @@ autoshard's CPU parameters, and the post-hook puts the group back as the user le
 user configured (``foreach`` or ``fused`` set, ``differentiable``, a tensor learning rate) is
 left alone, as is every other optimizer class.
 
+While an optimizer holding autoshard's parameters steps (on any device, with any flags),
+its pointwise foreach ops over DTensors run on the local tensors (``runtime.foreach``: the
+same kernels DTensor's dispatch would run, without its walk over every list element in
+Python); the pre-hook installs that handler and the post-hook removes it, so no other
+optimizer's step meets it.
+
 The post-hook also notes, for every optimizer, that its autoshard parameters changed
 (``note_update``), so that a ZeRO-1 replica is gathered again before the next step reads it.
 
@@ -44,6 +50,7 @@ from torch.optim.optimizer import (
 )
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime import foreach
 
 # their foreach update on CPU equals the per-parameter loop bit for bit (NAdam's and RAdam's
 # foreach arithmetic differs, so they keep the loop)
@@ -54,7 +61,8 @@ _MARK = "_autoshard_sharded"
 _UPDATED = "_autoshard_updated"  # the last update's number (see ``updated``)
 _REPLACED = "_autoshard_replaced"  # on a parameter autoshard() replaced: where it was
 _updates = itertools.count(1)
-_checked = weakref.WeakKeyDictionary()  # optimizer -> its param groups when last looked at
+# optimizer -> (its param groups when last looked at, whether they hold autoshard's)
+_checked = weakref.WeakKeyDictionary()
 _switched = weakref.WeakKeyDictionary()  # optimizer -> indices of groups switched this step
 _hooks = []  # the handles of the hooks in place
 _live = 0  # sharded modules' states not yet freed
@@ -93,6 +101,7 @@ def _sync_hooks() -> None:
     elif not want:
         while _hooks:
             _hooks.pop().remove()
+        foreach.remove()
 
 
 def _freed() -> None:
@@ -134,11 +143,14 @@ def unmark_replaced(old: torch.nn.Parameter) -> None:
         delattr(old, _REPLACED)
 
 
-def _check_replaced(optimizer) -> None:
+def _look(optimizer) -> bool:
+    """Whether ``optimizer`` holds any of autoshard's parameters. Refuses one holding a
+    parameter autoshard() replaced. Looks through its groups again only when they change."""
     groups = optimizer.param_groups
     seen = tuple((id(g["params"]), len(g["params"])) for g in groups)
-    if _checked.get(optimizer) == seen:
-        return
+    last = _checked.get(optimizer)
+    if last is not None and last[0] == seen:
+        return last[1]
     stale = [getattr(p, _REPLACED) for g in groups for p in g["params"]
              if hasattr(p, _REPLACED)]
     if stale:
@@ -148,7 +160,9 @@ def _check_replaced(optimizer) -> None:
             "autoshard() replaced it by a DTensor shard: the model no longer reads it, so "
             "stepping it would train nothing. Build the optimizer after autoshard(model), "
             "from sharded.parameters() (nothing was stepped).")
-    _checked[optimizer] = seen
+    holds = any(is_marked(p) for g in groups for p in g["params"])
+    _checked[optimizer] = (seen, holds)
+    return holds
 
 
 def _eligible(group: dict) -> bool:
@@ -159,7 +173,10 @@ def _eligible(group: dict) -> bool:
 
 
 def _pre(optimizer, args, kwargs) -> None:
-    _check_replaced(optimizer)
+    if not _look(optimizer):
+        foreach.remove()  # left by a step of ours that raised
+        return
+    foreach.install()
     if type(optimizer) not in BITWISE_FOREACH:
         return
     groups = [i for i, g in enumerate(optimizer.param_groups) if _eligible(g)]
@@ -170,6 +187,7 @@ def _pre(optimizer, args, kwargs) -> None:
 
 
 def _post(optimizer, args, kwargs) -> None:
+    foreach.remove()
     for i in _switched.pop(optimizer, ()):
         optimizer.param_groups[i]["foreach"] = None
     note_update([p for g in optimizer.param_groups for p in g["params"]
