@@ -26,7 +26,8 @@ themselves. The stages:
    per rank of autoshard and FSDP2 and autoshard's predicted peak.
 5. ``hostcost``: ``bench.host_cost`` on the device, the launch-bound regime where a GPU
    waits for the host: ATen ops per step and step time at world size 1 of eager, autoshard
-   and FSDP2 on two small models (a 48-block MLP, a 4-layer Llama).
+   and FSDP2 on two small models (a 48-block MLP, a 4-layer Llama), and where the step goes
+   (forward, backward, ``opt.step()``, ``zero_grad``).
 6. ``pytest``: the suite's tests marked ``gpu``.
 
 ``--dry-run`` runs the same stages at tiny sizes on the CPU (gloo), as the test suite does;
@@ -215,6 +216,9 @@ def _table(report: dict) -> str:
         if rows:
             lines.append(f"\n{key}: {st[key].get('what', '')}\n")
             lines.append(tabulate(rows, headers="keys", tablefmt="github"))
+    if st.get("hostcost", {}).get("split"):
+        lines.append("\nhostcost, where the step goes (each part ended by a synchronize):\n")
+        lines.append(tabulate(st["hostcost"]["split"], headers="keys", tablefmt="github"))
     return "\n".join(lines) + "\n"
 
 
@@ -573,12 +577,14 @@ def stage_hostcost(args, st: Stage, device) -> None:
     steps, reps = (2, 2) if args.dry_run else (10, 5)
     st.save(what=f"world size 1, fp32, AdamW; median of {reps} interleaved repetitions of "
                  f"{steps} steps, each ended by a synchronize")
-    rows = []
+    rows, split = [], []
     with tempfile.TemporaryDirectory() as tmp:
         _init_world_one(device, tmp)
         for name in ("mlp48", "llama4"):
-            rows.append(host_cost.measure(name, steps, reps, device))
-            st.save(rows=rows)
+            row = host_cost.measure(name, steps, reps, device, split=True)
+            split += [{"model": name, **r} for r in row.pop("split")]
+            rows.append(row)
+            st.save(rows=rows, split=split)
     st.save(status="ok", summary="; ".join(
         f"{r['model']}: {r['x eager ops']}x eager's ops, step {r['autoshard x eager']}x "
         f"eager, FSDP2 {r['fsdp2 x eager']}x" for r in rows))

@@ -14,9 +14,12 @@ block, then on the root). Reported per model:
 - ``dispatched``: the ATen ops autoshard dispatches in the same forward and backward (the
   graphs' plus what runs around them);
 - ``us/node``: the time in autoshard's two graphs over their ops, per step;
-- step medians (forward, backward, ``opt.step()``, ``zero_grad``) over ``--reps``
-  repetitions of ``--steps`` steps of every system in turn, rotating which goes first, and
-  autoshard's and FSDP2's ratio to eager's.
+- step medians over ``--reps`` repetitions of ``--steps`` steps of every system in turn,
+  rotating which goes first, and autoshard's and FSDP2's ratio to eager's;
+- where the step goes (``--split``, a second table): medians of each part of the step
+  (forward and loss, ``backward``, ``opt.step()``, ``zero_grad``), each part ended by a
+  synchronize on a GPU (so that each is timed to its last kernel: the parts add up to more
+  than the step, whose host work overlaps the GPU's across parts).
 
 Models: ``mlp48`` (48 blocks of Linear(8, 8) and ReLU, batch 4), ``llama4`` (a 4-layer
 Hugging Face Llama, hidden 32, batch 2 x 16), and any of ``bench.compare``'s (batch 8 x 64).
@@ -116,9 +119,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(name: str, steps: int, reps: int, device=torch.device("cpu")) -> dict:
+def _mark(device) -> float:
+    _sync(device)
+    return time.perf_counter()
+
+
+def measure(name: str, steps: int, reps: int, device=torch.device("cpu"),
+            split: bool = False) -> dict:
     """``name``'s row: ops counted and steps timed on ``device`` (a GPU's steps end with a
-    synchronize, so each is timed to its last kernel)."""
+    synchronize, so each is timed to its last kernel); with ``split``, under ``"split"``
+    one row per system of the parts' medians (``_split``)."""
     from autoshard.runtime.executor import Program
 
     gen = torch.Generator().manual_seed(0)
@@ -163,12 +173,40 @@ def measure(name: str, steps: int, reps: int, device=torch.device("cpu")) -> dic
             finally:
                 Program.call = call
     med = {s: statistics.median(t) for s, t in times.items()}
+    if split:
+        row["split"] = _split(systems, x, y, steps, reps, device)
     row["us/node"] = round(in_graphs[0] / len(times["autoshard"]) / row["graph ops"] * 1e6, 2)
     for s in names:
         row[f"{s} ms"] = round(med[s] * 1e3, 2)
     row["autoshard x eager"] = round(med["autoshard"] / med["eager"], 2)
     row["fsdp2 x eager"] = round(med["fsdp2"] / med["eager"], 2)
     return row
+
+
+PARTS = ("forward", "backward", "opt.step", "zero_grad")
+
+
+def _split(systems, x, y, steps, reps, device) -> list:
+    """Per system, the medians (ms) of the step's parts, each ended by a synchronize."""
+    times = {s: collections.defaultdict(list) for s in systems}
+    names = list(systems)
+    for rep in range(reps):
+        for system in names[rep % len(names):] + names[: rep % len(names)]:
+            model, opt = systems[system]
+            for _ in range(steps):
+                marks = [_mark(device)]
+                loss = compare._loss(compare._forward(model, x), y)
+                marks.append(_mark(device))
+                loss.backward()
+                marks.append(_mark(device))
+                opt.step()
+                marks.append(_mark(device))
+                opt.zero_grad()
+                marks.append(_mark(device))
+                for p, a, b in zip(PARTS, marks, marks[1:]):
+                    times[system][p].append(b - a)
+    return [{"system": s, **{f"{p} ms": round(statistics.median(times[s][p]) * 1e3, 3)
+                             for p in PARTS}} for s in names]
 
 
 def main(argv=None) -> list:
@@ -179,6 +217,8 @@ def main(argv=None) -> list:
     ap.add_argument("--models", default="mlp48,llama4,gpt-small,hf-llama")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--split", action="store_true",
+                    help="also time the step's parts, each ended by a synchronize")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", module="torch.distributed")
@@ -188,8 +228,12 @@ def main(argv=None) -> list:
                                 rank=0, world_size=1)
         try:
             for name in args.models.split(","):
-                rows.append(measure(name, args.steps, args.reps))
-                print(tabulate(rows, headers="keys", tablefmt="github"), flush=True)
+                rows.append(measure(name, args.steps, args.reps, split=args.split))
+                print(tabulate([{k: v for k, v in r.items() if k != "split"} for r in rows],
+                               headers="keys", tablefmt="github"), flush=True)
+                if args.split:
+                    print(tabulate([{"model": r["model"], **p} for r in rows
+                                    for p in r["split"]], headers="keys", tablefmt="github"))
         finally:
             dist.destroy_process_group()
     return rows
