@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -30,6 +31,10 @@ def local_tensor(dt) -> torch.Tensor:
     """A DTensor's local shard itself (``to_local()`` without autograd's view: the tensor the
     parameter holds, so that writes to it reach the parameter)."""
     return dt._local_tensor
+
+
+# ``local_tensor`` as a C getter, for ``map`` over a step's parameters
+local_tensors = operator.attrgetter("_local_tensor")
 
 
 def dtensor_like(dt, local: torch.Tensor):

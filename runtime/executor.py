@@ -72,6 +72,10 @@ class Program:
         self.local_ranges = [lay.local_range(r) if lay.sharded else None
                              for lay, r in zip(self.layouts, at)]
         self.local_rows = [None if r is None else r[1] - r[0] for r in self.local_ranges]
+        # the parameters read from a replica, and the shards padded to the layout's rows
+        self.replica_slots = [i for i, p in enumerate(captured.params) if p.replica]
+        self.padded_slots = [i for i, (lay, n) in enumerate(zip(self.layouts, self.local_rows))
+                             if lay.sharded and n != lay.rows and i not in self.replica_slots]
         slot = {f: i for i, f in enumerate(self.fqns)}
         kinds = {meta.OUT_GRAD: "param", meta.OUT_HOOK_GRAD: "hook"}
         self.grad_slots = [
@@ -100,8 +104,12 @@ class Program:
     def feed(self, params: list, replicas: dict) -> list:
         """What each parameter placeholder reads: the padded local shard, or the parameter's
         replica (``ParamSpec.replica``, from ``replicas``)."""
-        return [replicas[s.fqn] if s.replica else self.pad(i, _compat.local_tensor(p))
-                for i, (s, p) in enumerate(zip(self.captured.params, params))]
+        fed = list(map(_compat.local_tensors, params))
+        for i in self.replica_slots:
+            fed[i] = replicas[self.fqns[i]]
+        for i in self.padded_slots:
+            fed[i] = self.pad(i, fed[i])
+        return fed
 
     def run(self, params: list, buffers: list, inputs: list, replicas=None, pending=None):
         """Run the step on ``params`` (DTensor parameters, in capture order; ``replicas``:

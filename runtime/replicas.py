@@ -18,9 +18,9 @@ def refresh_replicas(replicas: dict, mesh, agreement, prog, params: list) -> dic
     is gathered is agreed on first (``Agreement.any``, one 32-byte all-gather): a write on
     some ranks only still changes the full parameter every rank reads, as FSDP2's gather of
     the shards would, and every rank issues the same all-gathers. Returns FQN -> replica."""
-    specs = prog.captured.params
-    if not any(s.replica for s in specs):
+    if not prog.replica_slots:
         return {}
+    specs = prog.captured.params
     at = {s.fqn: i for i, s in enumerate(specs)}
     group = mesh.get_group(mesh.ndim - 1)
     groups = []  # (compute dtype, parameter indices) per unit, in plan order
@@ -45,8 +45,8 @@ def _stamp(param) -> tuple:
     """What a replica gathered from ``param`` stays valid for: its local tensor (by identity:
     ``swap_tensors``, a new parameter object) and that tensor's version (a write to
     ``to_local()``), the DTensor's own version (in-place ops on the parameter, which do not
-    advance the local tensor's), and its last noted update (an optimizer step, whose
-    foreach ops advance neither version; ``runtime.optim.note_update``)."""
+    advance the local tensor's), and its last noted update (an optimizer step, whose foreach
+    ops through DTensor's dispatch advance neither version; ``runtime.optim.note_update``)."""
     local = _compat.local_tensor(param)
     return weakref.ref(local), local._version, param._version, optim.updated(param)
 
