@@ -76,6 +76,11 @@ def remove() -> None:
             del table[op]
 
 
+def forget() -> None:
+    """Drop the specs ``_learn`` kept (they hold their meshes)."""
+    _known.clear()
+
+
 def installed() -> bool:
     table = _compat.dtensor_op_handlers()
     return table is not None and table.get(_OPS[0]) is _local
@@ -142,10 +147,12 @@ def _learn(spec, like) -> bool:
     ``like`` does (the same mesh, placements and global shape). A yes is kept in ``_known``,
     so that the next step's same DTensors cost a dictionary look-up each."""
     if like is None:
-        ok = not any(p.is_partial() for p in spec.placements)
+        ok = (spec.tensor_meta is not None
+              and not any(p.is_partial() for p in spec.placements))
         key, value = id(spec), spec
     else:
         ok = (spec.mesh is like.mesh and spec.placements == like.placements
+              and spec.tensor_meta is not None
               and spec.tensor_meta.shape == like.tensor_meta.shape)
         key, value = (id(spec), id(like)), (spec, like)
     if ok:

@@ -102,6 +102,7 @@ def _sync_hooks() -> None:
         while _hooks:
             _hooks.pop().remove()
         foreach.remove()
+        foreach.forget()
 
 
 def _freed() -> None:
