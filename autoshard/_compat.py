@@ -35,6 +35,8 @@ def local_tensor(dt) -> torch.Tensor:
 
 # ``local_tensor`` as a C getter, for ``map`` over a step's parameters
 local_tensors = operator.attrgetter("_local_tensor")
+# a DTensor's layout (``DTensorSpec``: mesh, placements, global shape), as a C getter
+dtensor_spec = operator.attrgetter("_spec")
 
 
 def dtensor_like(dt, local: torch.Tensor):

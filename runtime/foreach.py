@@ -38,6 +38,7 @@ _lock = threading.RLock()  # around taking the handler out for DTensor's own dis
 # specs seen without Partial (id -> spec) and pairs seen to match ((id, id) -> the pair)
 _known: dict = {}
 KNOWN_LIMIT = 1 << 16
+_ONLY_DTENSORS = {DTensor}
 
 
 def ops() -> list:
@@ -106,7 +107,7 @@ def _unwrap(args, kwargs):
         return None
     specs = None
     local_args = []
-    known = _known
+    known, spec_of, local_of = _known, _compat.dtensor_spec, _compat.local_tensors
     for a in args:
         if isinstance(a, torch.Tensor):
             return None  # a tensor scalar or a single tensor: DTensor's rules decide
@@ -114,29 +115,22 @@ def _unwrap(args, kwargs):
             local_args.append(a)
             continue
         if specs is None:
-            specs = []
-            for d in a:
-                if type(d) is not DTensor:
-                    return None
-                s = d._spec
+            if set(map(type, a)) != _ONLY_DTENSORS:
+                return None
+            specs = list(map(spec_of, a))
+            for s in specs:
                 if known.get(id(s)) is not s and not _learn(s, None):
                     return None
-                specs.append(s)
-            local_args.append([d._local_tensor for d in a])
+            local_args.append(list(map(local_of, a)))
             continue
-        if len(a) != len(specs):
+        if len(a) != len(specs) or set(map(type, a)) != _ONLY_DTENSORS:
             return None
-        locals_ = []
-        for d, s in zip(a, specs):
-            if type(d) is not DTensor:
-                return None
-            ds = d._spec
+        for ds, s in zip(map(spec_of, a), specs):
             if ds is not s:
                 hit = known.get((id(ds), id(s)))
                 if (hit is None or hit[0] is not ds or hit[1] is not s) and not _learn(ds, s):
                     return None
-            locals_.append(d._local_tensor)
-        local_args.append(locals_)
+        local_args.append(list(map(local_of, a)))
     if specs is None:
         return None
     return local_args, specs
