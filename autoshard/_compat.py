@@ -27,15 +27,10 @@ torch_check = torch._check
 # --- DTensor internals ----------------------------------------------------------------------
 
 
-def local_tensor(dt) -> torch.Tensor:
-    """A DTensor's local shard itself (``to_local()`` without autograd's view: the tensor the
-    parameter holds, so that writes to it reach the parameter)."""
-    return dt._local_tensor
-
-
-# ``local_tensor`` as a C getter, for ``map`` over a step's parameters
-local_tensors = operator.attrgetter("_local_tensor")
-# a DTensor's layout (``DTensorSpec``: mesh, placements, global shape), as a C getter
+# C getters (mapped over a step's parameters): a DTensor's local shard itself (``to_local()``
+# without autograd's view: the tensor the parameter holds, so that writes to it reach the
+# parameter), and its layout (``DTensorSpec``: mesh, placements, global shape)
+local_tensor = operator.attrgetter("_local_tensor")
 dtensor_spec = operator.attrgetter("_spec")
 
 
@@ -64,9 +59,8 @@ def dtensor_here(local: torch.Tensor, mesh, placements, shape, stride):
 
 
 def dtensor_op_handlers():
-    """DTensor's table of op handlers (``OpDispatcher._custom_op_handlers``: op -> handler
-    ``(op, args, kwargs)``, which the dispatch calls instead of its own rules; torch 2.11's
-    C++ dispatch reads it too), or None where this torch has none."""
+    """DTensor's table of op handlers (op -> ``handler(op, args, kwargs)``, called instead of
+    its own rules; torch 2.11's C++ dispatch reads it too), or None where there is none."""
     table = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
     return table if isinstance(table, dict) else None
 

@@ -104,7 +104,7 @@ class Program:
     def feed(self, params: list, replicas: dict) -> list:
         """What each parameter placeholder reads: the padded local shard, or the parameter's
         replica (``ParamSpec.replica``, from ``replicas``)."""
-        fed = list(map(_compat.local_tensors, params))
+        fed = list(map(_compat.local_tensor, params))
         for i in self.replica_slots:
             fed[i] = replicas[self.fqns[i]]
         for i in self.padded_slots:

@@ -107,7 +107,7 @@ def _unwrap(args, kwargs):
         return None
     specs = None
     local_args = []
-    known, spec_of, local_of = _known, _compat.dtensor_spec, _compat.local_tensors
+    known, spec_of, local_of = _known, _compat.dtensor_spec, _compat.local_tensor
     for a in args:
         if isinstance(a, torch.Tensor):
             return None  # a tensor scalar or a single tensor: DTensor's rules decide
