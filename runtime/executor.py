@@ -74,8 +74,9 @@ class Program:
         self.local_rows = [None if r is None else r[1] - r[0] for r in self.local_ranges]
         # the parameters read from a replica, and the shards padded to the layout's rows
         self.replica_slots = [i for i, p in enumerate(captured.params) if p.replica]
-        self.padded_slots = [i for i, (lay, n) in enumerate(zip(self.layouts, self.local_rows))
-                             if lay.sharded and n != lay.rows and i not in self.replica_slots]
+        self.padded_slots = [i for i, (p, lay, n) in enumerate(
+            zip(captured.params, self.layouts, self.local_rows))
+            if lay.sharded and n != lay.rows and not p.replica]
         slot = {f: i for i, f in enumerate(self.fqns)}
         kinds = {meta.OUT_GRAD: "param", meta.OUT_HOOK_GRAD: "hook"}
         self.grad_slots = [
