@@ -3,7 +3,15 @@ import os
 import pytest
 import torch
 
+import chunkcache
+
 os.environ["AUTOSHARD_VERIFY"] = "1"  # every pass is verified in every test, spawned ranks too
+# before pytest-xdist starts its test processes, which then inherit it (tests/chunkcache.py)
+CHUNKCACHE = chunkcache.activate()
+
+
+def pytest_report_header(config):
+    return f"frame-stack chunk cache (tests/chunkcache.py): {CHUNKCACHE}"
 
 
 # The slowest modules (most spawn rank processes many times over; together about 20 of the
