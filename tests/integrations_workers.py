@@ -64,8 +64,9 @@ def _hf_run(trainer_cls, shard, out: str, resume=None) -> dict:
 def trainer_worker(rank, world, tmp):
     """The Trainer on the unsharded model (accelerate wraps it in DDP); the Trainer of
     ``autoshard.integrations`` on the sharded one; and the sharded one again, resumed from
-    the first run's checkpoint at step 2; and the weights each checkpoint's
-    ``model.safetensors`` holds at step 2, as ``from_pretrained`` reads them."""
+    the first run's checkpoint at step 2; the weights each checkpoint's
+    ``model.safetensors`` holds at step 2, as ``from_pretrained`` reads them; and then
+    accelerate's recipe (``accelerate_worker``)."""
     import transformers
     from transformers import LlamaForCausalLM
 
@@ -78,6 +79,7 @@ def trainer_worker(rank, world, tmp):
     out["saved"] = {m: _full(LlamaForCausalLM.from_pretrained(f"{tmp}/{m}/checkpoint-2"), False)
                     for m in ("eager", "sharded")}
     out["files"] = sorted(os.listdir(f"{tmp}/sharded/checkpoint-2"))
+    out["accelerate"] = accelerate_worker(rank, world, tmp)
     return out
 
 
@@ -112,7 +114,15 @@ def _accelerate_run(shard: bool) -> dict:
 
 
 def accelerate_worker(rank, world, tmp):
-    return {"eager": _accelerate_run(False), "sharded": _accelerate_run(True)}
+    """accelerate's recipe, unsharded and sharded; in the ranks the Trainer's recipes ran in
+    (one spawn of the libraries for both), so from a fresh accelerate state each time."""
+    from accelerate.state import AcceleratorState
+
+    out = {}
+    for mode, shard in (("eager", False), ("sharded", True)):
+        AcceleratorState._reset_state(True)
+        out[mode] = _accelerate_run(shard)
+    return out
 
 
 def _lightning_run(shard: bool) -> dict:

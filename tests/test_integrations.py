@@ -15,8 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from harness import eager_and_sharded, run_ranks  # noqa: E402
-from integrations_workers import (STEPS, accelerate_worker, lightning_worker,  # noqa: E402
-                                  tiny_llama, trainer_worker)
+from integrations_workers import (STEPS, lightning_worker, tiny_llama,  # noqa: E402
+                                  trainer_worker)
 
 LOSS_TOL, PARAM_TOL, NORM_TOL = 1e-5, 5e-5, 1e-5
 
@@ -77,9 +77,8 @@ def test_trainer_resumes_a_sharded_model_where_it_stopped(trainer):
     assert _close_params(resumed["params"], trainer["saved"]["eager"]) > 10 * PARAM_TOL
 
 
-def test_accelerate_prepare_trains_a_sharded_model_as_the_unsharded_one(tmp_path):
-    pytest.importorskip("accelerate")
-    got = run_ranks(2, accelerate_worker, str(tmp_path), torchrun_env=True)[0]
+def test_accelerate_prepare_trains_a_sharded_model_as_the_unsharded_one(trainer):
+    got = trainer["accelerate"]  # the Trainer's ranks run accelerate's recipe too
     eager, sharded = got["eager"], got["sharded"]
     assert eager["wrapped"] == "DistributedDataParallel"
     assert sharded["wrapped"].startswith("Sharded")  # handed back as it is

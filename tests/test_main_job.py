@@ -47,12 +47,14 @@ def test_example_runs_as_a_module_under_torchrun():
     assert "step   1  loss" in out.stdout and "2 ranks, cpu" in out.stdout
 
 
-def test_debug_level_prints_each_pass():
-    code = ("import torch, autoshard\nfrom autoshard.models import GPT\n"
-            "autoshard.plan(GPT(), (torch.randint(0, 96, (2, 16)),), world_size=2)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
-                         env={**_env(), "AUTOSHARD_DEBUG": "1"},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+def test_debug_level_prints_each_pass(monkeypatch, capfd):
+    import torch
+
+    import autoshard
+    from autoshard.models import GPT
+
+    monkeypatch.setenv("AUTOSHARD_DEBUG", "1")
+    autoshard.plan(GPT(), (torch.randint(0, 96, (2, 16)),), world_size=2)
+    err = capfd.readouterr().err
     for name in ("assign_units_pass", "insert_collectives_pass", "split_pass"):
-        assert re.search(rf"pass \d {name}: [\d.]+ ms", out.stderr), out.stderr
+        assert re.search(rf"pass \d {name}: [\d.]+ ms", err), err
