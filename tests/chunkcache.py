@@ -43,6 +43,8 @@ def activate() -> str:
         return "off (AUTOSHARD_TEST_CHUNKCACHE=0)"
     if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
         return "not needed on this interpreter"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):  # the C code counts on the GIL
+        return "not used on a free-threaded build"
     try:
         where = _build()
     except (OSError, subprocess.CalledProcessError) as e:
