@@ -47,9 +47,9 @@ def activate() -> str:
         return "not used on a free-threaded build"
     try:
         where = _build()
+        ctypes.PyDLL(str(where / "chunkcache.so")).install()
     except (OSError, subprocess.CalledProcessError) as e:
-        return f"not built ({e}): the suite runs slower"
-    ctypes.PyDLL(str(where / "chunkcache.so")).install()
+        return f"not built or not loaded ({e}): the suite runs slower"
     path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(where) not in path:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(where), *path]))
@@ -58,11 +58,13 @@ def activate() -> str:
 
 def _build() -> Path:
     """The built library and its ``sitecustomize`` in a folder of the temporary directory
-    named by the source and the interpreter (built once, then reused; written whole)."""
+    named by the source, the interpreter and the user (built once, then reused; written
+    whole; readable by its user alone, as ``mkdtemp`` makes it)."""
+    user = str(os.getuid() if hasattr(os, "getuid") else "")
     key = hashlib.sha256(SOURCE.read_bytes() + SITE.encode() + sys.version.encode()
-                         + sys.executable.encode()).hexdigest()[:16]
+                         + sys.executable.encode() + user.encode()).hexdigest()[:16]
     where = Path(tempfile.gettempdir()) / f"autoshard-chunkcache-{key}"
-    if (where / "chunkcache.so").exists() and (where / "sitecustomize.py").exists():
+    if _built(where):
         return where
     include = sysconfig.get_paths()["include"]
     if not Path(include, "Python.h").exists():
@@ -71,11 +73,30 @@ def _build() -> Path:
     if cc is None:
         raise OSError("no C compiler")
     tmp = Path(tempfile.mkdtemp(prefix=where.name + "."))
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o",
-                    str(tmp / "chunkcache.so"), str(SOURCE)], check=True, capture_output=True)
-    (tmp / "sitecustomize.py").write_text(SITE)
     try:
-        os.replace(tmp, where)  # another process may have built it meanwhile: keep theirs
-    except OSError:
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o",
+                        str(tmp / "chunkcache.so"), str(SOURCE)], check=True,
+                       capture_output=True)
+        (tmp / "sitecustomize.py").write_text(SITE)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, where)
+    except OSError:  # built meanwhile by another process (keep theirs), or not ours
+        if not _built(where):
+            return tmp
         shutil.rmtree(tmp, ignore_errors=True)
     return where
+
+
+def _built(where: Path) -> bool:
+    """Whether ``where`` holds a complete build that this user made and no one else can
+    write to (a folder of that name made by another user is not loaded)."""
+    try:
+        st = where.stat()
+    except OSError:
+        return False
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    return (st.st_uid == uid and not st.st_mode & 0o022
+            and (where / "chunkcache.so").exists() and (where / "sitecustomize.py").exists())

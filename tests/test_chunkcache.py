@@ -58,3 +58,15 @@ def test_a_loop_across_chunk_edges_reuses_its_chunks():
     # without: at least one fresh page per crossing (seen: 4 per crossing, 80 thousand)
     assert without > 5000, without
     assert with_cache < without / 20, (with_cache, without)
+
+
+def test_a_folder_others_can_write_is_never_loaded(tmp_path, monkeypatch):
+    """The folder's name is predictable: one another user made, or can write to, is passed
+    over, and the library is built in a folder of this process's own."""
+    monkeypatch.setattr(chunkcache.tempfile, "tempdir", str(tmp_path))
+    made = chunkcache._build()
+    assert made.parent == tmp_path and chunkcache._built(made)
+    made.chmod(0o777)  # anyone may now swap the library
+    again = chunkcache._build()
+    assert again != made and again.parent == tmp_path and chunkcache._built(again)
+    assert oct(again.stat().st_mode & 0o077) == "0o0"
