@@ -38,7 +38,7 @@ except OSError:
 
 def activate() -> str:
     """Install the cache here and in the processes started from here; what was done, for
-    the session's header."""
+    pytest's header."""
     if os.environ.get("AUTOSHARD_TEST_CHUNKCACHE") == "0":
         return "off (AUTOSHARD_TEST_CHUNKCACHE=0)"
     if sys.implementation.name != "cpython" or sys.version_info < (3, 11):
