@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rankpool import RankPool
+from rankpool import RankPool, as_a_new_process
 
 
-def _entry(rank, world, fn, payload, tmp, port):
+def _entry(rank, world, fn, payload, tmp, port, env):
+    as_a_new_process(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if port is None:
@@ -58,7 +59,8 @@ def run_ranks(world: int, fn, payload=None, *, torchrun_env: bool = False,
         return RankPool.get(world).run(fn, payload)
     port = _free_port() if torchrun_env else None
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, fn, payload, tmp, port), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, fn, payload, tmp, port, dict(os.environ)), nprocs=world,
+                 join=True, start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world)]
 

@@ -17,6 +17,13 @@ Before each call every rank resets what an earlier call could have left in the p
 - autoshard's process-wide state (its trace cache, the optimizer-hook and progress switches,
   the warned-about paths) is emptied, and torch.compile's caches are reset.
 
+Every process the tests start for ranks or for jobs beside each other (``context()``) is forked
+from one server process per test process, which has imported what they all import (torch's
+distributed packages, dynamo, transformers' model base): such a process starts in a fraction
+of a second, not the ~5 s a new interpreter takes to import them. Each starts with its
+parent's environment, working directory and ``sys.path``, as a spawned one does; autoshard
+and the tests' modules are imported in it, not in the server.
+
 Calls that kill a rank, break or replace their group, or whose point is a new process (an
 export loaded where its module was never imported, a resume from a checkpoint alone) ask
 ``run_ranks`` for fresh processes instead. A rank that raises ends its pool: the other ranks
@@ -29,6 +36,8 @@ from __future__ import annotations
 import atexit
 import gc
 import multiprocessing.connection as mpc
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import random
 import sys
@@ -38,7 +47,41 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+
+# imported once by the server that forks every rank (torch.multiprocessing's "forkserver" too,
+# as harness.run_ranks starts fresh ranks); an import that fails is skipped there
+PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "transformers.modeling_utils"]
+multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+
+
+def as_a_new_process(env: dict) -> None:
+    """What a forked child takes from its parent when it starts: the parent's environment (a
+    forked child would have the server's), and random states of its own."""
+    os.environ.clear()
+    os.environ.update(env)
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+class _Process(multiprocessing.context.ForkServerProcess):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._env = dict(os.environ)
+
+    def run(self):
+        as_a_new_process(self._env)
+        super().run()
+
+
+class _Context(multiprocessing.context.ForkServerContext):
+    Process = _Process
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of every process the tests start (see the module's doc)."""
+    return _Context()
 
 
 class RankFailed(RuntimeError):
@@ -64,7 +107,7 @@ class RankPool:
         cls._pools.clear()
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self.world, self.conns, self.procs = world, [], []
         for rank in range(world):
             mine, theirs = ctx.Pipe()

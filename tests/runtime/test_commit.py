@@ -6,7 +6,6 @@ and one over an earlier checkpoint or export leaves that one loadable, value for
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from commit_workers import (failed_write_worker, fake_backend_worker, interrupted_worker,
                             reload_worker)
 from harness import run_ranks
+from rankpool import context
 
 CASES = ["overwrite", "export", "fresh", "committed"]
 
@@ -32,7 +32,7 @@ def _rank(rank, world, fn, payload, store, out):
 def _run_with_a_death(world, fn, payload, out, limit_s=120) -> dict:
     """``fn`` on ``world`` ranks of which one may die: each rank that returns leaves its
     result; ranks still running after ``limit_s`` fail the test."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     store = os.path.join(out, "store")
     procs = [ctx.Process(target=_rank, args=(r, world, fn, payload, store, out))
              for r in range(world)]

@@ -10,7 +10,6 @@ path and one loading it."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import queue
 
@@ -19,6 +18,7 @@ import pytest
 from concurrent_workers import (equal, held_worker, interleaved_worker, paused_writer,
                                 second_writer, stress_reader, stress_writer)
 from harness import run_ranks
+from rankpool import context
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def _join(procs) -> None:
 
 
 def test_two_processes_a_second_save_during_a_commit_is_refused(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     in_window, go_on, results = ctx.Event(), ctx.Event(), ctx.Queue()
     path = str(tmp_path / "ck")
     procs = [ctx.Process(target=fn, args=(path, in_window, go_on, results))
@@ -162,7 +162,7 @@ SAVES = 20
 
 
 def test_stress_two_jobs_saving_and_one_loading_lose_nothing(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = context()
     path = str(tmp_path / "ck")
     start, done, results = ctx.Barrier(3), ctx.Event(), ctx.Queue()
     writers = [ctx.Process(target=stress_writer, args=(path, seed, SAVES, start, results))
