@@ -19,10 +19,10 @@ Before each call every rank resets what an earlier call could have left in the p
 
 Every process the tests start for ranks or for jobs beside each other (``context()``) is forked
 from one server process per test process, which has imported what they all import (torch's
-distributed packages, dynamo, transformers' model base): such a process starts in a fraction
-of a second, not the ~5 s a new interpreter takes to import them. Each starts with its
-parent's environment, working directory and ``sys.path``, as a spawned one does; autoshard
-and the tests' modules are imported in it, not in the server.
+distributed packages, dynamo, transformers' model base, autoshard): such a process starts in
+a fraction of a second, not the ~5 s a new interpreter takes to import them. Each starts with
+its parent's environment, working directory and ``sys.path``, as a spawned one does. The
+fuzzer's cases (``autoshard.fuzz``) fork from the same server.
 
 Calls that kill a rank, break or replace their group, or whose point is a new process (an
 export loaded where its module was never imported, a resume from a checkpoint alone) ask
@@ -50,8 +50,10 @@ import torch.distributed as dist
 
 
 # imported once by the server that forks every rank (torch.multiprocessing's "forkserver" too,
-# as harness.run_ranks starts fresh ranks); an import that fails is skipped there
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch._dynamo", "transformers.modeling_utils"]
+# as harness.run_ranks and the fuzzer start fresh ranks; the fuzzer's own list is a part of
+# this one); an import that fails is skipped there
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
+           "transformers.modeling_utils", "autoshard", "autoshard.fuzz"]
 multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
 
 
