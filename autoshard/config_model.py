@@ -9,7 +9,7 @@ from typing import Optional
 
 from autoshard.config import Config
 from autoshard.options import Module
-from autoshard.passes.units import repeated_blocks
+from autoshard.passes.groupings import repeated_blocks
 
 def check_names(config: Config, model) -> None:
     """Every name ``config`` gives must name something of ``model``: a module class in

@@ -33,7 +33,7 @@ import torch.fx as fx
 from autoshard import meta
 from autoshard.cost import collective_time, spans_nodes
 from autoshard.passes.floor import MemoryFloor
-from autoshard.passes.units import first_use_order, module_groups, size_groups, span_names
+from autoshard.passes.groupings import first_use_order, module_groups, size_groups, span_names
 from autoshard.simulate import activations
 from autoshard.spec import group_size
 

@@ -26,7 +26,7 @@ from autoshard.passes.collectives import offloaded_units
 from autoshard.passes.offload import offload_activations_pass, offloaded_bytes
 from autoshard.passes.pipeline import run_passes, unit_options
 from autoshard.passes.remat import recompute_activations_pass
-from autoshard.passes.units import repeated_blocks
+from autoshard.passes.groupings import repeated_blocks
 from autoshard.plans import fmt_bytes
 from autoshard.simulate import activations
 

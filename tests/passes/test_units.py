@@ -74,7 +74,7 @@ ORDER = (["wte.weight", "wpe.weight"]
     (["blocks.0.ln1.weight", "blocks.2.ln1.weight"], "blocks.0.ln1.weight..blocks.2.ln1.weight"),
 ])
 def test_a_unit_is_named_by_the_module_paths_covering_its_parameters(fqns, name):
-    from autoshard.passes.units import span_names
+    from autoshard.passes.groupings import span_names
 
     assert span_names([fqns], ORDER) == [name]
 
