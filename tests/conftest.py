@@ -30,8 +30,9 @@ def pytest_report_header(config):
 
 # The slowest modules (most spawn rank processes many times over; together about 20 of the
 # whole suite's 34 minutes on 2 cores, run serially): marked ``slow``. The README's test
-# command, which CI runs within its time limit, is ``python -m pytest -q -m "not slow" -n
-# auto --dist loadgroup``; without ``-m "not slow"`` it runs every test.
+# command, the fast tier a newcomer runs, is ``python -m pytest -q -m "not slow" -n auto
+# --dist loadgroup``; without ``-m "not slow"`` it runs every test. CI (``.ci/run``) runs that
+# command, then ``-m slow``: every module, each tier on its own (tests/test_suite.py holds it).
 SLOW = tuple(f"tests/{m}.py" for m in (
     "runtime/test_parity", "runtime/test_strategies", "runtime/test_predicted",
     "runtime/test_export", "runtime/test_commit", "runtime/test_checkpoint",
@@ -75,8 +76,14 @@ def _shares_a_fixture(item) -> bool:
 MAX_WORKERS = 4
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without it, pytest runs serially
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(_cores(), MAX_WORKERS))
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.hasplugin("xdist"):  # its marker, which the groups above use
+        config.addinivalue_line("markers", "xdist_group(name): run in one pytest-xdist process")
 
 
 def pytest_sessionfinish(session, exitstatus):
