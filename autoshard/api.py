@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import hashlib
 import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -25,6 +26,11 @@ from autoshard.runtime import dist as _dist, export as exporting, optim, record 
 from autoshard.runtime.checkpoint import localize_state_dict
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.spec import param_specs
+
+
+# torch.compile's keyword arguments (``ShardedModule.compile`` passes them on)
+_TORCH_COMPILE_ARGS = frozenset({"fullgraph", "dynamic", "backend", "mode", "options",
+                                 "disable"})
 
 
 class ShardedModule(torch.nn.Module):
@@ -67,6 +73,20 @@ class ShardedModule(torch.nn.Module):
         if key not in st.programs:
             compile_for(self, st, args, kwargs, key, sharded=True)
         return self
+
+    def compile(self, *args, **kwargs):
+        """``torch.nn.Module.compile``: compiles the module's calls with torch.compile's
+        keyword arguments (``sharded.compile(mode=...)``). Example inputs, as 0.3 took them
+        (``sharded.compile(x)``: any positional argument, which torch.compile takes none of,
+        or a keyword it does not take), are ``precompile``'s: they run it and return the
+        model, with a FutureWarning, until 0.5."""
+        if args or set(kwargs) - _TORCH_COMPILE_ARGS:
+            warnings.warn("ShardedModule.compile(*example_inputs) is precompile(*example_inputs) "
+                          "since 0.4 (compile is torch.nn.Module.compile, which takes "
+                          "torch.compile's keyword arguments); running precompile. The old "
+                          "spelling stops working in 0.5.", FutureWarning, stacklevel=2)
+            return self.precompile(*args, **kwargs)
+        return super().compile(**kwargs)
 
     def register_forward_method(self, name: str) -> None:
         """Run the method ``name`` (``encode``, ``get_text_features``: code that reads the

@@ -89,5 +89,18 @@ def test_precompile_captures_now_and_compile_is_torchs():
         assert sharded.precompile(x) is sharded
     assert len(sharded._autoshard.programs) == 1
     assert sharded._compiled_call_impl is None  # not torch.compile'd
-    # compile(*example_inputs) meant precompile until 0.3: compile is nn.Module's alone now
-    assert type(sharded).compile is torch.nn.Module.compile
+
+
+def test_compile_with_example_inputs_is_precompile_with_a_warning():
+    """0.3's spelling, ``sharded.compile(x)``, runs ``precompile(x)`` and says so until 0.5;
+    with torch.compile's keyword arguments alone it is ``torch.nn.Module.compile``."""
+    x = torch.randn(BATCH, 8)
+    _, sharded = eager_and_sharded(Net)
+    with pytest.warns(FutureWarning, match=r"precompile\(\*example_inputs\)"):
+        assert sharded.compile(x) is sharded  # as 0.3's compile and precompile return
+    assert len(sharded._autoshard.programs) == 1  # captured now, as precompile(x) does
+    assert sharded._compiled_call_impl is None  # and not handed to torch.compile
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sharded.compile(backend="eager")  # torch's meaning: no warning
+    assert sharded._compiled_call_impl is not None
