@@ -28,6 +28,7 @@ import collections
 import copy
 import dataclasses
 import json
+import multiprocessing.forkserver
 import os
 import tempfile
 import time
@@ -86,9 +87,13 @@ class CaseResult:
         return "\n".join([head] + [f"  {d}" for d in self.details[:12]])
 
 
-def _rank_entry(rank: int, world: int, spec: dict, tmp: str) -> None:
+def _rank_entry(rank: int, world: int, spec: dict, tmp: str, env: dict) -> None:
     import torch.distributed as dist
 
+    # the caller's environment at this case, as a spawned rank would have it: a rank forked
+    # from the server has the server's, from whenever it started
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("AUTOSHARD_PROGRESS", "0")  # the case's result says what happened
     torch.set_num_threads(1)
@@ -137,8 +142,8 @@ def run_case(spec: dict, *, timeout: float = 300.0) -> CaseResult:
         return CaseResult(spec, "invalid", bad, 0.0)
     world = spec["world"]
     with tempfile.TemporaryDirectory(prefix="autoshard-fuzz-") as tmp:
-        ctx = mp.start_processes(_rank_entry, args=(world, spec, tmp), nprocs=world,
-                                 join=False, start_method=_start_method())
+        ctx = mp.start_processes(_rank_entry, args=(world, spec, tmp, dict(os.environ)),
+                                 nprocs=world, join=False, start_method=_start_method())
         try:
             ref, ref_error = _reference(spec), None
         except Exception:  # noqa: BLE001
@@ -164,14 +169,25 @@ def _start_method() -> str:
     """"forkserver", with autoshard imported in the server: each case's ranks are forked from
     a process that imported the modules and ran nothing, so they start as fresh as spawned
     ones (no case's state, no thread pool) without paying the imports again (seconds per
-    rank on a loaded machine). ``AUTOSHARD_FUZZ_START=spawn`` spawns instead."""
-    import multiprocessing
-
+    rank on a loaded machine). Its modules are added to the process's preload list, which an
+    application may have set (the server is one per process, started by whichever user
+    needs it first). ``AUTOSHARD_FUZZ_START=spawn`` spawns instead."""
     method = os.environ.get("AUTOSHARD_FUZZ_START", "forkserver")
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "autoshard",
-                                                "autoshard.fuzz"])
+        preload = forkserver_preload()
+        multiprocessing.forkserver.set_forkserver_preload(
+            preload + [m for m in FORKSERVER_MODULES if m not in preload])
     return method
+
+
+# what the fuzzer's ranks import before any case: imported once, by the forkserver
+FORKSERVER_MODULES = ("torch", "torch.distributed", "autoshard", "autoshard.fuzz")
+
+
+def forkserver_preload() -> list:
+    """The modules the process's forkserver imports when it starts, as set so far (the
+    standard library keeps the list, and offers only its setter)."""
+    return list(getattr(multiprocessing.forkserver._forkserver, "_preload_modules", []))
 
 
 def _collect(ctx, tmp: str, world: int, deadline: float) -> tuple:
