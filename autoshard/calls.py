@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from autoshard import _compat, carried, compiler, hooks
+from autoshard import _compat, carried, compiler, hooks, writes
 from autoshard._compat import keystr, tree_flatten, tree_flatten_with_path
 from autoshard.capture import flat_inputs, input_names, tracing
 from autoshard.config import Config
@@ -187,6 +187,8 @@ def call(module, st: CallState, args, kwargs):
                   for m, n in prog.captured.lifted]
         user, new_bufs = prog.run(params, buffers, tensors + lifted, replicas, st.pending)
         cap = prog.captured
+        if cap.writes:  # what the forward wrote, as eager leaves it, before the hooks run
+            writes.apply(cap.writes, cap.written(user))
         if not cap.taps:
             break
         try:

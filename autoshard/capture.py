@@ -20,7 +20,7 @@ import torch.fx as fx
 from autoshard._compat import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
                                tree_unflatten)
 
-from autoshard import _compat, carried, guards, hooks, meta, progress
+from autoshard import _compat, carried, guards, hooks, meta, progress, writes
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_closure, fold_alias_pairs, written_inputs
 from autoshard.ops import capture_decompositions
@@ -213,7 +213,8 @@ def _fake_inputs(params: list, buffers: dict, tensors_in: list, lifted, device) 
 
 
 def _new_record() -> dict:
-    return {"taps": [], "tapped": [], "btaps": [], "hgrads": [], "installed": set()}
+    return {"taps": [], "tapped": [], "btaps": [], "hgrads": [], "installed": set(),
+            "writes": [], "written": []}
 
 
 @dataclasses.dataclass
@@ -285,14 +286,21 @@ class _Joint:
                 _track_modules(model, self.stack), _track_checkpoints(),\
                 guards.recording(model) as reads, _traced(), CheckDtypes():
             rec["reads"] = reads
-            out = _cast_floating(self.forward(model, *a, **kw), self.output_dtype)
+            paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+            watch = writes.Watch(writes.owners(model, paths))
+            try:  # what the forward wrote is replayed after each run, never left fake
+                out = _cast_floating(self.forward(model, *a, **kw), self.output_dtype)
+                rec["writes"], rec["written"] = watch.finish(reads, guards.MODULE_INTERNALS)
+            finally:
+                watch.undo()
         _compat.current_meta().pop("nn_module_stack", None)
         return out
 
     def _outputs(self, out, shadows: list) -> tuple:
-        """The forward's tensor outputs: the user's, the taps', then the state the forward
-        left in objects; and how many are the user's. Objects among the outputs become
-        ``StateOut``/``NewState`` leaves."""
+        """The forward's tensor outputs: the user's, those it wrote to the Python world
+        (``autoshard.writes``), the taps', then the state the forward left in objects; and
+        how many are the user's and written (those may be differentiated). Objects among the
+        outputs become ``StateOut``/``NewState`` leaves."""
         rec = self.rec
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
@@ -307,10 +315,10 @@ class _Joint:
             elif carried.is_carried(o):
                 out_leaves[i] = NewState(carried.describe(o, {}, souts))
         rec["n_state"] = len(souts)
-        touts = touts + rec["tapped"] + [t.detach() for t in souts]
+        touts = touts + rec["written"] + rec["tapped"] + [t.detach() for t in souts]
         rec["out_consts"] = [TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
         rec["fwd_last"] = list(_compat.current_trace_graph().nodes)[-1]
-        return touts, n_user
+        return touts, n_user + len(rec["written"])
 
     def _backward(self, touts: list, n_user: int, wrt: list):
         """The gradients of ``wrt`` from the user's differentiable outputs, each given a
@@ -399,6 +407,7 @@ def _captured(joint: _Joint, gm: fx.GraphModule, finputs: list, grad_mode: bool,
     cap.lifted = list(joint.lifted)
     cap.traced_hooks = joint.traced_hooks | frozenset(rec["installed"])
     cap.state_in, cap.n_state = rec["state_in"], rec["n_state"]
+    cap.writes, cap.n_written = rec["writes"], len(rec["written"])
     cap.backward_taps = rec["btaps"] if has_backward else []
     _tag(cap, rec, grads_for)
     if fold_alias_pairs(cap.gm.graph):  # autograd's t(t(w)) and detach(detach(x))

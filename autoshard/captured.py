@@ -47,6 +47,11 @@ class Captured:
     # tensor outputs of the forward
     state_in: list = dataclasses.field(default_factory=list)
     n_state: int = 0
+    # what the forward wrote to modules and the objects they hold (autoshard.writes.Write),
+    # replayed after each run; the tensors written are the ``n_written`` tensor outputs
+    # after the user's (``written``)
+    writes: list = dataclasses.field(default_factory=list)
+    n_written: int = 0
     # module calls whose backward hooks run after the backward graph (hooks.BackwardTap),
     # fed by its hook-gradient outputs
     backward_taps: list = dataclasses.field(default_factory=list)
@@ -55,6 +60,11 @@ class Captured:
     # and not only their arguments: the CPU LSTM/GRU kernel (oneDNN's) returns the workspace
     # its backward needs only with grad on. So the forward graph runs in this mode.
     grad_enabled: bool = False
+
+    def written(self, outputs: list) -> list:
+        """The tensors the forward wrote (``writes``) among a run's forward outputs."""
+        start = sum(c is TENSOR for c in self.out_consts)
+        return outputs[start:start + self.n_written]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,13 +42,17 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torc
 _IDENTITY = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
              type, torch.nn.Module)
 # nn.Module's own bookkeeping: the tree and hook guards cover these
-_MODULE_INTERNALS = frozenset({
+MODULE_INTERNALS = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
     "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
     "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks", "_autoshard", "__dict__", "__class__"})
 _CONTAINER_LIMIT = 16
+# the methods that change a list, dict or set in place (autoshard.writes refuses that)
+_MUTATORS = frozenset({"append", "extend", "insert", "pop", "remove", "clear", "sort",
+                       "reverse", "update", "setdefault", "popitem", "add", "discard",
+                       "__setitem__", "__delitem__", "__iadd__"})
 
 
 _EXACT = frozenset({type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device})
@@ -266,6 +270,13 @@ class _Reads:
         self.closures: set = set()  # codes with free variables
         self.refused: list = []  # (call, where)
         self.printed: list = []  # where print ran
+        # what the forward wrote (autoshard.writes): (id(object), name) -> where, for
+        # attributes it set; id(container) -> where, for a container the user's code changed
+        # in place; the attributes torch's own code set (reparametrizing, RNN weight lists)
+        self.written: dict = {}
+        self.mutated: dict = {}
+        self.internal: set = set()
+        self._torch: dict = {}  # code -> whether it is torch's
         self.unseen = False  # another profiler was running: the code run went unseen
         self._user: dict = {}  # code -> bool
         self._bad = _nondeterministic()
@@ -286,6 +297,12 @@ class _Reads:
 
     def user(self, code) -> bool:
         return self.kind(code) == 1
+
+    def torch_code(self, code) -> bool:
+        known = self._torch.get(code)
+        if known is None:
+            known = self._torch[code] = os.path.realpath(code.co_filename).startswith(_TORCH)
+        return known
 
     def profile(self, frame, event, arg):
         if event == "call":
@@ -310,6 +327,10 @@ class _Reads:
                 self.refused.append((bad, _where(frame)))
             elif arg is print:
                 self.printed.append(_where(frame))
+            elif getattr(arg, "__name__", None) in _MUTATORS:  # lst.append(x): whose list?
+                owner = getattr(arg, "__self__", None)
+                if type(owner) in (list, dict, set):
+                    self.mutated.setdefault(id(owner), _where(frame))
 
 
 def _draws(frame) -> bool:
@@ -336,9 +357,20 @@ _active: list = []  # the _Reads of the trace in progress
 
 def _reading_getattribute(self, name, _get=object.__getattribute__):
     value = _get(self, name)
-    if _active and name not in _MODULE_INTERNALS and name in _get(self, "__dict__"):
+    if _active and name not in MODULE_INTERNALS and name in _get(self, "__dict__") and \
+            (id(self), name) not in _active[-1].written:  # not what this forward wrote
         _active[-1].attrs[(id(self), name)] = self
     return value
+
+
+def _writing_setattr(self, name, value):
+    if _active and name not in MODULE_INTERNALS:
+        reads, caller = _active[-1], sys._getframe(1)
+        if reads.torch_code(caller.f_code):  # torch's own bookkeeping is not the forward's
+            reads.internal.add((id(self), name))
+        else:
+            reads.written.setdefault((id(self), name), _where(caller))
+    user_class(self).__setattr__(self, name, value)
 
 
 def _recorder(cls: type) -> type:
@@ -346,6 +378,7 @@ def _recorder(cls: type) -> type:
     sub = _recorders.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {"__getattribute__": _reading_getattribute,
+                                          "__setattr__": _writing_setattr,
                                           "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__,
                                           "_autoshard_recorder": True})
