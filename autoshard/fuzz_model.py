@@ -179,6 +179,9 @@ class FuzzNet(nn.Module):
         # a plain attribute forward reads and a loop may change on one rank only (as a
         # Trainer's save writes the model's config on rank 0): loop "rank_local"
         self.notes: list = []
+        # model "writes": forward sets an auxiliary loss the loop adds (as MoE load-balancing
+        # losses are read) and a detached hidden state (autoshard.writes)
+        self.writes = bool(model.get("writes"))
 
     def forward(self, x):
         h = self.emb(x)
@@ -186,6 +189,9 @@ class FuzzNet(nn.Module):
             h = -h
         for block in self.blocks:
             h = block(h)
+        if self.writes:
+            self.aux_loss = h.float().pow(2).mean()
+            self.last_hidden = h.detach()
         return self.head(h)
 
 

@@ -102,6 +102,8 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
     # drawn last, so that the draws above make for each seed what they made before it
     loop["rank_local"] = {"at": rng.randrange(steps)} if (
         world > 1 and factory is None and rng.random() < 0.3) else None
+    if factory is None and rng.random() < 0.3:  # the forward writes tensors to itself
+        model["writes"] = True
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -183,6 +185,8 @@ def features(spec: dict) -> list:
     else:
         out.append(f"head={model['head']}")
         out += [f"block={k}" for k in sorted({b["kind"] for b in model["blocks"]})]
+        if model.get("writes"):
+            out.append("model=writes")
     for part, defaults in (("loop", LOOP_DEFAULTS), ("config", CONFIG_DEFAULTS)):
         for key, default in defaults.items():
             value = spec[part].get(key, default)  # a spec older than the feature: default

@@ -69,6 +69,18 @@ def loss_of(out, targets) -> torch.Tensor:
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), targets.reshape(-1))
 
 
+def with_written(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` plus the auxiliary loss a model "writes" forward set on itself; what it set
+    must be real tensors, never the fake ones of a capture."""
+    aux = getattr(model, "aux_loss", None)
+    if aux is None:
+        return loss
+    for t in (aux, model.last_hidden):
+        if type(t) is not torch.Tensor:
+            raise AssertionError(f"forward's write left a {type(t).__name__} in the model")
+    return loss + 0.1 * aux
+
+
 def _float_leaves(out) -> list:
     return [t for t in tree_leaves(out)
             if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -183,7 +195,7 @@ class ShardedRun:
             self.model.set_requires_gradient_sync(sync)
         inputs, targets = self._batch(step, micro)
         with _autocast(self.spec["loop"]):
-            loss = loss_of(self.model(*inputs), targets)
+            loss = with_written(self.model, loss_of(self.model(*inputs), targets))
         loss.backward()
         self.records.append(("loss", step, micro, loss.item()))
 
@@ -299,7 +311,7 @@ class ReferenceRun:
         total, values = 0.0, []
         for rank, (inputs, targets) in enumerate(self._batches(step, micro)):
             with _autocast(self.spec["loop"]):
-                loss = loss_of(self._forward(rank, inputs), targets)
+                loss = with_written(self.model, loss_of(self._forward(rank, inputs), targets))
             values.append(loss.item())
             total = total + loss
         (total / self.divide).backward()

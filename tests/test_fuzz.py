@@ -76,8 +76,9 @@ def test_the_sample_covers_every_feature():
                    "accumulate=2", "sync=first_and_last", "warmup=eval", "optimizer=sgd",
                    "optimizer=in_backward", "precision=autocast_bf16", "clip=0.5",
                    "param_groups=True", "zero_grad=zeros", "eval=no_grad", "hook=modify",
-                   "seq=changes", "checkpoint=on", "strategy=zero1", "strategy=ddp",
-                   "strategy=zero2", "mp=bf16", "offload=cpu", "reshard_after_forward=2",
+                   "seq=changes", "checkpoint=on", "model=writes", "strategy=zero1",
+                   "strategy=ddp", "strategy=zero2", "mp=bf16", "offload=cpu",
+                   "reshard_after_forward=2",
                    "recompute=blocks", "bucket=True", "prefetch=1",
                    "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
                    "rank_local=on"):
