@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import importlib
 import operator
+import warnings
 
 import torch
+import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
@@ -77,8 +81,6 @@ def __getattr__(name: str):
     ``GraphLowering``) imports inductor only then: it takes seconds to import."""
     if name not in _INDUCTOR:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
     module, attr = _INDUCTOR[name]
     found = importlib.import_module(module)
     return found if attr is None else getattr(found, attr)
@@ -139,8 +141,6 @@ def transparent_checkpoint(enter, leave):
     also covers partials of it (Hugging Face's gradient checkpointing) and
     ``checkpoint_wrapper``. On a torch that names no known implementation it warns: a model
     without checkpointing still captures, a checkpointed region would run torch's own."""
-    import warnings
-
     import torch.utils.checkpoint as ckpt
 
     names = checkpoint_implementations()
@@ -185,9 +185,21 @@ def transparent_checkpoint(enter, leave):
 def backward_keeps_graph() -> bool:
     """Inside an autograd.Function's backward: whether this backward call retains the graph
     (``retain_graph=True``), so saved tensors must survive it."""
-    import torch
-
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def engine_accumulates(node):
+    """In a backward, whether the engine runs a leaf's AccumulateGrad ``node``: True, False
+    (backward(inputs=...) not naming it), None (autograd.grad, which runs none)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "... we are currently running autograd.grad()"
+        return None
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap) runs around this call."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def autocast_state(device_type: str) -> tuple:
@@ -195,8 +207,6 @@ def autocast_state(device_type: str) -> tuple:
     the CPU: capture records its casts, so a program is valid only under the state it was
     traced in. Named by role ("device", "host"), not by device type, so that a program
     exported on one device type is found again when loaded on another."""
-    import torch
-
     def one(t):
         on = torch.is_autocast_enabled(t)
         return on, torch.get_autocast_dtype(t) if on else None
@@ -323,8 +333,6 @@ def graph_module(root, graph):
     """``fx.GraphModule(root, graph)`` that writes its Python code only when first called.
     Passes rewrite graphs of tens of thousands of nodes many times, and a plan never runs
     them: generating the code after each rewrite cost a third of planning a 96-layer model."""
-    import torch.fx as fx
-
     try:
         from torch.fx._lazy_graph_module import _LazyGraphModule
     except ImportError:  # older torch: code is generated on every recompile
@@ -432,8 +440,6 @@ def fake_run(fake_mode, func, args, kwargs):
     of this mode, tensors on several devices or none, a device given, a symbolic size, an op
     the fake mode has a rule for (constructors, data-dependent outputs; its rules for views
     serve symbolic sizes), or an error."""
-    import torch
-
     try:
         from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
@@ -488,8 +494,6 @@ def node_copy(graph, node, arg_transform, meta=None):
     table by (op, target), which neither arguments nor meta change: the planner spent half
     its time at GPT-175B in these. So the node is created bare and given its arguments and
     meta directly."""
-    import copy
-
     from torch.fx.node import map_arg
 
     args = map_arg(node.args, arg_transform)

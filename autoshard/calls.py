@@ -159,6 +159,13 @@ def refuse_accelerate_autocast() -> None:
 def call(module, st: CallState, args, kwargs):
     """One call of an entry (a sharded model's forward, a submodule called directly, a
     registered method): its program for these inputs, run on the current parameters."""
+    if _compat.functorch_active():
+        raise AutoshardError(
+            "a torch.func transform (grad, vjp, jvp, vmap, functional per-sample gradients) "
+            f"around a call of {user_class_name(module)}, sharded by autoshard: its step is a "
+            "captured graph of gathers and reductions that the transforms cannot see "
+            "through. Call the model under plain autograd (loss.backward(), "
+            "torch.autograd.grad), or apply the transform to an unsharded model.")
     if st.exported is not None and st.exported.inference and torch.is_grad_enabled():
         with torch.no_grad():  # an inference load holds forward-only programs
             return call(module, st, args, kwargs)

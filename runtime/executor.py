@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -121,8 +122,11 @@ class Program:
         it."""
         fed = self.feed(params, replicas or {})
         if self.bwd is not None and torch.is_grad_enabled():
-            outs = _Step.apply(self, params, pending, len(buffers), self.anchor(), *fed,
-                               *buffers, *inputs)
+            # the parameters are the step's inputs in autograd's graph too (when it reduces
+            # their gradients), so that backward(inputs=...) and autograd.grad see them
+            edges = params if self.plan.grad_sync else ()
+            outs = _Step.apply(self, params, pending, len(buffers), self.anchor(), len(edges),
+                               *edges, *fed, *buffers, *inputs)
         else:
             with self.forward_mode():
                 outs = self.call(self.fwd, *_detached(fed), *_detached(buffers),
@@ -403,10 +407,34 @@ def _accumulate(param, grad_local: torch.Tensor) -> None:
         _compat.local_tensor(param.grad).add_(grad_local)
 
 
+_WARNED_REDUCED = []
+
+
+def _returned(param, local: torch.Tensor, world_size: int):
+    """A parameter's gradient as ``torch.autograd.grad`` returns it: the sharded DTensor
+    ``.grad`` would hold (reduced over the data-parallel ranks as backward() reduces it)."""
+    if world_size > 1 and not _WARNED_REDUCED:
+        _WARNED_REDUCED.append(True)
+        warnings.warn(
+            "torch.autograd.grad with respect to parameters sharded by autoshard returns "
+            "their gradients as .grad would hold them: sharded DTensors, reduced over the "
+            "data-parallel ranks as backward() reduces them (the mean of every rank's loss's "
+            "gradient), not this rank's own loss's alone (docs/api.md).", stacklevel=3)
+    return _compat.dtensor_like(param, local)
+
+
 class _Step(torch.autograd.Function):
+    """The step in autograd's graph. Its inputs: the anchor (every output depends on it),
+    the ``n_edges`` DTensor parameters whose gradients a synchronised backward reduces (their
+    gradient edges: which of them the engine accumulates decides what the backward hands
+    them), then the graph's flat inputs."""
+
     @staticmethod
-    def forward(ctx, program: Program, params: list, pending, n_buffers: int, anchor, *flat):
+    def forward(ctx, program: Program, params: list, pending, n_buffers: int, anchor,
+                n_edges: int, *rest):
         n_p = len(program.fqns)
+        ctx.n_edges = n_edges
+        flat = rest[n_edges:]
         with program.forward_mode():
             res = program.call(program.fwd, *_detached(flat))
         n_out = program.n_user + len(program.mutated)
@@ -425,6 +453,20 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         program = ctx.program
+        if torch.is_grad_enabled():  # create_graph=True: before anything is taken
+            raise AutoshardError(
+                "backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
+                "a gradient penalty, a Hessian-vector product) through a model sharded by "
+                "autoshard: its backward is a captured graph, and autoshard does not build "
+                "that graph's own gradient, so the penalty would add nothing to the "
+                "parameters' gradients. Compute such a penalty on an unsharded model (or its "
+                "full_state_dict() in a copy); backward(), autograd.grad without "
+                "create_graph and backward(inputs=...) work as in eager.")
+        # per parameter edge: True, the engine accumulates it (backward(), or
+        # backward(inputs=...) naming it); False, backward(inputs=...) not naming it (its
+        # .grad is left as eager leaves it); None, autograd.grad (it takes what is returned)
+        accumulates = [_compat.engine_accumulates(node)
+                       for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
         given = {k for k, i in enumerate(program.diff) if grads[i] is not None}
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
@@ -438,7 +480,7 @@ class _Step(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
         with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
             res = program.call(program.backward_graph(), args)
-        input_grads = [None] * ctx.n_inputs
+        input_grads, edge_grads = [None] * ctx.n_inputs, [None] * ctx.n_edges
         if program.captured.backward_taps:
             program.run_backward_hooks(res, given)
         for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
@@ -452,12 +494,12 @@ class _Step(torch.autograd.Function):
                     pending[f] = g.clone()
             elif kind == "param":
                 rows = program.local_rows[i]
-                param = ctx.params[i]
-                _accumulate(param, g if rows is None or rows == g.shape[0] else g[:rows])
-                # FSDP2's rule: once per backward, on the sharded gradient just accumulated
-                for hook in tuple(getattr(param, "_post_accumulate_grad_hooks", None) or ()):
-                    param._post_accumulate_grad_hooks[hook](param)
+                param, local = ctx.params[i], g if rows is None or rows == g.shape[0] else g[:rows]
+                if accumulates[i]:  # the engine then runs its post-accumulate-grad hooks
+                    _accumulate(param, local)
+                elif accumulates[i] is None:
+                    edge_grads[i] = _returned(param, local, program.world_size)
             else:
                 input_grads[i] = g
-        return (None, None, None, None, None, *([None] * (ctx.n_flat - ctx.n_inputs)),
-                *input_grads)
+        return (None, None, None, None, None, None, *edge_grads,
+                *([None] * (ctx.n_flat - ctx.n_inputs)), *input_grads)

@@ -1,0 +1,120 @@
+"""The autograd API beyond ``loss.backward()`` through a sharded model, against eager:
+``backward(inputs=...)`` fills exactly the gradients named, reduced as ``.grad`` always is;
+``torch.autograd.grad`` with respect to the parameters returns the sharded gradients
+``.grad`` would hold (reduced over the ranks, said once by a warning) and touches no
+``.grad``, with respect to inputs it touches no parameter's ``.grad`` either, as in eager;
+``create_graph=True`` and torch.func transforms are refused at the call, naming them, and
+the model trains on afterwards. Tolerance: 1e-6 absolute (float32, the same graph)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoshard import AutoshardError, autoshard
+from harness import run_ranks
+
+ATOL = 1e-6
+
+
+def _build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(world):
+    return torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _eager(world):
+    """Per case, eager's gradients of the ranks' mean loss (what data parallelism reduces)."""
+    model, x = _build(), _batch(world)
+    loss = lambda: sum(model(s).square().sum() for s in x.chunk(world)) / world  # noqa: E731
+    first = list(model[0].parameters())
+    loss().backward(inputs=first)
+    out = {"inputs": [p.grad.clone() for p in first],
+           "untouched": [p.grad for p in model[2].parameters()]}
+    model.zero_grad(set_to_none=True)
+    out["grad"] = torch.autograd.grad(loss(), list(model.parameters()))
+    xs = x.clone().requires_grad_()
+    out["input"] = torch.autograd.grad(sum(model(s).sum() for s in xs.chunk(world)), xs)[0]
+    loss().backward()
+    out["after"] = [p.grad.clone() for p in model.parameters()]
+    return out
+
+
+def _sharded(rank, world, _):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 says so
+        model = autoshard(_build())
+    x = _batch(world).chunk(world)[rank]
+    full = lambda g: None if g is None else g.full_tensor()  # noqa: E731
+    first = list(model[0].parameters())
+    model(x).square().sum().backward(inputs=first)
+    out = {"inputs": [full(p.grad) for p in first],
+           "untouched": [p.grad for p in model[2].parameters()]}
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        grads = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    out["grad"] = [full(g) for g in grads]
+    out["grad_types"] = [type(g).__name__ for g in grads]
+    out["warned"] = [str(w.message) for w in seen if "reduced over" in str(w.message)]
+    out["grad_left"] = [p.grad for p in model.parameters()]
+    xs = x.clone().requires_grad_()
+    out["input"] = torch.autograd.grad(model(xs).sum(), xs)[0]
+    out["input_left"] = [p.grad for p in model.parameters()]
+    refused = []
+    try:
+        torch.autograd.grad(model(xs).sum(), xs, create_graph=True)
+    except AutoshardError as e:
+        refused.append(str(e))
+    for transform in (lambda: torch.func.vmap(lambda r: model(r[None]).sum())(x),
+                      lambda: torch.func.jvp(model, (x,), (torch.ones_like(x),)),
+                      lambda: torch.func.vjp(model, x)):
+        try:
+            transform()
+        except AutoshardError as e:
+            refused.append(str(e))
+    out["refused"] = refused
+    model(x).square().sum().backward()  # and it trains on as before
+    out["after"] = [full(p.grad) for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_autograd_api_through_a_sharded_model(world):
+    ref = _eager(world)
+    for rank, got in enumerate(run_ranks(world, _sharded)):
+        for a, b in zip(got["inputs"], ref["inputs"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+        assert got["untouched"] == [None, None] == ref["untouched"]
+        assert got["grad_types"] == ["DTensor"] * 4
+        for a, b in zip(got["grad"], ref["grad"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+        assert len(got["warned"]) == (1 if world > 1 else 0)
+        assert got["grad_left"] == [None] * 4  # autograd.grad accumulates nothing
+        torch.testing.assert_close(got["input"], ref["input"].chunk(world)[rank], rtol=0,
+                                   atol=ATOL)
+        assert got["input_left"] == [None] * 4  # as eager: no parameter's .grad
+        assert len(got["refused"]) == 4
+        assert "create_graph=True" in got["refused"][0]
+        assert all("torch.func" in m for m in got["refused"][1:])
+        for a, b in zip(got["after"], ref["after"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+def test_post_accumulate_grad_hooks_run_once_per_backward():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = autoshard(_build())
+    calls = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, n=name: calls.append((n, t.grad is None)))
+    x = _batch(1)
+    model(x).sum().backward()
+    assert sorted(calls) == sorted((n, False) for n, _ in model.named_parameters())
+    calls.clear()
+    model(x).sum().backward(inputs=list(model[2].parameters()))
+    assert sorted(n for n, _ in calls) == ["2.bias", "2.weight"]
