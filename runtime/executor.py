@@ -467,6 +467,12 @@ class _Step(torch.autograd.Function):
         # .grad is left as eager leaves it); None, autograd.grad (it takes what is returned)
         accumulates = [_compat.engine_accumulates(node)
                        for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
+        # without gradient sync the parameters are no edges (their hooks run at the synced
+        # backward only, as FSDP2's): the anchor says whether this is a plain backward, which
+        # keeps their gradients for the synced one, or one restricted to inputs (those of
+        # autograd.grad or backward(inputs=...)), which keeps none, as eager
+        keeps = program.plan.grad_sync or \
+            _compat.engine_accumulates(ctx.next_functions[0][0]) is True
         given = {k for k, i in enumerate(program.diff) if grads[i] is not None}
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
@@ -487,6 +493,8 @@ class _Step(torch.autograd.Function):
             if not deps & given or kind == "hook":
                 continue  # it reads only outputs that got no gradient: None, as in eager
             if kind == "param" and not program.plan.grad_sync:  # full, local: kept
+                if not keeps:
+                    continue  # autograd.grad (of inputs): no parameter's gradient, as eager
                 f = program.fqns[i]
                 if f in pending:
                     pending[f].add_(g)

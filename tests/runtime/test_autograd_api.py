@@ -118,3 +118,20 @@ def test_post_accumulate_grad_hooks_run_once_per_backward():
     calls.clear()
     model(x).sum().backward(inputs=list(model[2].parameters()))
     assert sorted(n for n, _ in calls) == ["2.bias", "2.weight"]
+
+
+def test_without_gradient_sync_an_input_s_gradient_keeps_no_parameter_s():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, ref = autoshard(_build()), _build()
+    x = _batch(1)
+    with model.no_sync():
+        xs = x.clone().requires_grad_()
+        torch.autograd.grad(model(xs).sum(), xs)
+        assert not model._autoshard.pending  # autograd.grad: nothing kept, as eager
+        model(x).sum().backward()
+    model(x).sum().backward()  # the synced backward adds what the plain one kept
+    for _ in range(2):
+        ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=ATOL)
