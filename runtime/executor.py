@@ -55,6 +55,10 @@ class Program:
             # the backward takes its inputs boxed: saved activations die at their last use
             self.bwd = _compat.boxed(bwd) if bwd is not None else None
         self._bwd_retained = None
+        # what a synchronised backward adds when nothing is pending for a parameter: a second
+        # backward of the micro-batch (two forwards) after the first took what was pending
+        accs = [n for n in split.bwd.graph.nodes if meta.is_grad_acc(n)] if split.bwd else []
+        self.acc_like = {meta.tag(n, meta.FQN): n.meta["val"] for n in accs}
         # forward ops the backward recomputes ran, when traced, in the forward's grad mode,
         # and torch.utils.checkpoint recomputes them in it too: a backward holding any runs
         # in that mode (the backward's own ops read none, given inputs that require no grad)
@@ -112,6 +116,12 @@ class Program:
         for i in self.padded_slots:
             fed[i] = self.pad(i, fed[i])
         return fed
+
+    def acc_zeros(self, fqn: str) -> torch.Tensor:
+        """Nothing pending for ``fqn``: the forward saw gradients pending that an earlier
+        backward of its micro-batch (a second forward's, or ``retain_graph=True``'s) took."""
+        like = self.acc_like[fqn]
+        return torch.zeros(like.shape, dtype=like.dtype, device=like.device)
 
     def run(self, params: list, buffers: list, inputs: list, replicas=None, pending=None):
         """Run the step on ``params`` (DTensor parameters, in capture order; ``replicas``:
@@ -480,7 +490,8 @@ class _Step(torch.autograd.Function):
         if program.agreement is not None:  # before anything is taken: a refusal keeps it all
             program.agreement(f"step {ctx.step}: backward")
         pending = ctx.pending
-        accs = [pending.pop(f) for f in program.split.acc_fqns]
+        accs = [pending.pop(f) if f in pending else program.acc_zeros(f)
+                for f in program.split.acc_fqns]
         args = [*ctx.saved_tensors, *tangents, *accs]
         del accs
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest

@@ -1,0 +1,129 @@
+"""Loops and models a differential fuzzer once crashed on, each trained sharded against eager
+at world sizes 1 and 2 (gloo): losses, parameters and buffers within 1e-5 (the parity
+suite's tolerance), or refused with an AutoshardError naming the cause.
+
+- accumulation: a micro-batch without gradient sync, then a synchronised one that runs two
+  forwards (or two ``retain_graph=True`` backwards) before its backward: the first backward
+  took the pending gradients, the second found none (a KeyError).
+
+The eager reference runs in the same process: each rank's share of the batch in turn, its
+loss divided by the world size, so that the summed gradients are the ranks' mean.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoshard import Config, autoshard
+from harness import run_ranks
+
+TOL = 1e-5
+ROWS, DIM, STEPS, LR = 4, 6, 3, 0.1  # ROWS: rows of the batch per rank and micro-batch
+
+
+def _linear():
+    return nn.Linear(DIM, DIM)
+
+
+def _two_forwards(model, x, sync):
+    """A synchronised micro-batch's two forwards, backward once."""
+    (model(x).pow(2).mean() + model(2 * x).mean()).backward()
+
+
+def _two_backwards(model, x, sync):
+    """A synchronised micro-batch's loss, backward twice (``retain_graph=True``)."""
+    loss = model(x).pow(2).mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
+# name -> (build, Config kwargs, micro-batches per step, what the last one runs)
+CASES = {
+    "accumulate_two_forwards": (_linear, {}, 2, _two_forwards),
+    "accumulate_two_backwards": (_linear, {}, 2, _two_backwards),
+}
+
+
+def _plain(model, x, sync):
+    model(x).pow(2).mean().backward()
+
+
+def _loop(model, rank, world, case, *, eager):
+    _, _, k, last = CASES[case]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    shares = range(world) if eager else [rank]
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        data = torch.randn(k, world, ROWS, DIM, generator=gen)
+        for micro in range(k):
+            sync = micro == k - 1
+            if not eager and k > 1:
+                model.set_requires_gradient_sync(sync)
+            run = last if sync else _plain
+            for r in shares:
+                if eager:  # each rank's loss divided by the world size
+                    with _scaled(model, 1.0 / world):
+                        run(model, data[micro, r], sync)
+                else:
+                    run(model, data[micro, r], sync)
+        opt.step()
+        opt.zero_grad()
+
+
+class _scaled:
+    """Within it, every gradient ``model``'s output sends back is scaled by ``factor``."""
+
+    def __init__(self, model, factor):
+        self.model, self.factor = model, factor
+
+    def __enter__(self):
+        self.handle = self.model.register_forward_hook(
+            lambda m, i, out: out * self.factor + out.detach() * (1 - self.factor))
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _state(model):
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = v.detach().clone()
+    return out
+
+
+def worker(rank, world, cases):
+    results = {}
+    for case in cases:
+        build, config, _, _ = CASES[case]
+        torch.manual_seed(0)
+        ref = build()
+        model = copy.deepcopy(ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # world size 1 says so
+            sharded = autoshard(model, config=Config(**config))
+        try:
+            _loop(sharded, rank, world, case, eager=False)
+        except Exception as e:  # noqa: BLE001 - the test names what escaped
+            results[case] = f"{type(e).__name__}: {e}"
+            continue
+        _loop(ref, rank, world, case, eager=True)
+        got, want = _state(sharded), _state(ref)
+        results[case] = max((got[k].float() - want[k].float()).abs().max().item()
+                            for k in want)
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda w: f"world{w}")
+def results(request):
+    return run_ranks(request.param, worker, list(CASES))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trains_as_eager(results, case):
+    for r in results:
+        assert not isinstance(r[case], str), r[case]
+        assert r[case] <= TOL, f"{case}: max |Δ| over parameters and buffers {r[case]:.3g}"
