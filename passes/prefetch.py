@@ -38,6 +38,18 @@ def _wait_of(issue: fx.Node) -> fx.Node:
     return next(u for u in issue.users if meta.is_wait(u))
 
 
+def prefetched(issue: fx.Node) -> bool:
+    """Whether ``issue`` (an all-gather) was moved ahead of its wait: compute runs between
+    them. One that was not is where ``insert_collectives`` put it, before its first reader;
+    the byte bound does not move it, so a unit larger than the bound is gathered alone."""
+    n, wait = issue.next, _wait_of(issue)
+    while n is not wait:
+        if not meta.is_comm(n):
+            return True
+        n = n.next
+    return False
+
+
 def gathered_spans(gm: fx.GraphModule, region: str) -> list:
     """Per all-gather of ``region``, in order: (issue node, bytes, position where the last of
     its gathered storages is freed)."""
@@ -62,8 +74,9 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *,
 
     Needs: the tags insert_collectives writes; ``ctx.profile`` for compute times.
     Options: ``max_inflight_bytes`` — bound on the gathered bytes of units whose all-gather is
-    issued and whose gathered parameters are not yet all freed (default: no bound beyond
-    ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2);
+    issued and whose gathered parameters are not yet all freed, at each gather moved ahead
+    (one left where it is read may exceed it: a unit larger than the bound, or the units one
+    node reads; default: no bound beyond ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2);
     ``max_copy_bytes`` — bound on the offloaded activations copied back and not yet read
     (``_prefetch_copies``; default: none but the compute that covers each copy).
     Guarantees: the same nodes in an order every rank computes alike; every wait still

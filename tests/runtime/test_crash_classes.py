@@ -5,6 +5,8 @@ suite's tolerance), or refused with an AutoshardError naming the cause.
 - accumulation: a micro-batch without gradient sync, then a synchronised one that runs two
   forwards (or two ``retain_graph=True`` backwards) before its backward: the first backward
   took the pending gradients, the second found none (a KeyError).
+- a prefetch byte bound below one unit's gathered bytes, verified: a gather left where it is
+  read (a unit larger than the bound, gathered alone) failed the verifier's bound.
 
 The eager reference runs in the same process: each rank's share of the batch in turn, its
 loss divided by the world size, so that the summed gradients are the ranks' mean.
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import Config, autoshard
+from autoshard.options import Module, Prefetch
 from harness import run_ranks
 
 TOL = 1e-5
@@ -40,15 +43,25 @@ def _two_backwards(model, x, sync):
     loss.backward()
 
 
-# name -> (build, Config kwargs, micro-batches per step, what the last one runs)
-CASES = {
-    "accumulate_two_forwards": (_linear, {}, 2, _two_forwards),
-    "accumulate_two_backwards": (_linear, {}, 2, _two_backwards),
-}
+def _mlp():
+    return nn.Sequential(nn.Linear(DIM, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, DIM))
 
 
 def _plain(model, x, sync):
     model(x).pow(2).mean().backward()
+
+
+_BOUND = {"prefetch": Prefetch(bytes="1KB"), "verify": True}  # each unit > 1 KB
+
+# name -> (build, Config kwargs, micro-batches per step, what the last one runs)
+CASES = {
+    "accumulate_two_forwards": (_linear, {}, 2, _two_forwards),
+    "accumulate_two_backwards": (_linear, {}, 2, _two_backwards),
+    "prefetch_bound_below_a_unit": (_mlp, _BOUND, 1, _plain),
+    "prefetch_bound_below_a_unit_module": (
+        _mlp, {**_BOUND, "policy": Module(classes=[nn.Linear])}, 1, _plain),
+}
 
 
 def _loop(model, rank, world, case, *, eager):
