@@ -38,7 +38,7 @@ def read_schedule(graphs) -> list:
         serves = _served(gm, where)
         prev = None
         for n in gm.graph.nodes:
-            kind = meta.tag(n, meta.COMM)
+            kind = _comm(n)
             if kind in _SHOWN:
                 if kind == meta.FREE:
                     size = sum(meta.val_bytes(t) for t in n.args[0])
@@ -61,6 +61,13 @@ def read_schedule(graphs) -> list:
             elif _is_compute(n):
                 prev = n
     return entries
+
+
+def _comm(n) -> Optional[str]:
+    """``n``'s communication kind, None for a placeholder: a backward input saved from the
+    forward keeps its maker's tags (a kept unit's gathered parameter, a wait's output) but
+    runs nothing."""
+    return None if n.op == "placeholder" else meta.tag(n, meta.COMM)
 
 
 def _is_compute(n) -> bool:
@@ -103,7 +110,7 @@ def _served(gm, where: dict) -> dict:
                     readers.setdefault(meta.tag(a, meta.UNIT), []).append(pos[n])
     out = {}
     for n in nodes:
-        kind = meta.tag(n, meta.COMM)
+        kind = _comm(n)
         if kind == meta.AG_WAIT:
             after = [p for p in readers.get(meta.tag(n, meta.UNIT), ()) if p > pos[n]]
             if after:
@@ -113,7 +120,7 @@ def _served(gm, where: dict) -> dict:
             if made:
                 out[n] = where[max(made, key=pos.__getitem__)]
     for n in nodes:  # an issue serves what its wait does, and the other way round
-        if meta.is_wait(n) and isinstance(n.args[0], fx.Node):
+        if _comm(n) in meta.WAITS and isinstance(n.args[0], fx.Node):
             issue = n.args[0]
             if issue in out or n in out:
                 out[issue] = out[n] = out.get(issue, out.get(n))

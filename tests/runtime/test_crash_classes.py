@@ -7,6 +7,8 @@ suite's tolerance), or refused with an AutoshardError naming the cause.
   took the pending gradients, the second found none (a KeyError).
 - a prefetch byte bound below one unit's gathered bytes, verified: a gather left where it is
   read (a unit larger than the bound, gathered alone) failed the verifier's bound.
+- ZeRO-2 with ``Module(classes=[...])``: the plan's schedule read a backward input saved from
+  a forward all-gather's wait as a wait (an IndexError).
 
 The eager reference runs in the same process: each rank's share of the batch in turn, its
 loss divided by the world size, so that the summed gradients are the ranks' mean.
@@ -52,6 +54,10 @@ def _plain(model, x, sync):
     model(x).pow(2).mean().backward()
 
 
+def _normed():
+    return nn.Sequential(nn.Linear(DIM, 16), nn.RMSNorm(16), nn.Linear(16, DIM))
+
+
 _BOUND = {"prefetch": Prefetch(bytes="1KB"), "verify": True}  # each unit > 1 KB
 
 # name -> (build, Config kwargs, micro-batches per step, what the last one runs)
@@ -61,6 +67,8 @@ CASES = {
     "prefetch_bound_below_a_unit": (_mlp, _BOUND, 1, _plain),
     "prefetch_bound_below_a_unit_module": (
         _mlp, {**_BOUND, "policy": Module(classes=[nn.Linear])}, 1, _plain),
+    "zero2_module_policy": (
+        _normed, {"strategy": "zero2", "policy": Module(classes=[nn.RMSNorm])}, 1, _plain),
 }
 
 
