@@ -65,7 +65,9 @@ def _gather_replicas(replicas: dict, prog, params, idx, dtype, group) -> None:
     cast to ``dtype``, into their replicas."""
     funcol = torch.ops._c10d_functional
     specs = prog.captured.params
-    with torch.no_grad():
+    # never an inference tensor (gathered within torch.inference_mode): the next training
+    # step reuses the replica and saves it for backward
+    with torch.inference_mode(False), torch.no_grad():
         flat = torch.cat([prog.pad(i, _compat.local_tensor(params[i])).reshape(-1).to(dtype)
                           for i in idx])
         n = specs[idx[0]].shards

@@ -9,6 +9,8 @@ suite's tolerance), or refused with an AutoshardError naming the cause.
   read (a unit larger than the bound, gathered alone) failed the verifier's bound.
 - ZeRO-2 with ``Module(classes=[...])``: the plan's schedule read a backward input saved from
   a forward all-gather's wait as a wait (an IndexError).
+- ZeRO-1 and an evaluation under ``torch.inference_mode()`` after a step: the replicas it
+  gathered were inference tensors, which the next training step could not save for backward.
 
 The eager reference runs in the same process: each rank's share of the batch in turn, its
 loss divided by the world size, so that the summed gradients are the ranks' mean.
@@ -69,7 +71,10 @@ CASES = {
         _mlp, {**_BOUND, "policy": Module(classes=[nn.Linear])}, 1, _plain),
     "zero2_module_policy": (
         _normed, {"strategy": "zero2", "policy": Module(classes=[nn.RMSNorm])}, 1, _plain),
+    "zero1_inference_eval": (_mlp, {"strategy": "zero1"}, 1, _plain),
 }
+# cases that evaluate the model under torch.inference_mode() after each optimizer step
+EVALUATED = {"zero1_inference_eval"}
 
 
 def _loop(model, rank, world, case, *, eager):
@@ -92,6 +97,9 @@ def _loop(model, rank, world, case, *, eager):
                     run(model, data[micro, r], sync)
         opt.step()
         opt.zero_grad()
+        if case in EVALUATED:
+            with torch.inference_mode():
+                model(data[0, rank])
 
 
 class _scaled:
