@@ -19,6 +19,7 @@ from autoshard.options import Offload
 from autoshard.runtime import commit
 from autoshard.runtime.dist import spawn_ranks
 from autoshard.runtime.export import describe, stored_plan
+from autoshard.runtime.export_format import MANIFEST
 from autoshard.spec import STRATEGIES
 
 
@@ -146,13 +147,14 @@ def _export(args) -> int:
 
 
 def _inspect(args) -> int:
-    print(describe(args.path, verify=not args.no_verify))
-    if args.trace or args.plot:
-        plan = stored_plan(args.path, args.program)
-        if args.trace:
-            plan.to_chrome_trace(args.trace)
-        if args.plot:
-            plan.memory_plot(args.plot)
+    # one reader lock over both reads: the plan drawn is of the export described
+    with commit.reading(args.path, MANIFEST):
+        print(describe(args.path, verify=not args.no_verify))
+        plan = stored_plan(args.path, args.program) if args.trace or args.plot else None
+    if args.trace:
+        plan.to_chrome_trace(args.trace)
+    if args.plot:
+        plan.memory_plot(args.plot)
     return 0
 
 

@@ -229,18 +229,32 @@ def _content_hash(files: dict) -> str:
 
 
 def stored_plan(path, program: int = 0, manifest: Optional[dict] = None):
-    """The plan of the export's ``program``-th program (``Plan``)."""
+    """The plan of the export's ``program``-th program (``Plan``), read under the export's
+    reader lock (``commit.reading``): a write to ``path`` meanwhile sweeps no file read."""
+    with commit.reading(path, MANIFEST):
+        return _stored_plan(path, program, manifest)
+
+
+def _stored_plan(path, program: int, manifest: Optional[dict]):
     manifest = manifest or read_manifest(path, verify=False)
     entries = manifest["programs"]
     if not 0 <= program < len(entries):
         raise AutoshardError(f"{path} holds programs 0 to {len(entries) - 1}, not {program}")
-    doc = read_json(os.path.join(os.fspath(path), entries[program]["dir"], "program.json"))
+    doc = read_json(os.fspath(path), f"{entries[program]['dir']}/program.json",
+                    manifest["files"])
     return Plan.from_json(json.dumps(doc["plan"]))
 
 
 def describe(path, *, verify: bool = True) -> str:
     """What ``python -m autoshard inspect`` prints: the manifest, then for each program its
-    call, the plan's prediction (memory included), its units and its schedule."""
+    call, the plan's prediction (memory included), its units and its schedule. Read under
+    the export's reader lock, as ``autoshard.load`` reads it: a write to ``path`` meanwhile
+    leaves the export being described whole."""
+    with commit.reading(path, MANIFEST):
+        return _describe(path, verify)
+
+
+def _describe(path, verify: bool) -> str:
     from tabulate import tabulate
 
     manifest = read_manifest(path, verify=verify)
@@ -262,7 +276,7 @@ def describe(path, *, verify: bool = True) -> str:
     for k, entry in enumerate(manifest["programs"]):
         mode = "training" if entry["grad"] else "inference (forward only)"
         out.append(f"\n=== program {k} ({entry['dir']}): {mode}\ncall: {entry['call']}\n")
-        out.append(str(stored_plan(path, k, manifest)))
+        out.append(str(_stored_plan(path, k, manifest)))
     return "\n".join(out)
 
 

@@ -9,9 +9,13 @@ again from the stored joint graphs on another).
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
+import io
 import json
 import math
 import os
+import stat
 from typing import Any, Optional
 
 import torch
@@ -24,7 +28,8 @@ from autoshard.config import Config, offloads
 from autoshard.errors import AutoshardError
 from autoshard.ops import chunk_op
 from autoshard.plans import Plan
-from autoshard.runtime import commit, commit_files, commit_ranks, dcpio, dist as _dist, graphio
+from autoshard.runtime import (commit, commit_files, commit_ranks, dcpio, dist as _dist,
+                               graphcost, graphio)
 from autoshard.runtime.export_format import (CHECKPOINT, FORMAT, MANIFEST, READS, VERSION,
                                              captured_from_doc, dtype_name, group_names,
                                              module_tensors, respec, spec_from_doc)
@@ -97,15 +102,101 @@ def _nothing_unlisted(path: str, manifest: dict) -> None:
                     "source you trust, or remove the file.")
 
 
-def read_json(path: str):
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
-            what = ("nests values too deeply" if isinstance(e, RecursionError)
-                    else f"is not JSON ({e})")
-            raise AutoshardError(f"{path} {what}: the file was changed. Copy the export again, "
-                                 "or export again.") from None
+def read_file(root: str, rel: str, files: Optional[dict] = None, *,
+              document: bool = True) -> bytes:
+    """The bytes of the file ``rel`` (a plain path inside the export at ``root``), read
+    through one descriptor opened without following a symlink at any step of the path. A JSON
+    ``document`` larger than ``graphcost.DOCUMENT_BYTES`` is refused before anything is read.
+    With ``files`` (the manifest's listing, as read at the load) the file must have the size
+    and SHA-256 recorded there, checked on the bytes returned: what is checked is what is
+    used, though the file change after."""
+    where = os.path.join(root, rel)
+    fd = _open_inside(root, rel, where)
+    try:
+        size = os.fstat(fd).st_size
+        entry = None if files is None else files.get(rel)
+        if files is not None and entry is None:
+            raise AutoshardError(f"{where} is not a file {os.path.join(root, MANIFEST)} lists: "
+                                 "the export was changed. Copy it again, or export again.")
+        bound = graphcost.DOCUMENT_BYTES
+        if document and size > (limit := bound.value()):
+            raise AutoshardError(f"{where} holds {bound.refusal(size, limit)} (checked before "
+                                 "reading it)")
+        if entry is not None and size != entry["bytes"]:
+            raise AutoshardError(_changed(where, f"{size} bytes, not the {entry['bytes']} the "
+                                                 "manifest records"))
+        chunks, left = [], size + 1  # one byte more: a file that grew meanwhile is not read on
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) != size:
+        raise AutoshardError(_changed(where, "its size changed while it was read"))
+    if entry is not None and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise AutoshardError(_changed(where, "its SHA-256 is not the one the manifest records"))
+    return data
+
+
+def _changed(where: str, how: str) -> str:
+    return (f"{where} was changed ({how}) since the export was written or loaded, and was not "
+            "used: load the export again, or copy it again from a source you trust")
+
+
+_NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_inside(root: str, rel: str, where: str) -> int:
+    """A descriptor of the regular file ``rel`` under ``root``, each folder on the way and the
+    file itself opened relative to the one before without following a symlink."""
+    parts = rel.split("/")
+    if rel.startswith("/") or {"", ".", ".."} & set(parts):
+        raise AutoshardError(f"{where} is not a plain path inside {root}: the export was "
+                             "changed. Copy it again from a source you trust.")
+    try:
+        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError as e:
+        raise AutoshardError(f"{root} cannot be read ({e.strerror}): pass the export's "
+                             "directory") from None
+    try:
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            flags = _NOFOLLOW if last else _NOFOLLOW | getattr(os, "O_DIRECTORY", 0)
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise AutoshardError(f"{where} cannot be read ({e.strerror}): the export "
+                                         "was changed or removed; load it again") from None
+                raise AutoshardError(
+                    f"{where} is a symlink, or a folder on its path is "
+                    f"({'/'.join(parts[:k + 1])}): an export's files are read as plain files "
+                    "inside it, never through a symlink. Copy the export again from a source "
+                    "you trust.") from None
+            os.close(fd)
+            fd = nxt
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AutoshardError(f"{where} is not a plain file: the export was changed. Copy "
+                                 "it again from a source you trust.")
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def read_json(root: str, rel: str, files: Optional[dict] = None):
+    """The JSON document ``rel`` of the export at ``root`` (``read_file``)."""
+    data = read_file(root, rel, files)
+    where = os.path.join(root, rel)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+        what = ("nests values too deeply" if isinstance(e, RecursionError)
+                else f"is not JSON ({e})")
+        raise AutoshardError(f"{where} {what}: the file was changed. Copy the export again, "
+                             "or export again.") from None
 
 
 @dataclasses.dataclass
@@ -118,6 +209,9 @@ class Loaded:
     same: bool  # the export's world size, device type and Config: run its graphs as stored
     inference: bool = False  # only the eval-mode programs, called without gradients
     version: int = VERSION  # the export's format version: how its files are written
+    # the manifest's files as the load read it: each program's files are checked against it
+    # when they are read, at the program's first call
+    files: dict = dataclasses.field(default_factory=dict)
     programs: dict = dataclasses.field(default_factory=dict)  # repr(signature) -> Program
     # commit.Held: the data folder, kept from any sweep while the module lives
     held: Any = None
@@ -130,7 +224,7 @@ class Loaded:
         """The program of ``key`` (None if the export holds none), read on its first call onto
         ``st``, the loaded ``model``'s CallState."""
         if key not in self.programs and key in self.entries:
-            folder = os.path.join(self.path, self.entries[key]["dir"])
+            folder = Folder(self.path, self.entries[key]["dir"], self.files)
             try:
                 self.programs[key] = _load_program(folder, model, st, self.same, self.version)
             except Exception:  # a file gone, or cut short while a sweep removed it
@@ -161,12 +255,12 @@ def open_export(path, config: Optional[Config], *, inference: bool, verify: bool
     with ``verify``), and the Config the load plans with, checked against the export's."""
     path = os.fspath(path)
     manifest = read_manifest(path, verify=False)  # the files: below, shared by the ranks
-    data = os.path.join(path, manifest["data"])
+    model_json = f"{manifest['data']}/model.json".lstrip("/")
     if verify:  # what is read before the ranks can share the work
-        model_json = f"{manifest['data']}/model.json".lstrip("/")
         commit_files.verify(path, {model_json: manifest["files"].get(model_json, {
             "bytes": -1, "sha256": ""})}, manifest["world_size"], "export")
-    model_doc = read_json(os.path.join(data, "model.json"))
+    # the bytes verified are the bytes read
+    model_doc = read_json(path, model_json, manifest["files"] if verify else None)
     stored = Config.from_dict(model_doc["config"])
     cfg = config if config is not None else stored
     if cfg.to_dict()["mp_policy"] != stored.to_dict()["mp_policy"]:
@@ -198,7 +292,7 @@ def read_into(model, st, opened: Opened, *, inference: bool, verify: bool) -> Lo
     mesh, device, _ = st.sharding()
     same = (list(mesh.shape) == manifest["mesh_shape"] and device.type == manifest["device"]
             and opened.config.to_dict() == opened.stored.to_dict())
-    return Loaded(path, opened.entries, same, inference, manifest["version"])
+    return Loaded(path, opened.entries, same, inference, manifest["version"], manifest["files"])
 
 
 def _differ(path, seen: list) -> str:
@@ -258,12 +352,33 @@ def check_backend(mesh, path: str) -> None:
             "autoshard make it.")
 
 
-def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
+@dataclasses.dataclass(frozen=True)
+class Folder:
+    """A program's folder of an export: ``root`` the export, ``rel`` the folder in it,
+    ``files`` the manifest's listing its files are checked against as they are read."""
+
+    root: str
+    rel: str
+    files: dict
+
+    def path(self, name: str = "") -> str:
+        return os.path.join(self.root, self.rel, name) if name else os.path.join(self.root,
+                                                                                 self.rel)
+
+    def read(self, name: str, *, document: bool = True) -> bytes:
+        return read_file(self.root, f"{self.rel}/{name}", self.files, document=document)
+
+    def json(self, name: str):
+        return read_json(self.root, f"{self.rel}/{name}", self.files)
+
+
+def _load_program(folder: Folder, model, st, same: bool, version: int = VERSION):
     """The stored program in ``folder`` on ``st``'s mesh: at the export's mesh shape, device
     type and Config (``same``) its compiled graphs, each collective on the group of its mesh
-    dimension here; otherwise its joint graph planned again for this mesh and Config."""
-    doc = read_json(os.path.join(folder, "program.json"))
-    constants = _read_constants(os.path.join(folder, "constants.pt"))
+    dimension here; otherwise its joint graph planned again for this mesh and Config. Each
+    file is checked against the manifest as read at the load: hashed as the bytes used."""
+    doc = folder.json("program.json")
+    constants = _read_constants(folder)
     mesh, device, config = st.sharding()
     # before version 3 the export's mesh was 1-D: every collective on its one group
     regroup = dict(zip(doc.get("groups", [None]), group_names(mesh)))
@@ -273,19 +388,19 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
         regroup.update({name: here[k] for name, k in hpz.items()})
 
     def graph(name, **kw):
-        path = os.path.join(folder, f"{name}.json")
-        return graphio.load_graph(read_json(path), constants[name], source=path, **kw)
+        return graphio.load_graph(folder.json(f"{name}.json"), constants[name],
+                                  source=folder.path(f"{name}.json"), **kw)
 
     cdoc = doc["captured"]
     joint = graph("joint", device=device)
-    _check_params(joint, model, os.path.join(folder, "joint.json"))
+    _check_params(joint, model, folder.path("joint.json"))
     stored = [spec_from_doc(p, version) for p in cdoc["params"]]
     if same:
         cap = captured_from_doc(cdoc, stored, joint)
         s = doc["split"]
         split = SplitProgram(
-            fwd=_regrouped(graph("forward"), regroup, folder),
-            bwd=_regrouped(graph("backward"), regroup, folder)
+            fwd=_regrouped(graph("forward"), regroup, folder.path()),
+            bwd=_regrouped(graph("backward"), regroup, folder.path())
             if "backward" in constants else None,
             fwd_roles=s["fwd_roles"], bwd_roles=s["bwd_roles"], saved=s["saved"],
             n_tangents=s["n_tangents"])
@@ -299,12 +414,14 @@ def _load_program(folder: str, model, st, same: bool, version: int = VERSION):
     return prog
 
 
-def _read_constants(path: str) -> dict:
+def _read_constants(folder: Folder) -> dict:
     """A program's constant tensors, read as plain data (``weights_only``): no code runs."""
     import pickle
 
+    path = folder.path("constants.pt")
+    data = folder.read("constants.pt", document=False)
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(io.BytesIO(data), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError) as e:
         first = str(e).strip().splitlines()
         raise AutoshardError(

@@ -28,9 +28,16 @@ tensors before ``load_graph`` returns: each op has run on fake values before any
 is touched. Loading is bounded: a graph of more than ``MAX_NODES`` nodes (100,000; the test
 models' graphs hold up to about 700, some 300 per transformer layer), or a value (an
 argument, a tag) nested more than ``MAX_DEPTH`` levels (64), is refused, and nothing recurses
-deeper. To load a larger graph you trust, raise the module attribute before loading. Each
-refusal is an ``AutoshardError`` naming the file (``load_graph``'s ``source``), the node, the
-op, and what to do.
+deeper. To load a larger graph you trust, raise the module attribute before loading. What
+the graph would compute is bounded too, from the fake values, node by node as they are
+computed and before anything real runs (``autoshard.runtime.graphcost``; each bound read
+from its environment variable at each load, to raise for a graph you trust): no node's output
+may hold more than ``NODE_BYTES`` (64 GiB, a view counted at its full size), and the graph's
+work (the elements its nodes read and write, plus the floating-point operations torch's flop
+counter counts for matrix products, convolutions and attention) may not exceed ``WORK``
+(2^53). Each refusal is
+an ``AutoshardError`` naming the file (``load_graph``'s ``source``), the node, the op, and
+what to do.
 
 Document::
 
@@ -92,6 +99,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from autoshard import _compat
 from autoshard.errors import AutoshardError
+from autoshard.runtime import graphcost
 import autoshard.ops  # noqa: F401  (registers autoshard::free, autoshard::grouped_mm)
 
 FORMAT = "autoshard-graph"
@@ -244,6 +252,8 @@ ALLOWED_NAMESPACES: set = set()
 # nests; raise them to load a larger graph you trust
 MAX_NODES = 100_000
 MAX_DEPTH = 64
+
+
 # op names that say files or the random generators' state
 _FILES, _RNG = re.compile(r"file"), re.compile(r"seed|rng_state")
 # ops that only check (raise) or print: they return nothing and write nothing
@@ -448,8 +458,18 @@ def _fake_placeholders(phs: list, mode, device) -> list:
 
 
 class _Prop(FakeTensorProp):
+    """Fake values node by node, each node's cost counted (``graphcost.Budget``) before the
+    next node runs."""
+
+    def __init__(self, gm, mode):
+        super().__init__(gm, mode)
+        self.budget = graphcost.Budget()
+
     def run_node(self, n):
         result = super().run_node(n)
+        if n.op == "call_function":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            self.budget.count(n, _target_name(n), args, kwargs, result)
         if "val" in n.meta:
             n.meta["val"] = _compat.python_vals(result, n.meta["val"])
         return result
@@ -534,7 +554,9 @@ def load_graph(doc: dict, constants: dict, *, device: torch.device | None = None
     and aliasing work as on the original graph, and every op has run on fake values before any
     real tensor is touched. A document this autoshard did not write (an op outside the
     allowlist, a placeholder without ``val``, more than MAX_NODES nodes, a value nested deeper
-    than MAX_DEPTH) is refused with an AutoshardError naming the file and the node.
+    than MAX_DEPTH), or one whose nodes would compute more than ``graphcost.NODE_BYTES`` in
+    one output or ``graphcost.WORK`` in all, is refused with an AutoshardError naming the file
+    and the node.
     """
     where = f"{source}: " if source else ""
     graph, env, phs, root = fx.Graph(), {}, [], {}
@@ -564,6 +586,8 @@ def load_graph(doc: dict, constants: dict, *, device: torch.device | None = None
         raise AutoshardError(f"{where}the placeholders' values cannot be built: {e}") from None
     try:
         _Prop(gm, mode).propagate_dont_convert_inputs(*fakes)
+    except graphcost.OverBound as e:
+        raise AutoshardError(f"{where}{e.message}") from None
     except (RuntimeError, TypeError, ValueError) as e:
         raise AutoshardError(f"{where}the graph does not compute on its placeholders' "
                              f"recorded values: {e}") from e
