@@ -82,7 +82,10 @@ def load(path, model: torch.nn.Module, agreement, optimizer=None, *,
 
 def _load(path, model: torch.nn.Module, agreement, optimizer,
           strict: bool) -> dcpio.IncompatibleKeys:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
 
     path = os.path.abspath(os.fspath(path))
     folder, doc = _folder(path)
@@ -95,6 +98,8 @@ def _load(path, model: torch.nn.Module, agreement, optimizer,
         commit_files.verify(folder, doc["files"], doc["world_size"], "checkpoint", agreement)
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
                                  _state(model, optimizer))
+    if optimizer is not None:
+        _without_unsaved_state(state["optim"], folder)
     skipped = []
     files = None if doc is None else set(doc["files"])
     outcome = commit_ranks.attempt(lambda: skipped.append(dcpio.load(
@@ -105,9 +110,27 @@ def _load(path, model: torch.nn.Module, agreement, optimizer,
     with torch.no_grad():
         for fqn, t in module_state(model).items():
             t.copy_(state["model"][fqn])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+    if optimizer is not None:  # a parameter without state (never stepped) gets none
+        set_optimizer_state_dict(model, optimizer, state["optim"],
+                                 options=StateDictOptions(strict=False))
     return skipped[0]
+
+
+def _without_unsaved_state(optim: dict, folder: str) -> None:
+    """Drop from ``optim`` (the optimizer state to read) the state of each parameter that the
+    checkpoint holds (``model.<fqn>``) but holds no optimizer state for: one that never got
+    a gradient, whose optimizer had no state for it, as eager ``torch.optim`` state dicts
+    hold none (a fresh optimizer's template, which DCP's helper fills for every parameter,
+    would otherwise ask for it). A parameter the checkpoint does not hold stays asked for,
+    so a strict load still refuses another model's checkpoint."""
+    where = os.path.join(folder, dcpio.METADATA)
+    if not os.path.isfile(where):
+        return
+    held = dcpio.read_metadata(where).state_dict_metadata
+    stated = {k[len("optim.state."):] for k in held if k.startswith("optim.state.")}
+    for fqn in [f for f in optim.get("state", {}) if f"model.{f}" in held]:
+        if not any(k.startswith(fqn + ".") for k in stated):
+            del optim["state"][fqn]
 
 
 def _folder(path: str):

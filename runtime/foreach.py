@@ -156,6 +156,54 @@ def _learn(spec, like) -> bool:
     return ok
 
 
+# the norms ``clip_grad_norm_`` takes: over a list (foreach) and of one tensor
+NORMS = (aten._foreach_norm.Scalar, aten.linalg_vector_norm.default)
+
+
+def install_norms() -> bool:
+    """Have the ``NORMS`` over DTensors skip empty local shards where the norm is the
+    infinity norm (``_norm``), until ``remove_norms``; False where this torch has no table
+    of DTensor op handlers."""
+    table = _compat.dtensor_op_handlers()
+    if table is None:
+        return False
+    for op in NORMS:
+        table.setdefault(op, _norm)
+    return True
+
+
+def remove_norms() -> None:
+    table = _compat.dtensor_op_handlers()
+    for op in NORMS if table is not None else ():
+        if table.get(op) is _norm:
+            del table[op]
+
+
+def _norm(op, args, kwargs):
+    """A norm through DTensor's own dispatch, where an infinity norm over the whole of a
+    DTensor whose local shard is empty (a parameter with fewer rows than ranks) reads a
+    one-element zero in its place: the maximum of the other ranks' values, 0 where every
+    shard is empty, instead of torch's error for a maximum over nothing (the local result
+    is one rank's part of a ``Partial("max")`` DTensor, and 0 is no part of a maximum of
+    absolute values). Any other norm is DTensor's own, unchanged."""
+    order = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    whole = op is NORMS[0] or (args[2] if len(args) > 2 else kwargs.get("dim")) is None
+    if whole and order == float("inf"):
+        many = op is NORMS[0]
+        tensors = [_nonempty(t) for t in (args[0] if many else [args[0]])]
+        args = (tensors if many else tensors[0], *args[1:])
+    return _dtensor_dispatch(op, args, kwargs)
+
+
+def _nonempty(t):
+    if not isinstance(t, DTensor):
+        return t
+    local = _compat.local_tensor(t)
+    if local.numel() or not local.dim():
+        return t
+    return _compat.new_dtensor(local.new_zeros((1,) * local.dim()), _compat.dtensor_spec(t))
+
+
 def _dtensor_dispatch(op, args, kwargs):
     """``op`` through DTensor's own dispatch: the handler is out of the table meanwhile (a
     call on another thread then takes DTensor's dispatch too, which is also right)."""

@@ -26,14 +26,20 @@ before the call, from the model's old parameters, which nothing reads any more):
 step raises ``AutoshardError`` naming the parameter. Each optimizer is looked through once,
 and again only when its param groups change, so a step pays a dictionary look-up.
 
+While the hooks are in place, an infinity norm over DTensors (``clip_grad_norm_(...,
+norm_type=inf)``, foreach or not) skips a local shard that is empty (a parameter with fewer
+rows than ranks): the maximum over the other shards, 0 where all are empty, where torch
+(FSDP2's parameters alike) raises for a maximum over nothing (``runtime.foreach.NORMS``).
+
 The two hooks are torch's process-wide optimizer hooks (no other way sees an optimizer built
 before ``autoshard()``). They are registered when the first sharded module is made and
 removed when the last one is freed (``hold``), so a process with no sharded module left runs
 no autoshard code in any optimizer step. The off switch: the environment variable
 ``AUTOSHARD_OPTIMIZER_HOOKS=0`` (or ``enable_hooks(False)``) registers none and removes any
-in place. Without them, steps keep the per-parameter loop on CPU, an optimizer built before
-``autoshard()`` is not refused, and since optimizer steps are no longer noted, a ZeRO-1
-replica is gathered again before every call (correct, one all-gather per unit a call).
+in place. Without them, an infinity norm over an empty shard raises as in torch, steps keep
+the per-parameter loop on CPU, an optimizer built before ``autoshard()`` is not refused, and
+since optimizer steps are no longer noted, a ZeRO-1 replica is gathered again before every
+call (correct, one all-gather per unit a call).
 """
 
 from __future__ import annotations
@@ -98,10 +104,12 @@ def _sync_hooks() -> None:
     if want and not _hooks:
         _hooks.extend((register_optimizer_step_pre_hook(_pre),
                        register_optimizer_step_post_hook(_post)))
+        foreach.install_norms()
     elif not want:
         while _hooks:
             _hooks.pop().remove()
         foreach.remove()
+        foreach.remove_norms()
         foreach.forget()
 
 

@@ -1,0 +1,161 @@
+"""What users' training loops do that the fuzzer and client trials found breaking: each
+trains as eager does, at world sizes 1 and 2, or is refused naming the cause and the fix.
+
+- a parameter that never gets a gradient (unused in the loss) has no optimizer state, and a
+  checkpoint of it saves and loads as eager ``torch.optim`` state dicts do;
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autoshard import autoshard
+from harness import Recipe, outcome, reference, run_ranks, train_sharded
+
+TOL = 1e-5
+
+
+def _batch(step, rank, rows=4, width=8):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(rows, width, generator=g)
+
+
+def _steps(model, opt, first, last, rank, world) -> list:
+    """Steps ``first``..``last - 1`` on this rank's batch: each step's loss of this rank."""
+    losses = []
+    for step in range(first, last):
+        loss = model(_batch(step, rank)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _state(model) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+# --- G: a parameter that never got a gradient ------------------------------------------------
+
+class Unused(nn.Module):
+    """A Linear the loss reads and one it never reads (no gradient, no optimizer state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _unused_resume(rank, world, root):
+    import autoshard as api
+
+    def build():
+        torch.manual_seed(0)
+        model = autoshard(Unused())
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    _steps(model, opt, 0, 2, rank, world)
+    api.save(f"{root}/unused", model, opt)
+    straight = _steps(model, opt, 2, 4, rank, world)
+    out = {"straight": straight, "straight_state": _state(model)}
+    out["same"] = outcome(lambda: api.load_checkpoint(f"{root}/unused", model, opt))
+    fresh, fresh_opt = build()
+    out["fresh"] = outcome(lambda: api.load_checkpoint(f"{root}/unused", fresh, fresh_opt))
+    if out["fresh"] == "ok":
+        out["resumed"] = _steps(fresh, fresh_opt, 2, 4, rank, world)
+        out["resumed_state"] = _state(fresh)
+        out["opt_keys"] = sorted(fresh_opt.state_dict()["state"])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_unused_parameter_saves_and_resumes(tmp_path, world):
+    eager = Unused()
+    torch.manual_seed(0)
+    eager = Unused()
+    eager_opt = torch.optim.Adam(eager.parameters(), lr=1e-2)
+    eager(torch.randn(2, 8)).sum().backward()
+    eager_opt.step()
+    for out in run_ranks(world, _unused_resume, str(tmp_path)):
+        assert out["same"] == "ok", out["same"]
+        assert out["fresh"] == "ok", out["fresh"]
+        assert out["resumed"] == out["straight"]
+        for k, v in out["straight_state"].items():
+            torch.testing.assert_close(out["resumed_state"][k], v, rtol=0, atol=0, msg=k)
+        # as eager: the unused parameters (indices 2, 3) hold no state
+        assert out["opt_keys"] == sorted(eager_opt.state_dict()["state"]) == [0, 1]
+
+
+# --- C: an infinity-norm clip where a rank's shard is empty ----------------------------------
+
+class Tiny(nn.Module):
+    """A Linear and a one-row parameter: at world size 2 rank 1's shard of it is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.row = nn.Parameter(torch.randn(1, 8))
+
+    def forward(self, x):
+        return self.lin(x) * self.row
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(4, 8, generator=g),)
+
+
+def _square(model, x):
+    return model(x).square().mean()
+
+
+def _built(cls):
+    torch.manual_seed(0)
+    return cls()
+
+
+def _tiny():
+    return _built(Tiny)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+TINY = Recipe(build=_tiny, data=_data, loss=_square, steps=3, optimizer=_sgd)
+
+
+def _clipper(last: int, foreach, norms: list):
+    def clip(step, i, model):
+        if i == last:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05,
+                                                  norm_type=float("inf"), foreach=foreach)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    return clip
+
+
+def _clipped(rank, world, foreach):
+    norms = []
+    model, losses = train_sharded(TINY, autoshard, rank, world,
+                                  after_backward=_clipper(0, foreach, norms))
+    return {"losses": losses, "norms": norms, "state": _state(model)}
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_inf_norm_clip_skips_an_empty_shard(world, foreach):
+    norms = []
+    ref_losses, ref_state = reference(TINY, world,
+                                      after_backward=_clipper(world - 1, foreach, norms))
+    for out in run_ranks(world, _clipped, foreach):
+        assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
+        assert out["norms"] == pytest.approx(norms, abs=TOL)
+        assert max(norms) > 0.05  # the clip scaled the gradients
+        for k, v in ref_state.items():
+            torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
