@@ -190,9 +190,9 @@ def backward_keeps_graph() -> bool:
 
 def engine_accumulates(node):
     """In a backward, whether the engine runs a leaf's AccumulateGrad ``node``: True, False
-    (backward(inputs=...) not naming it), None (autograd.grad, which runs none)."""
+    (not asked for), None (autograd.grad asks for the leaf, and runs no AccumulateGrad)."""
     try:
-        return torch._C._will_engine_execute_node(node)
+        return None if node is None else torch._C._will_engine_execute_node(node)
     except RuntimeError:  # "... we are currently running autograd.grad()"
         return None
 

@@ -132,9 +132,13 @@ class Program:
         it."""
         fed = self.feed(params, replicas or {})
         if self.bwd is not None and torch.is_grad_enabled():
-            # the parameters are the step's inputs in autograd's graph too (when it reduces
-            # their gradients), so that backward(inputs=...) and autograd.grad see them
-            edges = params if self.plan.grad_sync else ()
+            # the parameters are the step's inputs in autograd's graph too, so that
+            # backward(inputs=...) and autograd.grad see them; without gradient sync not
+            # those with post-accumulate-grad hooks, which wait for the synced backward (as
+            # FSDP2's do), where autograd would run them at every one
+            edges = params if self.plan.grad_sync else [
+                _NO_EDGE if getattr(p, "_post_accumulate_grad_hooks", None) else p
+                for p in params]
             outs = _Step.apply(self, params, pending, len(buffers), self.anchor(), len(edges),
                                *edges, *fed, *buffers, *inputs)
         else:
@@ -418,6 +422,7 @@ def _accumulate(param, grad_local: torch.Tensor) -> None:
 
 
 _WARNED_REDUCED = []
+_NO_EDGE = torch.empty(0)  # in a parameter's place among the step's inputs: no edge
 
 
 def _returned(param, local: torch.Tensor, world_size: int):
@@ -473,16 +478,21 @@ class _Step(torch.autograd.Function):
                 "full_state_dict() in a copy); backward(), autograd.grad without "
                 "create_graph and backward(inputs=...) work as in eager.")
         # per parameter edge: True, the engine accumulates it (backward(), or
-        # backward(inputs=...) naming it); False, backward(inputs=...) not naming it (its
-        # .grad is left as eager leaves it); None, autograd.grad (it takes what is returned)
+        # backward(inputs=...) naming it); False, not asked for (its .grad is left as eager
+        # leaves it); None, autograd.grad asks for it (and takes what is returned)
         accumulates = [_compat.engine_accumulates(node)
                        for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
-        # without gradient sync the parameters are no edges (their hooks run at the synced
-        # backward only, as FSDP2's): the anchor says whether this is a plain backward, which
-        # keeps their gradients for the synced one, or one restricted to inputs (those of
-        # autograd.grad or backward(inputs=...)), which keeps none, as eager
-        keeps = program.plan.grad_sync or \
-            _compat.engine_accumulates(ctx.next_functions[0][0]) is True
+        # a parameter without an edge (a hooked one without gradient sync): the anchor says
+        # whether this is a plain backward, which keeps its gradient for the synced one
+        plain = _compat.engine_accumulates(ctx.next_functions[0][0]) is True
+        keeps = [plain if node is None else a for (node, _), a in
+                 zip(ctx.next_functions[1:1 + ctx.n_edges], accumulates)]
+        if not program.plan.grad_sync and None in keeps:
+            raise AutoshardError(
+                "torch.autograd.grad with respect to parameters while gradient sync is off "
+                "(no_sync(), set_requires_gradient_sync(False)): their gradients are kept "
+                "whole on each rank for the synced backward, not returned. Call it with sync "
+                "on, or use a plain backward() within no_sync().")
         given = {k for k, i in enumerate(program.diff) if grads[i] is not None}
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
@@ -504,8 +514,8 @@ class _Step(torch.autograd.Function):
             if not deps & given or kind == "hook":
                 continue  # it reads only outputs that got no gradient: None, as in eager
             if kind == "param" and not program.plan.grad_sync:  # full, local: kept
-                if not keeps:
-                    continue  # autograd.grad (of inputs): no parameter's gradient, as eager
+                if not keeps[i]:
+                    continue  # not asked for (backward(inputs=...), autograd.grad), as eager
                 f = program.fqns[i]
                 if f in pending:
                     pending[f].add_(g)

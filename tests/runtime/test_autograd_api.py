@@ -135,3 +135,20 @@ def test_without_gradient_sync_an_input_s_gradient_keeps_no_parameter_s():
         ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=ATOL)
+
+
+def test_without_gradient_sync_backward_inputs_keeps_only_those_named():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, ref = autoshard(_build()), _build()
+    x = _batch(1)
+    with model.no_sync():
+        model(x).sum().backward(inputs=list(model[2].parameters()))
+        assert sorted(model._autoshard.pending) == ["2.bias", "2.weight"]
+        with pytest.raises(AutoshardError, match="gradient sync is off"):
+            torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    model(x).sum().backward()
+    ref(x).sum().backward(inputs=list(ref[2].parameters()))
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=ATOL)
