@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from autoshard import _compat, carried, compiler, hooks, writes
+from autoshard import _compat, carried, compiler, config_model, hooks, writes
 from autoshard._compat import keystr, tree_flatten, tree_flatten_with_path
 from autoshard.capture import flat_inputs, input_names, tracing
 from autoshard.config import Config
@@ -345,9 +345,19 @@ def install_entry(module, root_st: CallState, name: str, fn) -> None:
     import functools
     import types
 
+    path = root_st.entry_names.get(id(module), "")
     label = f"{user_class_name(module)}.{name}" if name != "forward" else \
-        f"{root_st.entry_names.get(id(module), '?')} (called directly)"
+        f"{path or '?'} (called directly)"
     state: list = []
+    configs: dict = {}  # id of the root's config -> (it, as this module reads it)
+
+    def config():
+        root = root_st.config
+        seen = configs.get(id(root))
+        if seen is None or seen[0] is not root:
+            configs.clear()
+            seen = configs[id(root)] = (root, config_model.for_submodule(root, path))
+        return seen[1]
 
     @torch.compiler.disable  # opaque to TorchDynamo, as the root's forward
     @functools.wraps(fn)
@@ -362,7 +372,7 @@ def install_entry(module, root_st: CallState, name: str, fn) -> None:
         if not state:
             state.append(entry_state(root_st, module, label, fn))
         st = state[0]
-        st.grad_sync, st.config = root_st.grad_sync, root_st.config  # the root's setters
+        st.grad_sync, st.config = root_st.grad_sync, config()  # the root's setters
         return call(module, st, args, kwargs)
 
     entry._autoshard_entry = True

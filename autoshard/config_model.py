@@ -3,6 +3,7 @@ of the model (``check_names``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Optional
@@ -52,6 +53,20 @@ def check_names(config: Config, model) -> None:
                     f"Config.recompute names block {path!r}, which is not a module of "
                     f"{owner}; " + _known(path, paths, "its repeated blocks" if blocks
                                           else "its modules", shown=blocks or paths))
+
+
+def for_submodule(config: Config, path: str) -> Config:
+    """``config`` as the submodule at ``path`` (called directly, an entry of its own) reads
+    it: its captured step names the submodule's parameters from the submodule, so each
+    explicit unit keeps the parameters under ``path``, named from there (``blocks.0.weight``
+    is ``weight`` to ``blocks.0``), and a unit naming none of them is dropped; the parameters
+    left out form the root unit, as in the whole model's step. Every other field is the
+    model's."""
+    if config.units is None or not path:
+        return config
+    prefix = path + "."
+    units = [[n[len(prefix):] for n in unit if n.startswith(prefix)] for unit in config.units]
+    return dataclasses.replace(config, units=[u for u in units if u])
 
 
 def _known(name: str, names: list, what: str, shown: Optional[list] = None,

@@ -159,3 +159,47 @@ def test_an_inf_norm_clip_skips_an_empty_shard(world, foreach):
         assert max(norms) > 0.05  # the clip scaled the gradients
         for k, v in ref_state.items():
             torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
+
+
+# --- B: explicit units and a submodule called directly --------------------------------------
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def _blocks():
+    return _built(Blocks)
+
+
+def _through_a_block(model, x):
+    """The whole model and one block called directly (an entry of its own)."""
+    return model(x).square().mean() + model.blocks[0](x).square().mean()
+
+
+BLOCKS = Recipe(build=_blocks, data=_data, loss=_through_a_block, steps=3, optimizer=_sgd)
+UNITS = [["blocks.0.weight", "blocks.0.bias"], ["blocks.1.weight", "blocks.1.bias"]]
+
+
+def _with_units(rank, world, _):
+    from autoshard import Config
+
+    model, losses = train_sharded(BLOCKS, lambda m: autoshard(m, config=Config(units=UNITS)),
+                                  rank, world)
+    return {"losses": losses, "state": _state(model)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_explicit_units_and_a_submodule_entry(world):
+    ref_losses, ref_state = reference(BLOCKS, world)
+    for out in run_ranks(world, _with_units, None):
+        assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
