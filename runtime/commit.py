@@ -55,7 +55,8 @@ import weakref
 from typing import Callable, Optional
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.commit_files import entries, fsync_dir, inside, listing
+from autoshard.runtime.commit_files import (Refused, entries, fsync_dir, inside, keeping,
+                                            listing, open_inside, read_document)
 from autoshard.runtime.commit_ranks import attempt, differ, exchange, settle
 
 try:
@@ -96,7 +97,7 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     (collectives inside are fine); ``document(folder, files)`` runs on rank 0 after every
     rank finished, with ``entries(folder)`` (each file hashed by one rank), and returns the
     marker's content (``"data"`` is added). Returns the data folder."""
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path, what)
     found = state(path, marker, other_markers)
     agreement(what, f"to {path}: {found}", explain=lambda seen: differ(what, seen))
     if found not in ("free", "complete", "interrupted"):
@@ -117,8 +118,8 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
                                  "other's files. Wait until that write ends, or write to "
                                  "another path.")
         folder = os.path.join(path, DATA + token)
-        settle(agreement, attempt(lambda: (os.makedirs(folder, exist_ok=True),
-                                           write_data(folder)), agreement.rank),
+        settle(agreement, attempt(lambda: (_make_folder(folder), write_data(folder)),
+                                  agreement.rank),
                doing, kept, folder)
         files = _shared_entries(folder, agreement, doing, kept)
         outcome = attempt(lambda: _commit(path, marker, folder,
@@ -136,6 +137,15 @@ def write(path, what: str, marker: str, agreement, write_data: Callable[[str], N
     finally:
         if lock is not None:
             _drop(lock, os.path.join(path, LOCK))
+
+
+def _absolute(path, what: str) -> str:
+    """``path`` made absolute; AutoshardError for one no file system holds (a NUL byte)."""
+    path = os.path.abspath(os.fspath(path))
+    if "\0" in path:
+        raise AutoshardError(f"the {what} path {path!r} holds a NUL byte, which no file name "
+                             "can: pass the directory's path as it is spelled on disk")
+    return path
 
 
 def read_marker(path, marker: str, what: str, fields: dict) -> dict:
@@ -158,12 +168,7 @@ def read_marker(path, marker: str, what: str, fields: dict) -> dict:
         raise AutoshardError(f"{where} is missing: {path} is not an autoshard {what}, or its "
                              f"write did not finish ({marker} is written last)")
     else:
-        try:
-            with open(where) as f:
-                doc = json.load(f)
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise AutoshardError(f"{where} cannot be read ({e}); copy the {what} again from "
-                                 "its source, or write it again") from None
+        doc = read_document(path, marker, what)
     if not isinstance(doc, dict):
         raise AutoshardError(f"{where} is not an autoshard {what} marker (not an object)")
     for name, kind in fields.items():
@@ -184,6 +189,15 @@ def read_marker(path, marker: str, what: str, fields: dict) -> dict:
     return doc
 
 
+def _make_folder(folder: str) -> None:
+    """The data folder (every rank makes it; the first one does), refused where a symlink
+    was planted at its name: the write would go where it points."""
+    os.makedirs(folder, exist_ok=True)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        raise AutoshardError(f"{folder} is a symlink or not a folder: it was put there while "
+                             "the write began, and nothing is written through it")
+
+
 def _kind_name(kind) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join(k.__name__ for k in kinds)
@@ -191,20 +205,35 @@ def _kind_name(kind) -> str:
 
 def _commit(path: str, marker: str, folder: str, document) -> None:
     doc = dict(document(folder), data=os.path.basename(folder))
-    tmp = os.path.join(path, f".{marker}.{os.path.basename(folder)}")
-    with open(tmp, "w") as f:
+    tmp = f".{marker}.{os.path.basename(folder)}"
+    with os.fdopen(_create(path, tmp, os.O_WRONLY), "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(path, marker))
+    os.replace(os.path.join(path, tmp), os.path.join(path, marker))  # renames the name alone
     fsync_dir(path)
+
+
+def _create(path: str, name: str, flags: int) -> int:
+    """A new file ``name`` in the directory ``path`` (a lock or a temporary file, no part of
+    the checkpoint or export), made there and nowhere else: whatever is at the name (a
+    symlink, dangling or not, a hard link to a file elsewhere) is unlinked, never followed or
+    written through. OSError when the directory refuses."""
+    for tries in range(3):
+        try:
+            return open_inside(path, name, flags | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            if tries == 2:
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(path, name))  # unlinks a symlink, not its target
+    raise AssertionError("unreachable")
 
 
 def _committed(path: str, marker: str, folder: str) -> bool:
     try:
-        with open(os.path.join(path, marker)) as f:
-            return json.load(f).get("data") == os.path.basename(folder)
-    except (OSError, ValueError, AttributeError):
+        return read_document(path, marker, "write").get("data") == os.path.basename(folder)
+    except (AutoshardError, AttributeError):
         return False
 
 
@@ -264,11 +293,19 @@ class _NoLock(Exception):
 
 
 def _open_lock(where: str) -> int:
-    cloexec = getattr(os, "O_CLOEXEC", 0)
+    """The lock file ``where``, opened (made if missing) inside its directory and never
+    through a symlink or a hard link (``open_inside``): one planted at the name is unlinked
+    and the lock file made anew (``_create``); no one holds a lock through such a name."""
+    path, name = os.path.split(where)
     try:
-        return os.open(where, os.O_RDWR | os.O_CREAT | cloexec, 0o644)
+        return open_inside(path, name, os.O_RDWR | os.O_CREAT)
     except PermissionError:  # another user's lock file: a shared lock needs no write access
-        return os.open(where, os.O_RDONLY | cloexec)
+        try:
+            return open_inside(path, name, os.O_RDONLY)
+        except Refused as e:
+            raise PermissionError(errno.EACCES, str(e)) from None
+    except Refused:
+        return _create(path, name, os.O_RDWR)
 
 
 def _take(where: str, how: int) -> Optional[int]:
@@ -281,8 +318,9 @@ def _take(where: str, how: int) -> Optional[int]:
     while True:
         try:
             fd = _open_lock(where)
-        except OSError as e:
-            raise _NoLock(f"cannot open {where} ({e.strerror})", False) from None
+        except (OSError, Refused) as e:  # Refused: one planted again as it was unlinked
+            raise _NoLock(f"cannot open {where} ({getattr(e, 'strerror', None) or e})",
+                          False) from None
         try:
             fcntl.flock(fd, how)
         except BlockingIOError:
@@ -302,7 +340,7 @@ def _take(where: str, how: int) -> Optional[int]:
 def _named(fd: int, where: str) -> bool:
     """Whether the file open as ``fd`` is still the one at ``where``."""
     try:
-        a, b = os.fstat(fd), os.stat(where)
+        a, b = os.fstat(fd), os.lstat(where)
     except OSError:
         return False
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
@@ -358,11 +396,13 @@ def _lock_writes(path: str, what: str):
 def _holder(where: str) -> str:
     """Who holds the writer lock ``where``, as its file says (written just after the lock
     was taken: an empty file is waited for a moment)."""
+    path, name = os.path.split(where)
     for _ in range(50):
         try:
-            with open(where) as f:
+            fd = open_inside(path, name)
+            with os.fdopen(fd, "rb") as f:
                 doc = json.loads(f.read() or "null")
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError, AutoshardError):
             doc = None
         if isinstance(doc, dict):
             what = str(doc.get("what", "write"))
@@ -419,7 +459,8 @@ def hold(path, marker: str, name: Optional[str] = None) -> Held:
     for _ in range(_TRIES):
         doc = _raw_marker(path, marker) if name is None else None
         data = name if name is not None else doc.get("data") if isinstance(doc, dict) else None
-        if not (isinstance(data, str) and data.startswith(DATA) and os.sep not in data):
+        if not (isinstance(data, str) and data.startswith(DATA) and os.sep not in data
+                and "\0" not in data):
             break  # nothing to hold: read_marker says what is wrong, if anything
         where = os.path.join(path, READ_LOCK + data)
         try:
@@ -437,9 +478,8 @@ def hold(path, marker: str, name: Optional[str] = None) -> Held:
 
 def _raw_marker(path: str, marker: str):
     try:
-        with open(os.path.join(path, marker)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return read_document(path, marker, "read")
+    except AutoshardError:  # read_marker says what is wrong
         return None
 
 
@@ -454,7 +494,7 @@ def reading(path, marker: str, agreement=None, what: str = "load"):
     commit meanwhile: the reader reads the previous write or the new one, whole. With
     ``agreement`` (every rank enters it, at ``what``) every rank holds rank 0's folder.
     Yields the ``Held``; ``held.kept()`` holds it on after the block."""
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path, "checkpoint or export")
     held = hold(path, marker)
     try:
         if agreement is not None and agreement.world > 1 and not agreement.fake:
@@ -464,7 +504,8 @@ def reading(path, marker: str, agreement=None, what: str = "load"):
             docs[(path, marker)] = held.doc
         token = _held.set(docs)
         try:
-            yield held
+            with keeping():  # what is hashed in the block is what is read in it
+                yield held
         finally:
             _held.reset(token)
     finally:

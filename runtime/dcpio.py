@@ -14,6 +14,13 @@ run any code there. Here:
 - Every storage file the metadata names must be a plain name inside the folder (no ``..``,
   no separator, no symlink out) and, when the caller passes the file list a marker
   recorded, one of the files the writer listed (and whose SHA-256 the caller checked).
+  Every file is opened by ``commit_files.open_checked``: never through a symlink or a hard
+  link, and, within a ``commit.reading`` block, through the descriptor that was hashed (or
+  hashed again as it is opened), so a file swapped after the check is refused, not read.
+- Before any tensor is read, the metadata of each one the state asks for must have its
+  shape and dtype, and chunks that cover each of its elements exactly once; otherwise the
+  load is refused naming the metadata file and the key (DCP would copy what the chunks hold,
+  cast to the state's dtype, and leave the rest of the tensor as it was).
 - ``strict`` (the default) refuses a load whose state and checkpoint keys differ, naming the
   missing and unexpected keys (a param group's hyperparameter that one side lacks, such as an
   LR scheduler's ``initial_lr``, is reported, not refused); ``strict=False`` loads what both
@@ -26,7 +33,9 @@ hashes catch damage.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import os
 import pickle
 from typing import NamedTuple, Optional
@@ -35,9 +44,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autoshard._compat import dcp_set_element
 from autoshard.errors import AutoshardError
+from autoshard.runtime.commit_files import open_checked
 
 METADATA = ".metadata"
 
@@ -82,9 +94,11 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str):
-    """The ``Metadata`` of DCP's ``.metadata`` file at ``path``, read without running code."""
+    """The ``Metadata`` of DCP's ``.metadata`` file at ``path``, read without running code
+    (and, within ``commit.reading``, through the descriptor that was hashed)."""
     try:
-        with open(path, "rb") as f:
+        with open_checked(os.path.dirname(path) or ".", os.path.basename(path),
+                          "checkpoint") as f:
             md = _MetadataUnpickler(f, path).load()
     except AutoshardError:
         raise
@@ -105,6 +119,7 @@ class SafeReader(FileSystemReader):
         self.folder = os.fspath(folder)
         self.files = files
         self.checked = None  # the global metadata, once read
+        self.fs = _Files(self.folder)  # DCP's reads of the storage files
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
@@ -132,11 +147,31 @@ class SafeReader(FileSystemReader):
         inside = plain and os.path.isfile(full) and not os.path.islink(full)
         listed = self.files is None or rel in self.files
         if not (inside and listed):
-            why = ("is not a plain file name inside the checkpoint's folder" if not inside else
+            why = ("is not a plain file name inside the checkpoint's folder (a path, a symlink, "
+                   "or missing)" if not inside else
                    "is not one of the files the checkpoint's marker lists")
-            raise AutoshardError(f"{where} names the storage file {rel!r}, which {why}: the "
-                                 "metadata was changed, and nothing was read. Copy the "
-                                 "checkpoint again from a source you trust, or save it again.")
+            shown = f" ({full})" if plain else ""
+            raise AutoshardError(f"{where} names the storage file {rel!r}{shown}, which {why}: "
+                                 "the checkpoint was changed, and nothing was read. Copy it "
+                                 "again from a source you trust, or save it again.")
+
+
+class _Files(FileSystem):
+    """DCP's file system for ``SafeReader``: a file of the folder is read through
+    ``open_checked``; nothing is written."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = folder
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        rel = os.path.relpath(os.fspath(path), self.folder)
+        if mode != "rb" or os.path.dirname(rel) or rel in (".", ".."):
+            raise AutoshardError(f"{path}: the checkpoint reader opens only files of "
+                                 f"{self.folder}, for reading (asked: {mode!r})")
+        with open_checked(self.folder, rel, "checkpoint") as f:
+            yield f
 
 
 class SafePlanner(DefaultLoadPlanner):
@@ -144,9 +179,10 @@ class SafePlanner(DefaultLoadPlanner):
     weights_only=True)``, and the keys of the state and of the checkpoint compared first:
     ``strict`` refuses any difference, naming the keys; otherwise ``skipped`` has them."""
 
-    def __init__(self, strict: bool, where: str):
+    def __init__(self, strict: bool, where: str, metadata_file: Optional[str] = None):
         super().__init__(allow_partial_load=True)  # what is missing: decided here
         self.strict, self.where = strict, where
+        self.metadata_file = metadata_file or os.path.join(where, METADATA)
         self.skipped = IncompatibleKeys([], [])
 
     def create_local_plan(self):
@@ -165,6 +201,9 @@ class SafePlanner(DefaultLoadPlanner):
                 f": missing {_keys(missing)}; unexpected {_keys(unexpected)}. Load into the "
                 "model that saved it, or pass strict=False to load the keys both hold")
         self.skipped = IncompatibleKeys(missing, unexpected)
+        for key in sorted(wanted & held):
+            _check_tensor(key, self.metadata.state_dict_metadata[key], self.state_dict[key],
+                          self.metadata_file)
         return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
@@ -182,6 +221,65 @@ class SafePlanner(DefaultLoadPlanner):
                         loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _check_tensor(key: str, md, value, where: str) -> None:
+    """The metadata ``md`` of ``key`` describes the tensor ``value`` (the state's; a DTensor
+    by its global shape): a tensor of its shape and dtype whose chunks cover each element
+    exactly once. Else AutoshardError naming ``where`` (the metadata file) and the key."""
+    if not isinstance(value, torch.Tensor):
+        return  # a plain value (a param group's lr): read by load_bytes
+    why = None
+    shape = tuple(value.size())
+    if not isinstance(md, TensorStorageMetadata):
+        why = f"holds it as {type(md).__name__}, not a tensor"
+    elif tuple(md.size) != shape:
+        why = f"gives it the shape {tuple(md.size)}, and the model's is {shape}"
+    elif getattr(md.properties, "dtype", None) != value.dtype:
+        why = (f"gives it the dtype {getattr(md.properties, 'dtype', None)}, and the model's "
+               f"is {value.dtype} (a load never casts)")
+    else:
+        why = _uncovered(shape, md.chunks)
+    if why is not None:
+        raise AutoshardError(
+            f"{where}: {key}: the metadata {why}; nothing was read. The checkpoint was changed, "
+            "or was saved from another model: copy it again from a source you trust, or load "
+            "it into the model that saved it.")
+
+
+def _uncovered(shape: tuple, chunks) -> Optional[str]:
+    """Why ``chunks`` (DCP's ``ChunkStorageMetadata``) do not cover a tensor of ``shape``
+    exactly once, or None."""
+    boxes = []
+    for c in chunks:
+        at, size = tuple(c.offsets), tuple(c.sizes)
+        if not (len(at) == len(size) == len(shape) and all(
+                type(a) is int and type(n) is int and 0 <= a and 0 <= n and a + n <= d
+                for a, n, d in zip(at, size, shape))):
+            return f"has a chunk at offsets {at} of sizes {size}, outside the shape {shape}"
+        if all(size):
+            boxes.append((at, size))
+    covered = sum(math.prod(size) for _, size in boxes)
+    total = math.prod(shape)
+    if covered == total:  # then a gap is an overlap: look for one (sorted by the first dim)
+        boxes.sort()
+        for i, (a, n) in enumerate(boxes):
+            for b, m in boxes[i + 1:]:
+                if shape and b[0] >= a[0] + n[0]:
+                    break
+                if all(x < y + k and y < x + j for x, j, y, k in zip(a, n, b, m)):
+                    covered = -1
+                    break
+            if covered < 0:
+                break
+    if covered == total:
+        return None
+    rows = sorted({(a[0], a[0] + n[0]) for a, n in boxes}) if shape else []
+    held = ", ".join(f"{lo}-{hi - 1}" for lo, hi in rows[:6]) + (", ..." if len(rows) > 6 else "")
+    return (f"has chunks that do not cover each of its {total} elements exactly once "
+            f"(rows held: {held or 'none'}, of {shape[0] if shape else 1}): a chunk is missing, "
+            "cut short or overlaps another, and the rest of the tensor would keep the model's "
+            "values")
 
 
 def _keys(keys: list, shown: int = 8) -> str:
@@ -205,7 +303,7 @@ def load(state: dict, folder: str, group, *, files: Optional[set] = None, strict
          where: Optional[str] = None) -> IncompatibleKeys:
     """``dcp.load`` of ``state`` (in place) from ``folder`` through ``SafeReader`` and
     ``SafePlanner``; returns the keys a ``strict=False`` load skipped."""
-    planner = SafePlanner(strict, where or folder)
+    planner = SafePlanner(strict, where or folder, os.path.join(folder, METADATA))
     reader = SafeReader(folder, files)
     if os.path.isfile(os.path.join(folder, METADATA)):
         reader.read_metadata()  # refused here, not in DCP's fallback to per-rank metadata
