@@ -340,6 +340,38 @@ class _Joint:
             return torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
 
 
+class _LayoutAsRun:
+    """An op whose fake kernel gives its first output another layout than its kernels do:
+    traced as is, then made contiguous, as it runs. torch's meta ``native_batch_norm`` (and
+    its backward) keeps the input's strides, the CPU kernels return a contiguous output
+    (channels-last kept, the input's suggested memory format); a later op
+    traced on the fake strides (``transpose`` then ``view``, as ``linear`` of a transposed
+    batch-norm output does) would fail when run. Inside the call the op is traced as usual
+    (``NotImplemented``: make_fx's own tracing)."""
+
+    def __init__(self, op, input_at: int):
+        self.op, self.input_at, self.inside = op, input_at, False
+
+    def __call__(self, *args, **kwargs):
+        if self.inside:
+            return NotImplemented
+        self.inside = True
+        try:
+            out = self.op(*args, **kwargs)
+        finally:
+            self.inside = False
+        first, x = out[0], args[self.input_at]
+        kept = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+        if first.is_contiguous() or kept is not None and x.is_contiguous(memory_format=kept):
+            return out  # contiguous, or channels-last kept (the input's suggested format)
+        return (first.contiguous(), *out[1:])
+
+
+_AS_RUN = {op: _LayoutAsRun(op, at) for op, at in (
+    (torch.ops.aten.native_batch_norm.default, 0),
+    (torch.ops.aten.native_batch_norm_backward.default, 1))}
+
+
 def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModule:
     """``joint`` traced on the fake tensors ``flat``; a failure is explained (``explain``)
     naming the module, the op and the input of the call (``args``, ``kwargs``) at fault."""
@@ -350,8 +382,8 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
     with progress.phase("capturing the training step"):
         try:
             with _compat.preserve_node_meta(), checks as found:
-                gm = _compat.make_fx(joint, tracing_mode="fake",
-                                     decomposition_table=capture_decompositions())(
+                table = {**capture_decompositions(), **_AS_RUN}
+                gm = _compat.make_fx(joint, tracing_mode="fake", decomposition_table=table)(
                     *flat)
             assert_value_checks(gm, found, joint.stack)
             return _compat.graph_module(gm, gm.graph)

@@ -11,6 +11,9 @@ suite's tolerance), or refused with an AutoshardError naming the cause.
   a forward all-gather's wait as a wait (an IndexError).
 - ZeRO-1 and an evaluation under ``torch.inference_mode()`` after a step: the replicas it
   gathered were inference tensors, which the next training step could not save for backward.
+- Linear -> transpose -> BatchNorm1d -> transpose -> Linear: torch's fake batch norm keeps the
+  input's strides, its kernel returns a contiguous output, so a ``view`` traced on the fake
+  strides failed when run.
 
 The eager reference runs in the same process: each rank's share of the batch in turn, its
 loss divided by the world size, so that the summed gradients are the ranks' mean.
@@ -60,6 +63,19 @@ def _normed():
     return nn.Sequential(nn.Linear(DIM, 16), nn.RMSNorm(16), nn.Linear(16, DIM))
 
 
+class _Channels(nn.Module):
+    """Linear, then BatchNorm1d over the features as channels (transposed in and out),
+    then Linear: the batch norm reads a transposed input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, x):  # (rows, 6) -> (rows, 2, 3): BatchNorm1d's length is 2
+        h = self.a(x.unflatten(-1, (2, 3))).transpose(1, 2)
+        return self.b(self.bn(h).transpose(1, 2)).flatten(1)
+
+
 _BOUND = {"prefetch": Prefetch(bytes="1KB"), "verify": True}  # each unit > 1 KB
 
 # name -> (build, Config kwargs, micro-batches per step, what the last one runs)
@@ -72,6 +88,8 @@ CASES = {
     "zero2_module_policy": (
         _normed, {"strategy": "zero2", "policy": Module(classes=[nn.RMSNorm])}, 1, _plain),
     "zero1_inference_eval": (_mlp, {"strategy": "zero1"}, 1, _plain),
+    "batch_norm_of_transposed": (_Channels, {}, 1, _plain),
+    "batch_norm_of_transposed_no_recompute": (_Channels, {"recompute": False}, 1, _plain),
 }
 # cases that evaluate the model under torch.inference_mode() after each optimizer step
 EVALUATED = {"zero1_inference_eval"}
@@ -81,6 +99,8 @@ def _loop(model, rank, world, case, *, eager):
     _, _, k, last = CASES[case]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     shares = range(world) if eager else [rank]
+    # eager: each rank's buffers (BatchNorm's statistics) are its own, as on the ranks
+    held = [{n: b.clone() for n, b in model.named_buffers()} for _ in shares]
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         data = torch.randn(k, world, ROWS, DIM, generator=gen)
@@ -91,8 +111,10 @@ def _loop(model, rank, world, case, *, eager):
             run = last if sync else _plain
             for r in shares:
                 if eager:  # each rank's loss divided by the world size
+                    _swap(model, held[r])
                     with _scaled(model, 1.0 / world):
                         run(model, data[micro, r], sync)
+                    _swap(model, held[r])
                 else:
                     run(model, data[micro, r], sync)
         opt.step()
@@ -100,6 +122,17 @@ def _loop(model, rank, world, case, *, eager):
         if case in EVALUATED:
             with torch.inference_mode():
                 model(data[0, rank])
+    if eager:
+        _swap(model, held[rank])
+
+
+def _swap(model, held: dict) -> None:
+    """Exchange ``model``'s buffers' values with ``held``'s."""
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b_now = b.clone()
+            b.copy_(held[n])
+            held[n] = b_now
 
 
 class _scaled:
