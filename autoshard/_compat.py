@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import operator
 import warnings
@@ -229,6 +230,25 @@ def is_fake(x) -> bool:
 
     x = x[0] if isinstance(x, (list, tuple)) and x else x
     return isinstance(x, FakeTensor)
+
+
+def register_dataclasses(tree) -> None:
+    """Make the type of every dataclass instance in ``tree`` (through tuples, lists, dicts
+    and dataclass fields) a pytree node of its ``__init__`` fields, as
+    ``torch.export.register_dataclass`` does, so that a forward returning a plain
+    ``@dataclass`` of tensors is flattened as a tuple of them is. A type already registered
+    (transformers' ``ModelOutput`` registers itself) is left as it is. Registration is
+    torch's process-wide pytree table: the type flattens so everywhere from then on, as
+    torch.export and torch.compile need it to."""
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        if type(tree) not in pytree.SUPPORTED_NODES:
+            pytree.register_dataclass(type(tree))
+        tree = [getattr(tree, f.name) for f in dataclasses.fields(tree)]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        for x in tree:
+            register_dataclasses(x)
 
 
 def dcp_set_element(root: dict, path, value) -> None:

@@ -302,6 +302,7 @@ class _Joint:
         how many are the user's and written (those may be differentiated). Objects among the
         outputs become ``StateOut``/``NewState`` leaves."""
         rec = self.rec
+        _compat.register_dataclasses(out)  # its tensors are outputs, as a tuple's are
         out_leaves, rec["out_spec"] = tree_flatten(out)
         touts = [o for o in out_leaves if isinstance(o, torch.Tensor)]
         n_user = len(touts)

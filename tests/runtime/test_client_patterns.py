@@ -5,6 +5,8 @@ trains as eager does, at world sizes 1 and 2, or is refused naming the cause and
   checkpoint of it saves and loads as eager ``torch.optim`` state dicts do;
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -200,6 +202,88 @@ def _with_units(rank, world, _):
 def test_explicit_units_and_a_submodule_entry(world):
     ref_losses, ref_state = reference(BLOCKS, world)
     for out in run_ranks(world, _with_units, None):
+        assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
+
+
+# --- (d): gradients never carry an autograd graph --------------------------------------------
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return {"out": self.b(h), "aux": h} if x.shape[0] > 2 else (self.b(h), h)
+
+
+def _graphless(rank, world, _):
+    torch.manual_seed(0)
+    model = autoshard(Pair())
+    out = []
+    for rows in (4, 2):  # a dict, then a tuple
+        got = model(_batch(0, rank, rows))
+        first, second = got.values() if isinstance(got, dict) else got
+        (first.square().mean() + second.mean()).backward()
+        out.append({n: (type(p.grad).__name__, p.grad.grad_fn is None, p.grad.requires_grad)
+                    for n, p in model.named_parameters()})
+        model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_tuple_and_dict_outputs_leave_gradients_without_a_graph(world):
+    for out in run_ranks(world, _graphless, None):
+        for grads in out:
+            for name, (kind, no_graph, requires) in grads.items():
+                assert no_graph and not requires, (name, kind)
+
+
+# --- (a): a forward returning a dataclass of tensors -----------------------------------------
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    note: str = "kept"
+
+
+class Dataclassed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return Output(self.b(h), h)
+
+
+def _dataclassed():
+    return _built(Dataclassed)
+
+
+def _both_fields(model, x):
+    out = model(x)
+    assert isinstance(out, Output) and out.note == "kept"
+    return out.logits.square().mean() + out.hidden.mean()
+
+
+DATACLASS = Recipe(build=_dataclassed, data=_data, loss=_both_fields, steps=3, optimizer=_sgd)
+
+
+def _dataclass_outputs(rank, world, _):
+    model, losses = train_sharded(DATACLASS, autoshard, rank, world)
+    return {"losses": losses, "state": _state(model)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dataclass_output_trains_as_eager(world):
+    ref_losses, ref_state = reference(DATACLASS, world)
+    for out in run_ranks(world, _dataclass_outputs, None):
         assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
         for k, v in ref_state.items():
             torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
