@@ -244,9 +244,8 @@ def shared_check(rank, world, root):
             model.export(path)
         data = _data(path, marker)
         names = [n for n in commit.listing(data) if n.endswith(".distcp")]
-        listed = sorted(commit.listing(data))
-        # a shard file that rank 1 hashes: the odd positions of the sorted file list
-        target = next(n for n in names if listed.index(n) % world == 1)
+        # a shard file that rank 1 hashes: the one it wrote (each rank hashes its own)
+        target = next(n for n in names if os.path.basename(n).startswith("__1_"))
         if rank == 0:
             full = os.path.join(data, target)
             raw = bytearray(open(full, "rb").read())

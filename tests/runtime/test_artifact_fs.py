@@ -349,3 +349,49 @@ def test_malformed_files_are_autoshard_errors_naming_the_file(out, name, words):
 @pytest.mark.parametrize("name", ["clean", "saved_over", "clean_export"])
 def test_untouched_and_saved_over_copies_load(out, name):
     assert out[name]["outcome"] == "ok", out[name]
+
+
+def _save_one_rank(rank, world, root):
+    """World 1: a checkpoint, and another of the same shapes (the swapped-in shard)."""
+    for seed, name in ((0, "ckpt"), (1, "theirs")):
+        model, opt = _model(seed)
+        autoshard.save(f"{root}/{name}", model, opt)
+
+
+def _swap_on_two_ranks(rank, world, root):
+    """World 2 loads the world-1 checkpoint: rank 0 hashed its one shard (and reads it through
+    that descriptor), rank 1 reads rows of it without having hashed it (so hashes it again as
+    it opens it). Rank 0 renames the other checkpoint's shard over it once both checked it."""
+    import torch.distributed as dist
+
+    model, opt = _model(2)
+    shard, swap_from = _shard(f"{root}/ckpt"), _shard(f"{root}/theirs")
+    same_size = os.path.getsize(shard) == os.path.getsize(swap_from)
+    real_verify = commit_files.verify
+
+    def verify_then_swap(*args, **kwargs):
+        real_verify(*args, **kwargs)  # its exchange: every rank checked every file
+        if rank == 0:
+            shutil.copy(swap_from, shard + ".new")
+            os.replace(shard + ".new", shard)
+
+    before = _weights(model)
+    commit_files.verify = verify_then_swap
+    try:
+        got = outcome(lambda: autoshard.load_checkpoint(f"{root}/ckpt", model, opt))
+    finally:
+        commit_files.verify = real_verify
+    dist.barrier()
+    return {"outcome": got, "file": shard, "same_size": same_size,
+            "unchanged": all(torch.equal(before[k], v) for k, v in _weights(model).items())}
+
+
+def test_a_shard_swapped_after_its_check_is_refused_on_every_rank(tmp_path):
+    run_ranks(1, _save_one_rank, str(tmp_path))
+    got = run_ranks(2, _swap_on_two_ranks, str(tmp_path))
+    assert got[0]["same_size"], "the swapped-in shard differs in size: the size check would tell"
+    for r in (0, 1):
+        msg = _refused(got[r], "failed on ranks 0, 1")
+        assert f"rank 0: AutoshardError: {got[r]['file']} was replaced" in msg, msg
+        assert f"rank 1: AutoshardError: {got[r]['file']} is not the file that was checked" in (
+            msg), msg
