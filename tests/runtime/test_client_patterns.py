@@ -287,3 +287,88 @@ def test_a_dataclass_output_trains_as_eager(world):
         assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
         for k, v in ref_state.items():
             torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
+
+
+# --- (b): a parameter read outside forward (CLIP's logit scale in the loss) ------------------
+
+class Scaled(nn.Module):
+    """CLIP's pattern: the loss multiplies the logits by ``logit_scale.exp()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.enc(x)
+
+    def scaled_logits(self, x):
+        return self(x) * self.logit_scale.exp()
+
+
+def _scaled():
+    return _built(Scaled)
+
+
+def _scaled_loss(model, x):
+    return model.scaled_logits(x).square().mean()
+
+
+SCALED = Recipe(build=_scaled, data=_data, loss=_scaled_loss, steps=3, optimizer=_sgd)
+
+
+def _registered(rank, world, _):
+    def shard(model):
+        model = autoshard(model)
+        model.register_forward_method("scaled_logits")
+        return model
+
+    model, losses = train_sharded(SCALED, shard, rank, world)
+    return {"losses": losses, "state": _state(model)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_read_outside_forward_trains_in_a_registered_method(world):
+    """Read outside a captured step, the parameter is this rank's DTensor shard, whose
+    gradient nothing would reduce over the ranks: the read belongs in forward or in a method
+    registered with ``register_forward_method`` (docs/api.md), which trains as eager."""
+    ref_losses, ref_state = reference(SCALED, world)
+    for out in run_ranks(world, _registered, None):
+        assert out["losses"] == pytest.approx(ref_losses, abs=TOL)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(out["state"][k], v, rtol=0, atol=TOL, msg=k)
+
+
+# --- (c): torch.save(sharded.state_dict()) holds this rank's rows ------------------------------
+
+def _saved_on_rank_0(rank, world, root):
+    from torch.distributed.tensor import DTensor
+
+    model = autoshard(_blocks())
+    path = f"{root}/rank{rank}.pt"
+    torch.save(model.state_dict(), path)
+    saved = torch.load(path, weights_only=False)
+    full = model.full_state_dict()
+    out = {"dtensors": all(isinstance(v, DTensor) for v in saved.values()),
+           "rows": {k: v.to_local().shape[0] for k, v in saved.items()},
+           "full": {k: v.clone() for k, v in full.items()}}
+    unsharded = _blocks()
+    out["into_unsharded"] = outcome(lambda: unsharded.load_state_dict(saved))
+    torch.save(full, path)  # what to save for an unsharded copy
+    unsharded.load_state_dict(torch.load(path))
+    out["from_full"] = {k: v.clone() for k, v in unsharded.state_dict().items()}
+    return out
+
+
+def test_a_saved_state_dict_holds_this_ranks_rows_and_full_state_dict_the_whole(tmp_path):
+    """``sharded.state_dict()`` holds DTensor shards (as FSDP2's): a ``torch.save`` of it on
+    rank 0 keeps rank 0's rows, which an unsharded model refuses to load;
+    ``full_state_dict()`` (or ``autoshard.save``) is how to save the whole (docs/api.md)."""
+    eager = _blocks().state_dict()
+    for rank, out in enumerate(run_ranks(2, _saved_on_rank_0, str(tmp_path))):
+        assert out["dtensors"]
+        assert out["rows"]["blocks.0.weight"] == 4  # 8 rows over 2 ranks
+        assert out["into_unsharded"].startswith("escaped RuntimeError"), out["into_unsharded"]
+        for k, v in eager.items():
+            assert torch.equal(out["full"][k], v), k
+            assert torch.equal(out["from_full"][k], v), k
