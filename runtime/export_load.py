@@ -9,13 +9,11 @@ again from the stored joint graphs on another).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import io
 import json
 import math
 import os
-import stat
 from typing import Any, Optional
 
 import torch
@@ -109,9 +107,13 @@ def read_file(root: str, rel: str, files: Optional[dict] = None, *,
     ``document`` larger than ``graphcost.DOCUMENT_BYTES`` is refused before anything is read.
     With ``files`` (the manifest's listing, as read at the load) the file must have the size
     and SHA-256 recorded there, checked on the bytes returned: what is checked is what is
-    used, though the file change after."""
+    used, whatever happens to the file afterwards."""
     where = os.path.join(root, rel)
-    fd = _open_inside(root, rel, where)
+    try:
+        fd = commit_files.open_inside(root, rel, what="export")
+    except OSError as e:
+        raise AutoshardError(f"{where} cannot be read ({e.strerror}): the export was changed "
+                             "or removed; load it again") from None
     try:
         size = os.fstat(fd).st_size
         entry = None if files is None else files.get(rel)
@@ -142,48 +144,6 @@ def read_file(root: str, rel: str, files: Optional[dict] = None, *,
 def _changed(where: str, how: str) -> str:
     return (f"{where} was changed ({how}) since the export was written or loaded, and was not "
             "used: load the export again, or copy it again from a source you trust")
-
-
-_NOFOLLOW = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-
-def _open_inside(root: str, rel: str, where: str) -> int:
-    """A descriptor of the regular file ``rel`` under ``root``, each folder on the way and the
-    file itself opened relative to the one before without following a symlink."""
-    parts = rel.split("/")
-    if rel.startswith("/") or {"", ".", ".."} & set(parts):
-        raise AutoshardError(f"{where} is not a plain path inside {root}: the export was "
-                             "changed. Copy it again from a source you trust.")
-    try:
-        fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError as e:
-        raise AutoshardError(f"{root} cannot be read ({e.strerror}): pass the export's "
-                             "directory") from None
-    try:
-        for k, part in enumerate(parts):
-            last = k == len(parts) - 1
-            flags = _NOFOLLOW if last else _NOFOLLOW | getattr(os, "O_DIRECTORY", 0)
-            try:
-                nxt = os.open(part, flags, dir_fd=fd)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise AutoshardError(f"{where} cannot be read ({e.strerror}): the export "
-                                         "was changed or removed; load it again") from None
-                raise AutoshardError(
-                    f"{where} is a symlink, or a folder on its path is "
-                    f"({'/'.join(parts[:k + 1])}): an export's files are read as plain files "
-                    "inside it, never through a symlink. Copy the export again from a source "
-                    "you trust.") from None
-            os.close(fd)
-            fd = nxt
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise AutoshardError(f"{where} is not a plain file: the export was changed. Copy "
-                                 "it again from a source you trust.")
-        out, fd = fd, -1
-        return out
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def read_json(root: str, rel: str, files: Optional[dict] = None):
