@@ -284,6 +284,7 @@ class _Joint:
                 hooks.tapping(model, self.traced_hooks, rec["taps"], rec["tapped"],
                               rec["btaps"], rec["hgrads"], rec["installed"]),\
                 _track_modules(model, self.stack), _track_checkpoints(),\
+                _cumulative_batch_norms(model),\
                 guards.recording(model) as reads, _traced(), CheckDtypes():
             rec["reads"] = reads
             paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -339,6 +340,45 @@ class _Joint:
         # forward's autocast state (the forward's casts are in the graph already)
         with torch.autocast(self.device.type, enabled=False):
             return torch.autograd.grad(outs, wrt, tangents, allow_unused=True)
+
+
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
+
+
+@contextlib.contextmanager
+def _cumulative_batch_norms(model: torch.nn.Module):
+    """Within it, each batch norm in training with ``momentum=None`` (a cumulative moving
+    average) updates its running statistics with the factor ``1 / num_batches_tracked`` as a
+    tensor: torch's module takes it as a Python float of the counter, a read of a value
+    capture does not know. The normalisation itself is ``F.batch_norm``'s, as eager's."""
+    patched = [m for m in model.modules()
+               if isinstance(m, _BATCH_NORMS) and m.momentum is None
+               and m.training and m.track_running_stats and m.running_mean is not None]
+    for m in patched:
+        m.forward = _cumulative_forward(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def _cumulative_forward(m) -> Callable:
+    def forward(x):
+        with torch.no_grad():
+            m.num_batches_tracked.add_(1)
+        # on copies (the backward saves them; the statistics are updated below)
+        out = torch.nn.functional.batch_norm(x, m.running_mean.clone(), m.running_var.clone(),
+                                             m.weight, m.bias, True, 0.0, m.eps)
+        with torch.no_grad():
+            dims = [d for d in range(x.dim()) if d != 1]
+            factor = 1.0 / m.num_batches_tracked
+            xd = x.detach().to(m.running_mean.dtype)
+            mean, var = xd.mean(dims), xd.var(dims, correction=1)  # unbiased, as eager's
+            m.running_mean.mul_(1 - factor).add_(mean * factor)
+            m.running_var.mul_(1 - factor).add_(var * factor)
+        return out
+    return forward
 
 
 class _LayoutAsRun:

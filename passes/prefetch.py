@@ -76,7 +76,8 @@ def prefetch_pass(gm: fx.GraphModule, ctx, *,
     Options: ``max_inflight_bytes`` — bound on the gathered bytes of units whose all-gather is
     issued and whose gathered parameters are not yet all freed, at each gather moved ahead
     (one left where it is read may exceed it: a unit larger than the bound, or the units one
-    node reads; default: no bound beyond ``max_depth``); ``max_depth`` — how many units ahead a gather may be issued (default 2);
+    node reads; default: no bound beyond ``max_depth``); ``max_depth`` — how many units
+    ahead a gather may be issued (default 2);
     ``max_copy_bytes`` — bound on the offloaded activations copied back and not yet read
     (``_prefetch_copies``; default: none but the compute that covers each copy).
     Guarantees: the same nodes in an order every rank computes alike; every wait still

@@ -14,6 +14,8 @@ suite's tolerance), or refused with an AutoshardError naming the cause.
 - Linear -> transpose -> BatchNorm1d -> transpose -> Linear: torch's fake batch norm keeps the
   input's strides, its kernel returns a contiguous output, so a ``view`` traced on the fake
   strides failed when run.
+- ``BatchNorm1d(momentum=None)``: torch's module reads ``float(num_batches_tracked)``, which
+  capture refused as data-dependent.
 
 The eager reference runs in the same process: each rank's share of the batch in turn, its
 loss divided by the world size, so that the summed gradients are the ranks' mean.
@@ -67,13 +69,20 @@ class _Channels(nn.Module):
     """Linear, then BatchNorm1d over the features as channels (transposed in and out),
     then Linear: the batch norm reads a transposed input."""
 
-    def __init__(self):
+    def __init__(self, momentum=0.1):
         super().__init__()
-        self.a, self.bn, self.b = nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.a, self.b = nn.Linear(3, 8), nn.Linear(8, 3)
+        self.bn = nn.BatchNorm1d(8, momentum=momentum)
 
     def forward(self, x):  # (rows, 6) -> (rows, 2, 3): BatchNorm1d's length is 2
         h = self.a(x.unflatten(-1, (2, 3))).transpose(1, 2)
         return self.b(self.bn(h).transpose(1, 2)).flatten(1)
+
+
+def _cumulative():
+    """BatchNorm1d with ``momentum=None``: its statistics are cumulative averages."""
+    return nn.Sequential(nn.Linear(DIM, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(),
+                         nn.Linear(8, DIM))
 
 
 _BOUND = {"prefetch": Prefetch(bytes="1KB"), "verify": True}  # each unit > 1 KB
@@ -90,6 +99,8 @@ CASES = {
     "zero1_inference_eval": (_mlp, {"strategy": "zero1"}, 1, _plain),
     "batch_norm_of_transposed": (_Channels, {}, 1, _plain),
     "batch_norm_of_transposed_no_recompute": (_Channels, {"recompute": False}, 1, _plain),
+    "batch_norm_cumulative": (_cumulative, {}, 1, _plain),
+    "batch_norm_cumulative_transposed": (lambda: _Channels(momentum=None), {}, 1, _plain),
 }
 # cases that evaluate the model under torch.inference_mode() after each optimizer step
 EVALUATED = {"zero1_inference_eval"}
