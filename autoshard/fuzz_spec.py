@@ -37,6 +37,8 @@ LOOP_DEFAULTS = {
     "hook": None,          # {"kind": "observe" | "modify", "at": step, "target": index}
     "checkpoint": None,    # {"at": s}: save after step s, load after step s + 1
     "rank_local": None,    # {"at": s}: after step s rank 0 alone changes what forward reads
+    "autograd": None,      # "inputs": backward(inputs=all parameters but the first);
+                           # "grad": autograd.grad of them, added to .grad by the loop
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -104,6 +106,11 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         world > 1 and factory is None and rng.random() < 0.3) else None
     if factory is None and rng.random() < 0.3:  # the forward writes tensors to itself
         model["writes"] = True
+    if rng.random() < 0.3:  # the autograd API beyond backward()
+        hooked = loop["optimizer"] == "in_backward"
+        ways = ["inputs"] * (accumulate == 1 or not hooked) + ["grad"] * (
+            accumulate == 1 and not hooked)
+        loop["autograd"] = rng.choice(ways) if ways else None
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -148,6 +155,13 @@ def problems(spec: dict) -> list:
                    "would become lr-sized differences)")
     if loop["optimizer"] == "in_backward" and loop["clip"] is not None:
         out.append("an optimizer stepped in backward leaves nothing to clip")
+    how, hooked = loop.get("autograd"), loop["optimizer"] == "in_backward"
+    if how == "grad" and (hooked or loop["accumulate"] > 1):
+        out.append("autograd.grad of parameters runs no post-accumulate-grad hook to step an "
+                   "optimizer in, and is refused without gradient sync (docs/api.md)")
+    if how == "inputs" and hooked and loop["accumulate"] > 1:
+        out.append("without gradient sync a hooked parameter is no input of the step's graph "
+                   "for backward(inputs=...) to name (docs/api.md)")
     if loop["steps"] < 1 or loop["accumulate"] < 1:
         out.append("at least one step and one micro-batch")
     if loop["seq"] is not None and len(loop["seq"]) != loop["steps"]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 import torch.nn as nn
@@ -79,6 +80,24 @@ def with_written(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
         if type(t) is not torch.Tensor:
             raise AssertionError(f"forward's write left a {type(t).__name__} in the model")
     return loss + 0.1 * aux
+
+
+def backward_by(model: nn.Module, loss: torch.Tensor, how) -> None:
+    """The loop's backward: ``loss.backward()``; with loop "autograd", restricted to every
+    parameter but the first: ``backward(inputs=...)``, or ``torch.autograd.grad`` of them
+    added to their ``.grad`` by hand (as SAM and gradient-surgery loops do)."""
+    params = [p for p in model.parameters() if p.requires_grad][1:]
+    if how is None or not params:
+        loss.backward()
+    elif how == "inputs":
+        loss.backward(inputs=params)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sharded: reduced over the ranks, as .grad is
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
 
 
 def _float_leaves(out) -> list:
@@ -196,7 +215,7 @@ class ShardedRun:
         inputs, targets = self._batch(step, micro)
         with _autocast(self.spec["loop"]):
             loss = with_written(self.model, loss_of(self.model(*inputs), targets))
-        loss.backward()
+        backward_by(self.model, loss, self.spec["loop"].get("autograd"))
         self.records.append(("loss", step, micro, loss.item()))
 
     def evaluate(self, step, mode):
@@ -314,7 +333,7 @@ class ReferenceRun:
                 loss = with_written(self.model, loss_of(self._forward(rank, inputs), targets))
             values.append(loss.item())
             total = total + loss
-        (total / self.divide).backward()
+        backward_by(self.model, total / self.divide, self.spec["loop"].get("autograd"))
         self.records.append(("loss", step, micro, values))
         if self.spec["loop"]["optimizer"] == "in_backward" and sync:
             for p, opt in self.opt.items():

@@ -24,7 +24,7 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
 # captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
 # the classes).
-SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 108, 144)
+SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 108, 144, 238)
 
 
 def _regressions() -> list:
@@ -76,7 +76,8 @@ def test_the_sample_covers_every_feature():
                    "accumulate=2", "sync=first_and_last", "warmup=eval", "optimizer=sgd",
                    "optimizer=in_backward", "precision=autocast_bf16", "clip=0.5",
                    "param_groups=True", "zero_grad=zeros", "eval=no_grad", "hook=modify",
-                   "seq=changes", "checkpoint=on", "model=writes", "strategy=zero1",
+                   "seq=changes", "checkpoint=on", "model=writes", "autograd=inputs",
+                   "autograd=grad", "strategy=zero1",
                    "strategy=ddp", "strategy=zero2", "mp=bf16", "offload=cpu",
                    "reshard_after_forward=2",
                    "recompute=blocks", "bucket=True", "prefetch=1",
