@@ -11,7 +11,9 @@ the checkpoint directory holds ``checkpoint.json`` and the DCP folder it names. 
 interrupted save, over a fresh path or over an earlier checkpoint, never loads as a mix: the
 earlier checkpoint stays whole and is what loads, or the load says the path is incomplete.
 A load reads into new tensors and copies them into the model and the optimizer only once
-every rank read its part, so a failed load leaves both as they were.
+every rank read its part, so a failed load leaves both as they were. Above one rank a save
+also keeps each rank's own buffers (``RANK_BUFFERS``), which a load at that world size
+restores; a parameter without optimizer state (never stepped) loads without any.
 
 What a plain ``sharded.load_state_dict(sd)`` needs on top is here (``localize_state_dict``,
 called by ``ShardedModule``): a full tensor loads as this rank's rows, and a DTensor shard
@@ -25,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -35,6 +38,9 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime import commit, commit_files, commit_ranks, dcpio
 
 MARKER = "checkpoint.json"
+# each rank's buffers, saved under this name and its rank at world sizes above 1 (and named
+# once in the marker's contents): a resume at that world size gives each rank its own
+RANK_BUFFERS = "buffers_of_rank"
 FORMAT = "autoshard-checkpoint"
 VERSION = 2  # 2: each file's SHA-256 beside its size
 READS = (1, 2)
@@ -58,11 +64,16 @@ def save(path, model: torch.nn.Module, agreement, optimizer=None) -> None:
 
 def _save(path, model: torch.nn.Module, agreement, optimizer) -> None:
     state = _state(model, optimizer)
+    contents = sorted(state)
+    buffers = _rank_buffers(model) if agreement.world > 1 else {}
+    if buffers:  # each rank's own copy beside rank 0's in "model"
+        state[f"{RANK_BUFFERS}{agreement.rank}"] = buffers
+        contents.append(RANK_BUFFERS)
 
     def document(folder, files):
         return {"format": FORMAT, "version": VERSION, "torch": torch.__version__,
                 "autoshard": commit_files.version(), "world_size": agreement.world,
-                "contents": sorted(state), "files": files,
+                "contents": contents, "files": files,
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     commit.write(path, "checkpoint", MARKER, agreement,
@@ -96,8 +107,18 @@ def _load(path, model: torch.nn.Module, agreement, optimizer,
               explain=lambda seen: commit_ranks.differ("load of a checkpoint", seen))
     if doc is not None:  # each file hashed by one rank
         commit_files.verify(folder, doc["files"], doc["world_size"], "checkpoint", agreement)
-    state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(),
-                                 _state(model, optimizer))
+    state = _state(model, optimizer)
+    own = f"{RANK_BUFFERS}{agreement.rank}"
+    if doc is not None and RANK_BUFFERS in doc["contents"]:
+        if doc["world_size"] == agreement.world:
+            state[own] = _rank_buffers(model)
+        elif agreement.rank == 0:
+            warnings.warn(
+                f"{path} was saved at world size {doc['world_size']} with each rank's own "
+                f"buffers; at world size {agreement.world} every rank loads rank 0's copy "
+                f"(of {', '.join(sorted(_rank_buffers(model))[:4])}...). Training continues "
+                "exactly only at the world size that saved it.", stacklevel=4)
+    state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
     if optimizer is not None:
         _without_unsaved_state(state["optim"], folder)
     skipped = []
@@ -109,7 +130,7 @@ def _load(path, model: torch.nn.Module, agreement, optimizer,
                   "the model and the optimizer are as they were")
     with torch.no_grad():
         for fqn, t in module_state(model).items():
-            t.copy_(state["model"][fqn])
+            t.copy_(state.get(own, state["model"]).get(fqn, state["model"][fqn]))
     if optimizer is not None:  # a parameter without state (never stepped) gets none
         set_optimizer_state_dict(model, optimizer, state["optim"],
                                  options=StateDictOptions(strict=False))
@@ -157,6 +178,14 @@ def _state(model, optimizer) -> dict:
     if optimizer is not None:  # keyed by module path, as DCP's helper keys it
         state["optim"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def _rank_buffers(model) -> dict:
+    """The model's persistent buffers that are plain tensors (each rank's own copy: a
+    BatchNorm's running statistics, an EMA each rank updates from its own batch)."""
+    params = {id(p) for p in model.parameters()}
+    return {fqn: t for fqn, t in module_state(model).items()
+            if id(t) not in params and not isinstance(t, DTensor)}
 
 
 def module_state(model: torch.nn.Module, every_buffer: bool = False) -> dict:

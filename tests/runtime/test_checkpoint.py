@@ -332,8 +332,9 @@ class Counting(nn.Module):
 
 
 def _per_rank_buffer(rank, world, root):
-    """Two saves and an export, each after another step: every rank loads rank 0's copy of
-    the buffer, whatever rank DCP would balance its file onto."""
+    """Two saves and an export, each after another step: every rank loads its own copy of
+    the buffer from a save at its world size; the export holds rank 0's copy, whatever rank
+    DCP would balance its file onto."""
     import autoshard as api
 
     torch.manual_seed(0)
@@ -351,11 +352,12 @@ def _per_rank_buffer(rank, world, root):
     return out
 
 
-def test_a_per_rank_buffer_saves_rank_0s_copy(tmp_path):
+def test_a_per_rank_buffer_loads_each_ranks_copy_and_exports_rank_0s(tmp_path):
     ranks = run_ranks(2, _per_rank_buffer, str(tmp_path))
     zero = ranks[0]["saved"]
     assert not torch.equal(zero[1], ranks[1]["saved"][1]), "the ranks' buffers must differ"
     for r, out in enumerate(ranks):
         for k in range(2):
-            assert torch.equal(out["loaded"][k], zero[k]), (r, k, out["loaded"][k], zero[k])
+            own = out["saved"][k]
+            assert torch.equal(out["loaded"][k], own), (r, k, out["loaded"][k], own)
         assert torch.equal(out["exported"], zero[1]), (r, out["exported"], zero[1])

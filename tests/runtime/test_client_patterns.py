@@ -372,3 +372,89 @@ def test_a_saved_state_dict_holds_this_ranks_rows_and_full_state_dict_the_whole(
         for k, v in eager.items():
             assert torch.equal(out["full"][k], v), k
             assert torch.equal(out["from_full"][k], v), k
+
+
+# --- buffers each rank updates from its own batch, across a resume ---------------------------
+
+class Normed(nn.Module):
+    """BatchNorm without SyncBatchNorm: each rank's running statistics are its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def _buffers(model) -> dict:
+    return {k: v.clone() for k, v in model.named_buffers()}
+
+
+def _bn_resume(rank, world, root):
+    import autoshard as api
+
+    def build():
+        torch.manual_seed(0)
+        model = autoshard(Normed())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build()
+    _steps(model, opt, 0, 2, rank, world)
+    api.save(f"{root}/bn", model, opt)
+    straight = _steps(model, opt, 2, 4, rank, world)
+    out = {"straight": straight, "state": _state(model), "buffers": _buffers(model)}
+    fresh, fresh_opt = build()
+    api.load_checkpoint(f"{root}/bn", fresh, fresh_opt)
+    out["resumed"] = _steps(fresh, fresh_opt, 2, 4, rank, world)
+    out["resumed_state"], out["resumed_buffers"] = _state(fresh), _buffers(fresh)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_resume_restores_each_ranks_own_buffers(tmp_path, world):
+    ranks = run_ranks(world, _bn_resume, str(tmp_path))
+    if world > 1:  # each rank saw its own batches: the statistics differ
+        assert not torch.equal(ranks[0]["buffers"]["bn.running_mean"],
+                               ranks[1]["buffers"]["bn.running_mean"])
+    for out in ranks:
+        assert out["resumed"] == out["straight"]
+        for k, v in out["buffers"].items():
+            assert torch.equal(out["resumed_buffers"][k], v), k
+        for k, v in out["state"].items():
+            assert torch.equal(out["resumed_state"][k], v), k
+
+
+def _bn_load_alone(rank, world, root):
+    import warnings
+
+    import autoshard as api
+
+    torch.manual_seed(0)
+    model = autoshard(Normed())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        api.load_checkpoint(f"{root}/bn", model, opt)
+    return {"buffers": _buffers(model), "warned": [str(w.message) for w in caught]}
+
+
+def _bn_save(rank, world, root):
+    import autoshard as api
+
+    torch.manual_seed(0)
+    model = autoshard(Normed())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, 0, 2, rank, world)
+    api.save(f"{root}/bn", model, opt)
+    return _buffers(model)
+
+
+def test_at_another_world_size_every_rank_loads_rank_0s_buffers_with_a_warning(tmp_path):
+    saved = run_ranks(2, _bn_save, str(tmp_path))
+    (alone,) = run_ranks(1, _bn_load_alone, str(tmp_path))
+    for k, v in saved[0].items():
+        assert torch.equal(alone["buffers"][k], v), k
+    assert any("rank 0's copy" in w and "world size 2" in w for w in alone["warned"]), \
+        alone["warned"]
