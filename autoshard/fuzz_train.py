@@ -378,18 +378,18 @@ class ReferenceRun:
     def save(self):
         self.saved = (copy.deepcopy(self.model.state_dict()),
                       None if isinstance(self.opt, dict) else copy.deepcopy(self.opt.state_dict()),
-                      {n: b.clone() for n, b in self.buffers[0].items()})
+                      [{n: b.clone() for n, b in mine.items()} for mine in self.buffers])
 
     def load(self):
-        """Back to the saved state; the buffers every rank loads are rank 0's (a checkpoint
-        holds one copy of a replicated tensor)."""
+        """Back to the saved state; each rank loads its own buffers (a checkpoint holds each
+        rank's copy, and the load is at the world size that saved it)."""
         model_state, opt_state, buffers = self.saved
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(model_state[name])
         if opt_state is not None:
             self.opt.load_state_dict(opt_state)
-        self.buffers = [{n: b.clone() for n, b in buffers.items()} for _ in range(self.world)]
+        self.buffers = [{n: b.clone() for n, b in mine.items()} for mine in buffers]
 
     def finish(self) -> dict:
         params = {k: v.detach().clone() for k, v in self.model.state_dict().items()
