@@ -33,9 +33,12 @@ process):
   sweep removes a folder only under that file's exclusive lock, taken without waiting: one
   being read stays until a later sweep. A multi-rank load reads rank 0's folder on every rank.
 - A lock file exists while someone holds it (its last holder removes it) and is no part of
-  the checkpoint or export. Where the file system has no flock, writes and reads go on
-  unlocked as before, with a warning; a reader that cannot create the lock file (a read-only
-  directory) reads unlocked.
+  the checkpoint or export. Lock files, like the marker's temporary file, are made inside the
+  directory and opened there without following a symlink (``commit_files.open_inside``): a
+  symlink or hard link planted at such a name is unlinked and the file made anew, so nothing
+  outside the directory is created or written through it. Where the file system has no
+  flock, writes and reads go on unlocked as before, with a warning; a reader that cannot
+  create the lock file (a read-only directory) reads unlocked.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 import warnings
@@ -215,19 +219,17 @@ def _commit(path: str, marker: str, folder: str, document) -> None:
 
 
 def _create(path: str, name: str, flags: int) -> int:
-    """A new file ``name`` in the directory ``path`` (a lock or a temporary file, no part of
+    """A new file ``name`` in the directory ``path`` (the marker's temporary file, no part of
     the checkpoint or export), made there and nowhere else: whatever is at the name (a
     symlink, dangling or not, a hard link to a file elsewhere) is unlinked, never followed or
     written through. OSError when the directory refuses."""
-    for tries in range(3):
+    for _ in range(2):
         try:
             return open_inside(path, name, flags | os.O_CREAT | os.O_EXCL)
         except FileExistsError:
-            if tries == 2:
-                raise
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(path, name))  # unlinks a symlink, not its target
-    raise AssertionError("unreachable")
+    return open_inside(path, name, flags | os.O_CREAT | os.O_EXCL)
 
 
 def _committed(path: str, marker: str, folder: str) -> bool:
@@ -295,17 +297,21 @@ class _NoLock(Exception):
 def _open_lock(where: str) -> int:
     """The lock file ``where``, opened (made if missing) inside its directory and never
     through a symlink or a hard link (``open_inside``): one planted at the name is unlinked
-    and the lock file made anew (``_create``); no one holds a lock through such a name."""
+    and the lock file made anew; no one holds a lock through such a name. OSError (or
+    ``Refused``, planted again each time) when it cannot be opened."""
     path, name = os.path.split(where)
-    try:
-        return open_inside(path, name, os.O_RDWR | os.O_CREAT)
-    except PermissionError:  # another user's lock file: a shared lock needs no write access
+    for tries in range(3):
         try:
+            return open_inside(path, name, os.O_RDWR | os.O_CREAT)
+        except PermissionError:  # another user's lock file: a shared lock needs no writing
             return open_inside(path, name, os.O_RDONLY)
-        except Refused as e:
-            raise PermissionError(errno.EACCES, str(e)) from None
-    except Refused:
-        return _create(path, name, os.O_RDWR)
+        except Refused:
+            if tries == 2:
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(where)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:  # still the planted one
+                    os.unlink(where)  # the name alone, never what it points at
 
 
 def _take(where: str, how: int) -> Optional[int]:

@@ -332,6 +332,7 @@ def _writer(rel: str) -> Optional[int]:
 
 def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> None:
     keep = _checked.get()
+    room = _KEPT - sum(c.fd is not None for c in keep.values()) if keep is not None else 0
     for rel, entry in files.items():
         size, digest = (entry, None) if isinstance(entry, int) else (entry["bytes"],
                                                                      entry["sha256"])
@@ -365,10 +366,12 @@ def _verify(root: str, files: dict, world_size: int, what: str, hashed: set) -> 
                     f"written. Copy it again from the {what}'s source, or write the {what} "
                     "again.")
             if keep is not None:
-                kept = mine and sum(c.fd is not None for c in keep.values()) < _KEPT
                 old = keep.get(_key(root, rel))
                 if old is not None and old.fd is not None:  # checked again: the new one holds
                     os.close(old.fd)
+                    room += 1
+                kept = mine and room > 0
+                room -= kept
                 keep[_key(root, rel)] = _Checked(fd if kept else None, size, digest)
         finally:
             if not kept:
@@ -406,8 +409,7 @@ def check_format(doc: dict, where: str, fmt: str, reads: tuple, what: str) -> No
 
 def whose(rel: str, world_size: int) -> str:
     """For a DCP shard file (``__R_0.distcp``), which rank wrote it."""
-    name = os.path.basename(rel)
-    if name.startswith("__") and name.endswith(".distcp"):
-        return (f" (the shards rank {name[2:].split('_')[0]} wrote, of the {world_size} "
-                "ranks that wrote them)")
+    writer = _writer(rel)
+    if writer is not None:
+        return f" (the shards rank {writer} wrote, of the {world_size} ranks that wrote them)"
     return ""
