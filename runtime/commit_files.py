@@ -32,7 +32,9 @@ from autoshard.version import VERSION
 
 _FLAGS = (getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
           | getattr(os, "O_NONBLOCK", 0))  # a FIFO planted at a name never blocks the open
-_DIRECTORY = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _FLAGS
+# the directory itself (the caller's path, which may be a symlink), then a folder in it
+_ROOT = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = _ROOT | _FLAGS
 # what open(2) says of a symlink it was told not to follow (EMLINK: the BSDs), or of a
 # folder on the way that is a symlink or a file
 _LINKED = {errno.ELOOP, errno.EMLINK, errno.ENOTDIR}
@@ -56,7 +58,7 @@ def open_inside(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644
                       f"'..', or a NUL byte): the {what} was changed. Copy it again from a "
                       "source you trust.")
     parts = rel.split("/")
-    fd = os.open(root, _DIRECTORY)
+    fd = os.open(root, _ROOT)
     try:
         for k, part in enumerate(parts):
             last = k == len(parts) - 1
@@ -113,7 +115,7 @@ def read_document(root: str, rel: str, what: str):
 
 def fsync_dir(path: str) -> None:
     try:
-        fd = os.open(path, _DIRECTORY)
+        fd = os.open(path, _ROOT)
     except OSError:
         return
     try:

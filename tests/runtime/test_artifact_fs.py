@@ -250,8 +250,16 @@ def cases(rank, world, root):
     case("nul_path_load", lambda: autoshard.load_checkpoint(f"{ckpt}\0x", model, opt))
     case("nul_path_save", lambda: autoshard.save(f"{root}/new\0x", model, opt))
 
-    # the untouched copies still load; saves over the planted ones loaded back
+    # the untouched copies still load; saves over the planted ones loaded back; the
+    # directory itself may be a symlink (the caller's own path)
     case("clean", lambda: autoshard.load_checkpoint(ckpt, model, opt))
+    p13 = copy(ckpt)
+    os.symlink(p13, f"{root}/linked")
+    case("linked_save", lambda: autoshard.save(f"{root}/linked", model, opt))
+    case("linked_load", lambda: autoshard.load_checkpoint(f"{root}/linked", model, opt))
+    e13 = copy(ex)
+    os.symlink(e13, f"{root}/linked_export")
+    case("linked_export", lambda: autoshard.load(f"{root}/linked_export")(X))
     case("saved_over", lambda: autoshard.load_checkpoint(p, model, opt))
     case("clean_export", lambda: autoshard.load(ex)(X))
     return out
@@ -346,7 +354,8 @@ def test_malformed_files_are_autoshard_errors_naming_the_file(out, name, words):
     _refused(out[name], *words)
 
 
-@pytest.mark.parametrize("name", ["clean", "saved_over", "clean_export"])
+@pytest.mark.parametrize("name", ["clean", "saved_over", "clean_export", "linked_save",
+                                  "linked_load", "linked_export"])
 def test_untouched_and_saved_over_copies_load(out, name):
     assert out[name]["outcome"] == "ok", out[name]
 
