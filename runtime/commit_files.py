@@ -67,10 +67,11 @@ def open_inside(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644
             except OSError as e:
                 if e.errno not in _LINKED:
                     raise
-                raise Refused(f"{where} is a symlink, or a folder on its path is "
-                              f"({'/'.join(parts[:k + 1])}): a {what}'s files are opened as "
-                              "plain files inside it, never through a symlink. Copy it again "
-                              "from a source you trust.") from None
+                which = ("is a symlink" if last else f"is under {'/'.join(parts[:k + 1])}, "
+                         "a symlink or not a folder")
+                raise Refused(f"{where} {which}: a {what}'s files are opened as plain files "
+                              "inside it, never through a symlink. Copy it again from a source "
+                              "you trust.") from None
             os.close(fd)
             fd = nxt
         st = os.fstat(fd)

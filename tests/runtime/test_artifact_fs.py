@@ -154,6 +154,12 @@ def cases(rank, world, root):
     os.rename(f"{p6}/checkpoint.json", f"{root}/marker6")
     os.link(f"{root}/marker6", f"{p6}/checkpoint.json")
     case("marker_hardlink", lambda: autoshard.load_checkpoint(p6, model, opt))
+    e6 = copy(ex)  # the export's DCP folder a symlink to a copy outside (same bytes)
+    sub = os.path.join(_data(e6, "manifest.json"), "checkpoint")
+    os.rename(sub, f"{root}/dcp6")
+    os.symlink(f"{root}/dcp6", sub)
+    case("dcp_folder_symlink_export", lambda: autoshard.load(e6))
+    out["dcp_folder_symlink_export"]["file"] = os.path.relpath(sub, e6)
     p7 = copy(ckpt)
     shard7 = _shard(p7)
     os.rename(shard7, f"{root}/shard7")
@@ -318,6 +324,11 @@ def test_a_hard_linked_read_lock_leaves_the_file_outside_alone(out):
 ])
 def test_a_marker_that_is_a_link_is_refused(out, name, words):
     _refused(out[name], *words)
+
+
+def test_a_folder_on_the_path_that_is_a_symlink_is_refused(out):
+    got = out["dcp_folder_symlink_export"]
+    _refused(got, f"is under {got['file']}, a symlink")
 
 
 def test_a_hard_linked_shard_is_refused(out):
