@@ -10,12 +10,15 @@ import operator
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint as ckpt
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch._ops import OpOverload  # noqa: F401
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (meta-device init)
 
 # pytree: flattening the calls' inputs and outputs (torch's own, private, module)
@@ -56,8 +59,6 @@ def dtensor_here(local: torch.Tensor, mesh, placements, shape, stride):
     """A DTensor of ``local`` on ``mesh`` where ``local`` is: ``DTensor.from_local`` moves
     its tensor to the mesh's device type, so a shard kept in host memory (CPU offload) on a
     GPU mesh would land on the GPU again. FSDP2 builds its host shards this way too."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     spec = DTensorSpec(mesh, tuple(placements),
                        TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return new_dtensor(local, spec)
@@ -126,8 +127,6 @@ CHECKPOINT_GENERATORS = ("_checkpoint_without_reentrant_generator_impl",
 def checkpoint_implementations() -> list:
     """The names in ``torch.utils.checkpoint`` that ``transparent_checkpoint`` replaces on
     this torch (the reentrant Function first, then each non-reentrant generator)."""
-    import torch.utils.checkpoint as ckpt
-
     return [n for n in (CHECKPOINT_REENTRANT, *CHECKPOINT_GENERATORS) if hasattr(ckpt, n)]
 
 
@@ -142,8 +141,6 @@ def transparent_checkpoint(enter, leave):
     also covers partials of it (Hugging Face's gradient checkpointing) and
     ``checkpoint_wrapper``. On a torch that names no known implementation it warns: a model
     without checkpointing still captures, a checkpointed region would run torch's own."""
-    import torch.utils.checkpoint as ckpt
-
     names = checkpoint_implementations()
     if CHECKPOINT_REENTRANT not in names or len(names) < 2:
         warnings.warn(
@@ -233,13 +230,9 @@ def is_fake(x) -> bool:
 
 
 def register_dataclasses(tree) -> None:
-    """Make the type of every dataclass instance in ``tree`` (through tuples, lists, dicts
-    and dataclass fields) a pytree node of its ``__init__`` fields, as
-    ``torch.export.register_dataclass`` does, so that a forward returning a plain
-    ``@dataclass`` of tensors is flattened as a tuple of them is. A type already registered
-    (transformers' ``ModelOutput`` registers itself) is left as it is. Registration is
-    torch's process-wide pytree table: the type flattens so everywhere from then on, as
-    torch.export and torch.compile need it to."""
+    """Register the type of every dataclass in ``tree`` (through tuples, lists, dicts and
+    fields) as a pytree node of its fields, as ``torch.export.register_dataclass`` does (in
+    torch's process-wide table), unless registered already (transformers' ``ModelOutput``)."""
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         if type(tree) not in pytree.SUPPORTED_NODES:
             pytree.register_dataclass(type(tree))
@@ -275,8 +268,6 @@ def python_vals(result, val):
 def all_gather_tensor(out, inp, group=None) -> None:
     """``torch.distributed``'s all-gather into one tensor, under its current name
     (``all_gather_single``; ``all_gather_into_tensor`` before it, deprecated since)."""
-    import torch.distributed as dist
-
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
 
 
@@ -415,17 +406,6 @@ def asserts_true(expr, read) -> bool:
     symbol, value = read
     return expr in (value, symbol) or (isinstance(expr, sympy.Eq)
                                        and set(expr.args) == {symbol, sympy.Integer(1)})
-
-
-def has_unbacked(v) -> bool:
-    """Whether the traced value ``v`` (a tensor's sizes and strides, or a number) depends on
-    an unbacked symbol: on a tensor's value read during the trace."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    try:
-        return bool(free_unbacked_symbols(v))
-    except Exception:  # noqa: BLE001 - a value the helper does not walk holds no symbol
-        return False
 
 
 def fake_like(v):

@@ -287,8 +287,7 @@ class _Joint:
                 _cumulative_batch_norms(model),\
                 guards.recording(model) as reads, _traced(), CheckDtypes():
             rec["reads"] = reads
-            paths = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-            watch = writes.Watch(writes.owners(model, paths))
+            watch = writes.Watch(writes.owners(model))
             try:  # what the forward wrote is replayed after each run, never left fake
                 out = _cast_floating(self.forward(model, *a, **kw), self.output_dtype)
                 rec["writes"], rec["written"] = watch.finish(reads, guards.MODULE_INTERNALS)
@@ -298,10 +297,9 @@ class _Joint:
         return out
 
     def _outputs(self, out, shadows: list) -> tuple:
-        """The forward's tensor outputs: the user's, those it wrote to the Python world
-        (``autoshard.writes``), the taps', then the state the forward left in objects; and
-        how many are the user's and written (those may be differentiated). Objects among the
-        outputs become ``StateOut``/``NewState`` leaves."""
+        """The forward's tensor outputs: the user's, those it wrote to modules (``writes``),
+        the taps', then the state the forward left in objects; and how many are the user's and
+        written (differentiable). Objects among the outputs become ``StateOut``/``NewState``."""
         rec = self.rec
         _compat.register_dataclasses(out)  # its tensors are outputs, as a tuple's are
         out_leaves, rec["out_spec"] = tree_flatten(out)

@@ -158,9 +158,10 @@ def _holds_fake(x, depth: int) -> bool:
     return False
 
 
-def owners(model: torch.nn.Module, names: dict) -> list:
+def owners(model: torch.nn.Module) -> list:
     """The objects a forward may write: every module of ``model``, and the plain objects
     (a config) its modules hold, each with its label for messages."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     out, seen = [], set()
     for m in dict.fromkeys(model.modules()):
         label = f"module '{names.get(id(m), '?') or '(root)'}' ({user_class_name(m)})"
