@@ -326,6 +326,9 @@ def _candidates(spec: dict):
             yield variant(model=dict(model, blocks=blocks[:i] + blocks[i + 1:]))
         if model["head"] != "untied":
             yield variant(model=dict(model, head="untied"))
+        for key in ("unused", "output"):  # a parameter no loss reads, a dataclass output
+            if model.get(key):
+                yield variant(model={k: v for k, v in model.items() if k != key})
     for key, default in LOOP_DEFAULTS.items():
         # .get: a spec written before a feature existed lacks its key (the default)
         if key not in ("steps", "batch") and not same_value(spec["loop"].get(key, default),

@@ -8,6 +8,8 @@ for the eager reference.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -164,6 +166,15 @@ def _block(kind: str, d: int) -> nn.Module:
     }[kind]()
 
 
+@dataclasses.dataclass
+class FuzzOutput:
+    """What forward returns under model "output": "dataclass" (a plain dataclass, as many
+    models' outputs are): the logits and the last hidden state, both read by the loss."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
 class FuzzNet(nn.Module):
     """Token embedding, the spec's blocks in order, and a head tied to the embedding (one
     parameter under two names) or its own Linear."""
@@ -182,6 +193,11 @@ class FuzzNet(nn.Module):
         # model "writes": forward sets an auxiliary loss the loop adds (as MoE load-balancing
         # losses are read) and a detached hidden state (autoshard.writes)
         self.writes = bool(model.get("writes"))
+        # model "unused": a parameter no forward reads (no gradient, no optimizer state);
+        # model "output": "dataclass": forward returns a FuzzOutput, not the logits
+        if model.get("unused"):
+            self.unused = nn.Linear(d, 2)
+        self.output = model.get("output")
 
     def forward(self, x):
         h = self.emb(x)
@@ -192,6 +208,8 @@ class FuzzNet(nn.Module):
         if self.writes:
             self.aux_loss = h.float().pow(2).mean()
             self.last_hidden = h.detach()
+        if self.output == "dataclass":
+            return FuzzOutput(self.head(h), h)
         return self.head(h)
 
 

@@ -39,11 +39,14 @@ LOOP_DEFAULTS = {
     "rank_local": None,    # {"at": s}: after step s rank 0 alone changes what forward reads
     "autograd": None,      # "inputs": backward(inputs=all parameters but the first);
                            # "grad": autograd.grad of them, added to .grad by the loop
+    "clip_norm": None,     # "inf": clip's norm_type is the infinity norm (None: 2)
+    "entry": False,        # the loss also calls the first block directly (its own entry)
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
     "bucket": None, "prefetch": True, "reshard_after_forward": "auto", "mp": None,
     "gradient_divide_factor": None, "force_sum_reduction_for_comms": False, "verify": False,
+    "units": None,  # "blocks": explicit Config.units, one per block holding parameters
 }
 DIM, VOCAB, SEQ = 16, 32, 8
 LR = {"adamw": 1e-2, "in_backward": 1e-2, "sgd": 5e-2}
@@ -111,11 +114,34 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         ways = ["inputs"] * (accumulate == 1 or not hooked) + ["grad"] * (
             accumulate == 1 and not hooked)
         loop["autograd"] = rng.choice(ways) if ways else None
+    if factory is None:
+        _draw_client_patterns(rng, model, loop, config)
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
     assert not problems(spec), (problems(spec), spec)
     return spec
+
+
+def _draw_client_patterns(rng: random.Random, model: dict, loop: dict, config: dict) -> None:
+    """What users' loops do that broke (drawn after every other draw, so that each seed
+    keeps what it drew before): a parameter no loss reads (and a resume of its missing
+    optimizer state), an infinity-norm clip (an empty shard of a one-row parameter), a
+    forward returning a dataclass, explicit units with a block called directly."""
+    steps = loop["steps"]
+    if rng.random() < 0.15:
+        model["unused"] = True
+        if loop["checkpoint"] is None and rng.random() < 0.5:
+            loop["checkpoint"] = {"at": rng.randrange(steps - 1)} if steps > 1 else None
+    if loop["clip"] is not None and rng.random() < 0.5:
+        loop["clip_norm"] = "inf"
+    if rng.random() < 0.15:
+        model["output"] = "dataclass"
+    if model["blocks"] and rng.random() < 0.2:
+        config["units"] = "blocks"
+        loop["entry"] = rng.random() < 0.6
+    elif model["blocks"] and rng.random() < 0.1:
+        loop["entry"] = True
 
 
 def _fix(spec: dict) -> None:
@@ -125,6 +151,10 @@ def _fix(spec: dict) -> None:
         loop["optimizer"] = "sgd"
     if loop["optimizer"] == "in_backward":
         loop["clip"] = None
+    if loop["clip"] is None:
+        loop["clip_norm"] = None
+    if config["mp"] is not None:  # the reference casts for forward only, not for an entry
+        loop["entry"] = False
     if any(b["kind"] == "float64" for b in spec["model"].get("blocks", ())):
         config["mp"] = None
 
@@ -170,6 +200,10 @@ def problems(spec: dict) -> list:
         out.append("the hook is registered at a step that runs")
     if loop["checkpoint"] is not None and loop["checkpoint"]["at"] + 1 >= loop["steps"]:
         out.append("a checkpoint is loaded one step after it is saved")
+    if loop.get("clip_norm") is not None and loop["clip"] is None:
+        out.append("clip_norm is the norm of a clip")
+    if (loop.get("entry") or config.get("units")) and not model.get("blocks"):
+        out.append("a block called directly, or a unit per block, needs a block")
     if "factory" not in model and any(b["kind"] not in BLOCKS for b in model["blocks"]):
         out.append("unknown block kind")
     if config["mp"] is not None and any(b["kind"] == "float64" for b in model.get("blocks", ())):
@@ -201,6 +235,8 @@ def features(spec: dict) -> list:
         out += [f"block={k}" for k in sorted({b["kind"] for b in model["blocks"]})]
         if model.get("writes"):
             out.append("model=writes")
+        out += [f"model={k}" for k in ("unused",) if model.get(k)]
+        out += [f"output={model['output']}"] if model.get("output") else []
     for part, defaults in (("loop", LOOP_DEFAULTS), ("config", CONFIG_DEFAULTS)):
         for key, default in defaults.items():
             value = spec[part].get(key, default)  # a spec older than the feature: default

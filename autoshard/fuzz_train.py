@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from autoshard import Config, autoshard, load_checkpoint, save
 from autoshard._compat import tree_leaves
 from autoshard.factory import default_inputs, load_factory
-from autoshard.fuzz_model import build_model
+from autoshard.fuzz_model import FuzzOutput, build_model
 from autoshard.fuzz_spec import LR, SEQ
 from autoshard.options import Offload, Prefetch
 
@@ -61,6 +61,8 @@ def loss_of(out, targets) -> torch.Tensor:
     """Cross-entropy over the targets; for a factory model (no targets) a fixed random
     projection of every floating output (as ``autoshard.check``'s default loss, but also of
     outputs that need no gradient: an evaluation call's), scaled by their size."""
+    if isinstance(out, FuzzOutput):  # model "output": "dataclass": both fields
+        return loss_of(out.logits, targets) + 0.01 * out.hidden.float().pow(2).mean()
     if targets is None:
         gen = torch.Generator().manual_seed(0)
         leaves = _float_leaves(out)
@@ -80,6 +82,26 @@ def with_written(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
         if type(t) is not torch.Tensor:
             raise AssertionError(f"forward's write left a {type(t).__name__} in the model")
     return loss + 0.1 * aux
+
+
+def with_entry(model: nn.Module, loss: torch.Tensor, inputs: tuple, loop: dict):
+    """``loss`` plus, with loop "entry", the first block called directly (a submodule's
+    forward, an entry of its own) on features made from the tokens."""
+    if not loop.get("entry"):
+        return loss
+    d = model.emb.weight.shape[1]
+    h = (inputs[0].unsqueeze(-1).float() + torch.arange(d)) / (2 * d)
+    return loss + 0.1 * model.blocks[0](h).float().pow(2).mean()
+
+
+def block_units(model: nn.Module) -> list:
+    """Config "units": "blocks": one explicit unit per block holding parameters."""
+    return [[f"blocks.{i}.{n}" for n, _ in block.named_parameters()]
+            for i, block in enumerate(model.blocks) if next(block.parameters(), None) is not None]
+
+
+def _clip_norm(loop: dict) -> float:
+    return float("inf") if loop.get("clip_norm") == "inf" else 2.0
 
 
 def backward_by(model: nn.Module, loss: torch.Tensor, how) -> None:
@@ -199,7 +221,10 @@ class ShardedRun:
 
             mesh = init_device_mesh("cpu", (2, spec["world"] // 2),
                                     mesh_dim_names=("replicate", "shard"))
-        self.model = autoshard(model, mesh=mesh, config=Config(**config_kwargs(spec)))
+        kwargs = config_kwargs(spec)
+        if spec["config"].get("units") == "blocks":
+            kwargs["units"] = block_units(model)
+        self.model = autoshard(model, mesh=mesh, config=Config(**kwargs))
         self.opt = _make_optimizers(self.model, spec["loop"])
         if spec["loop"]["optimizer"] == "in_backward":
             for p, opt in self.opt.items():
@@ -215,6 +240,7 @@ class ShardedRun:
         inputs, targets = self._batch(step, micro)
         with _autocast(self.spec["loop"]):
             loss = with_written(self.model, loss_of(self.model(*inputs), targets))
+            loss = with_entry(self.model, loss, inputs, self.spec["loop"])
         backward_by(self.model, loss, self.spec["loop"].get("autograd"))
         self.records.append(("loss", step, micro, loss.item()))
 
@@ -228,7 +254,8 @@ class ShardedRun:
         self.records.append((mode, step, 0, value))
 
     def clip(self, max_norm):
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm,
+                                              norm_type=_clip_norm(self.spec["loop"]))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.records.append(("clip", -1, 0, float(norm)))
 
@@ -331,6 +358,7 @@ class ReferenceRun:
         for rank, (inputs, targets) in enumerate(self._batches(step, micro)):
             with _autocast(self.spec["loop"]):
                 loss = with_written(self.model, loss_of(self._forward(rank, inputs), targets))
+                loss = with_entry(self.model, loss, inputs, self.spec["loop"])
             values.append(loss.item())
             total = total + loss
         backward_by(self.model, total / self.divide, self.spec["loop"].get("autograd"))
@@ -352,7 +380,8 @@ class ReferenceRun:
         self.records.append((mode, step, 0, values))
 
     def clip(self, max_norm):
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm,
+                                              norm_type=_clip_norm(self.spec["loop"]))
         self.records.append(("clip", -1, 0, [float(norm)] * self.world))
 
     def step(self):
