@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autoshard._compat import dcp_set_element
 from autoshard.errors import AutoshardError
-from autoshard.runtime.commit_files import open_checked
+from autoshard.runtime.commit_files import open_checked, open_inside
 
 METADATA = ".metadata"
 
@@ -174,6 +174,25 @@ class _Files(FileSystem):
             yield f
 
 
+class _NewFiles(FileSystem):
+    """DCP's file system for ``save``: each file it writes is made new in the (fresh) folder,
+    never opened through a symlink or over a file planted there (``O_EXCL``)."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = os.fspath(folder)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        rel = os.path.relpath(os.fspath(path), self.folder)
+        if mode != "wb" or os.path.dirname(rel) or rel in (".", ".."):
+            raise AutoshardError(f"{path}: the checkpoint writer makes only new files of "
+                                 f"{self.folder} (asked: {mode!r})")
+        fd = open_inside(self.folder, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+
+
 class SafePlanner(DefaultLoadPlanner):
     """DCP's load planner, with values that are not tensors read by ``torch.load(
     weights_only=True)``, and the keys of the state and of the checkpoint compared first:
@@ -295,7 +314,9 @@ def save(state: dict, folder: str, group) -> None:
     a buffer each rank updates from its own batch (BatchNorm's running statistics without
     SyncBatchNorm) would load as a different rank's copy from one save to the next; rank 0's
     is what ``torch.save`` on rank 0 would keep."""
-    dcp.save(state, checkpoint_id=folder, process_group=group,
+    writer = dcp.FileSystemWriter(folder)
+    writer.fs = _NewFiles(folder)
+    dcp.save(state, checkpoint_id=folder, process_group=group, storage_writer=writer,
              planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
 
 

@@ -130,6 +130,17 @@ def cases(rank, world, root):
     finally:
         commit.uuid.uuid4 = real_uuid4
 
+    # ... and a shard file planted in the data folder the next write makes
+    p3b = copy(ckpt)
+    os.makedirs(f"{p3b}/data-{token}")
+    os.symlink(decoy("bashrc3b"), f"{p3b}/data-{token}/__0_0.distcp")
+    commit.uuid.uuid4 = lambda: real_uuid4().__class__(token * 2 + "0" * 8)
+    try:
+        case("shard_planted", lambda: autoshard.save(p3b, model, opt), f"{root}/bashrc3b")
+    finally:
+        commit.uuid.uuid4 = real_uuid4
+    case("shard_planted_kept", lambda: autoshard.load_checkpoint(p3b, model, opt))
+
     # 3. a read lock planted as a dangling symlink (the load would create its target)
     p4 = copy(ckpt)
     os.symlink(f"{root}/made_by_reader", f"{p4}/.lock-{os.path.basename(_data(p4))}")
@@ -303,6 +314,14 @@ def test_a_planted_marker_temporary_file_is_not_written_through(out):
     got = out["marker_tmp_symlink"]
     assert got["outcome"] == "ok", got
     assert got["decoy"], "the marker's temporary file was written through the symlink"
+
+
+def test_a_shard_file_planted_in_the_next_data_folder_is_not_written_through(out):
+    got = out["shard_planted"]
+    assert got["decoy"], "the save wrote through the planted shard file"
+    assert got["outcome"].startswith("AutoshardError") and "FileExistsError" in got["outcome"]
+    assert "still holds the previous checkpoint" in got["outcome"], got["outcome"]
+    assert out["shard_planted_kept"]["outcome"] == "ok", out["shard_planted_kept"]
 
 
 @pytest.mark.parametrize("name", ["read_lock_dangling", "read_lock_dangling_export"])
