@@ -502,7 +502,9 @@ class _Step(torch.autograd.Function):
         pending = ctx.pending
         accs = [pending.pop(f) if f in pending else program.acc_zeros(f)
                 for f in program.split.acc_fqns]
-        args = [*ctx.saved_tensors, *tangents, *accs]
+        # detached: a saved tensor that is also an output unpacks with the step's graph, and
+        # a backward run in grad mode (recomputation) would leave that graph in the gradients
+        args = [*_detached(ctx.saved_tensors), *tangents, *accs]
         del accs
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
         with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
