@@ -242,6 +242,7 @@ class ShardedRun:
             loss = with_written(self.model, loss_of(self.model(*inputs), targets))
             loss = with_entry(self.model, loss, inputs, self.spec["loop"])
         backward_by(self.model, loss, self.spec["loop"].get("autograd"))
+        _no_graph_in_grads(self.model)
         self.records.append(("loss", step, micro, loss.item()))
 
     def evaluate(self, step, mode):
@@ -293,6 +294,16 @@ class ShardedRun:
         return {"records": self.records, "hooks": self.hook_values,
                 "params": full if self.rank == 0 else None,
                 "grads": grads if self.rank == 0 else None, "buffers": buffers}
+
+
+def _no_graph_in_grads(model: nn.Module) -> None:
+    """A gradient never carries an autograd graph after backward (as eager's never does);
+    one that did would keep the step's activations alive until ``zero_grad``."""
+    for name, p in model.named_parameters():
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if g is not None and (g.requires_grad or g.grad_fn is not None):
+            raise AssertionError(f"the gradient of {name} carries an autograd graph after "
+                                 "backward")
 
 
 def _step_in_backward(opt):
