@@ -3,6 +3,16 @@ trains as eager does, at world sizes 1 and 2, or is refused naming the cause and
 
 - a parameter that never gets a gradient (unused in the loss) has no optimizer state, and a
   checkpoint of it saves and loads as eager ``torch.optim`` state dicts do;
+- ``clip_grad_norm_(..., norm_type=inf)`` where a rank's shard is empty (fewer rows than
+  ranks) is the maximum over the other shards (torch raises for an empty tensor);
+- explicit ``Config.units`` and a submodule called directly (an entry of its own);
+- a backward that recomputes reads the step's outputs without their graph: no gradient
+  keeps one;
+- a forward returning a plain dataclass of tensors;
+- a parameter read outside forward belongs in a registered method (docs/api.md);
+- ``torch.save(sharded.state_dict())`` holds this rank's rows; ``full_state_dict()`` the whole;
+- buffers each rank updates from its own batch resume as each rank's own at the same world
+  size, and as rank 0's, with a warning, at another.
 """
 
 import dataclasses
