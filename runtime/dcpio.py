@@ -166,12 +166,18 @@ class _Files(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        rel = os.path.relpath(os.fspath(path), self.folder)
-        if mode != "rb" or os.path.dirname(rel) or rel in (".", ".."):
-            raise AutoshardError(f"{path}: the checkpoint reader opens only files of "
-                                 f"{self.folder}, for reading (asked: {mode!r})")
+        rel = _file_of(self.folder, path, mode, "rb", "the checkpoint reader opens only "
+                       "files of {folder}, for reading")
         with open_checked(self.folder, rel, "checkpoint") as f:
             yield f
+
+
+def _file_of(folder: str, path, mode: str, want: str, says: str) -> str:
+    """``path``'s name in ``folder``, where it is a file right in it opened as ``want``."""
+    rel = os.path.relpath(os.fspath(path), folder)
+    if mode != want or os.path.dirname(rel) or rel in (".", ".."):
+        raise AutoshardError(f"{path}: {says.format(folder=folder)} (asked: {mode!r})")
+    return rel
 
 
 class _NewFiles(FileSystem):
@@ -184,10 +190,8 @@ class _NewFiles(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        rel = os.path.relpath(os.fspath(path), self.folder)
-        if mode != "wb" or os.path.dirname(rel) or rel in (".", ".."):
-            raise AutoshardError(f"{path}: the checkpoint writer makes only new files of "
-                                 f"{self.folder} (asked: {mode!r})")
+        rel = _file_of(self.folder, path, mode, "wb", "the checkpoint writer makes only new "
+                       "files of {folder}")
         fd = open_inside(self.folder, rel, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             yield f
