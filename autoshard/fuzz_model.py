@@ -154,6 +154,23 @@ class FuzzDouble(nn.Module):
         return _residual(h, (h.double() @ self.w.t()).to(h.dtype))
 
 
+class FuzzBatchNorm(nn.Module):
+    """Linear, then BatchNorm1d over the features as channels (transposed in and out), then
+    Linear: the batch norm reads a transposed input and the Linear a transposed output.
+    ``momentum=None``: the statistics are cumulative averages (by num_batches_tracked). The
+    first Linear has no bias: the batch norm subtracts each feature's mean, so a bias's
+    gradient would be zero but for rounding, which AdamW's sign-like first steps turn into
+    lr-sized differences between any two correct runs (as the attention block's key bias)."""
+
+    def __init__(self, d, momentum=0.1):
+        super().__init__()
+        self.lin, self.out = nn.Linear(d, d, bias=False), nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d, momentum=momentum)
+
+    def forward(self, h):
+        return _residual(h, self.out(self.bn(self.lin(h).transpose(1, 2)).transpose(1, 2)))
+
+
 def _block(kind: str, d: int) -> nn.Module:
     return {
         "linear": lambda: FuzzLinear(d), "linear_nobias": lambda: FuzzLinear(d, bias=False),
@@ -162,8 +179,14 @@ def _block(kind: str, d: int) -> nn.Module:
         "attention": lambda: FuzzAttention(d), "conv": lambda: FuzzConv(d),
         "moe": lambda: FuzzMoE(d), "running": lambda: FuzzRunning(d),
         "row1": lambda: FuzzRow(d), "complex": lambda: FuzzComplex(d),
-        "float64": lambda: FuzzDouble(d),
+        "float64": lambda: FuzzDouble(d), "batchnorm": lambda: FuzzBatchNorm(d),
+        "batchnorm_cumulative": lambda: FuzzBatchNorm(d, momentum=None),
     }[kind]()
+
+
+def block_class(kind: str) -> type:
+    """The class of a block kind's module (Config "policy": "module:classes" names it)."""
+    return type(_block(kind, 2))
 
 
 @dataclasses.dataclass

@@ -14,11 +14,18 @@ from typing import Optional
 
 # --- the spec ---------------------------------------------------------------------------------
 
-BLOCKS = ("linear", "linear_nobias", "layernorm", "rmsnorm", "attention", "conv", "moe",
-          "frozen", "twice", "running", "row1", "complex", "float64")
-# relative odds of each block kind; complex parameters are rarer (one known failure class
-# must not drown the others in a sample)
-BLOCK_ODDS = {k: 1.0 for k in BLOCKS} | {"complex": 0.4, "float64": 0.6}
+DRAWN_BLOCKS = ("linear", "linear_nobias", "layernorm", "rmsnorm", "attention", "conv", "moe",
+                "frozen", "twice", "running", "row1", "complex", "float64")
+# blocks drawn after every other draw (``_draw_crash_classes``), inserted into the stack:
+# Linear -> transpose -> BatchNorm1d over the features -> transpose -> Linear, with a
+# momentum of 0.1 or None (a cumulative average, by num_batches_tracked)
+LATE_BLOCKS = ("batchnorm", "batchnorm_cumulative")
+BLOCKS = DRAWN_BLOCKS + LATE_BLOCKS
+# relative odds of each block kind drawn with the others; complex parameters are rarer (one
+# known failure class must not drown the others in a sample)
+BLOCK_ODDS = {k: 1.0 for k in DRAWN_BLOCKS} | {"complex": 0.4, "float64": 0.6}
+# block kinds whose modules hold no trained parameter (no unit of their own to name)
+NO_TRAINED = ("running", "frozen")
 HEADS = ("tied", "untied", "untied_bias")
 
 LOOP_DEFAULTS = {
@@ -33,7 +40,8 @@ LOOP_DEFAULTS = {
     "param_groups": False,
     "clip": None,          # clip_grad_norm_ max norm
     "zero_grad": "none",   # set_to_none: "none"; zeros: "zeros"
-    "eval": None,          # after each step: None, "eval" (eval mode, no_grad), "no_grad"
+    "eval": None,          # after each step: None, "eval" (eval mode, no_grad), "no_grad",
+                           # "inference" (eval mode, torch.inference_mode())
     "hook": None,          # {"kind": "observe" | "modify", "at": step, "target": index}
     "checkpoint": None,    # {"at": s}: save after step s, load after step s + 1
     "rank_local": None,    # {"at": s}: after step s rank 0 alone changes what forward reads
@@ -41,6 +49,8 @@ LOOP_DEFAULTS = {
                            # "grad": autograd.grad of them, added to .grad by the loop
     "clip_norm": None,     # "inf": clip's norm_type is the infinity norm (None: 2)
     "entry": False,        # the loss also calls the first block directly (its own entry)
+    "twice": None,         # each micro-batch: "forwards" (its loss is two forwards' losses),
+                           # "backwards" (backward twice, the first with retain_graph=True)
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -48,6 +58,9 @@ CONFIG_DEFAULTS = {
     "gradient_divide_factor": None, "force_sum_reduction_for_comms": False, "verify": False,
     "units": None,  # "blocks": explicit Config.units, one per block holding parameters
 }
+# Config "policy" beyond Config's own names: Module(classes=[the first block's class that
+# holds trained parameters]); Config "prefetch" as a string: Prefetch(bytes=it)
+MODULE_CLASSES = "module:classes"
 DIM, VOCAB, SEQ = 16, 32, 8
 LR = {"adamw": 1e-2, "in_backward": 1e-2, "sgd": 5e-2}
 
@@ -116,6 +129,7 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         loop["autograd"] = rng.choice(ways) if ways else None
     if factory is None:
         _draw_client_patterns(rng, model, loop, config)
+        _draw_crash_classes(rng, model, loop, config)
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -142,6 +156,36 @@ def _draw_client_patterns(rng: random.Random, model: dict, loop: dict, config: d
         loop["entry"] = rng.random() < 0.6
     elif model["blocks"] and rng.random() < 0.1:
         loop["entry"] = True
+
+
+def _draw_crash_classes(rng: random.Random, model: dict, loop: dict, config: dict) -> None:
+    """Classes that crashed (drawn after every other draw): two forwards or two backwards in
+    each micro-batch (with accumulation, sync off on some), a prefetch byte bound below a
+    unit's bytes under verify, a BatchNorm1d over transposed features (momentum 0.1 or None,
+    inserted into the stack), an evaluation under inference_mode (zero1's replicas), zero2
+    with Module(classes=[...])."""
+    if rng.random() < 0.2:
+        ways = ["forwards"] + ["backwards"] * (loop.get("autograd") is None
+                                               and loop["optimizer"] != "in_backward")
+        loop["twice"] = rng.choice(ways)
+    if rng.random() < 0.12:
+        config["prefetch"], config["verify"] = "1KB", True
+    if rng.random() < 0.2:
+        blocks = model["blocks"]
+        blocks.insert(rng.randrange(len(blocks) + 1), {"kind": rng.choice(LATE_BLOCKS)})
+    if rng.random() < (0.4 if config["strategy"] == "zero1" else 0.1):
+        loop["eval"] = "inference"
+    trained = any(b["kind"] not in NO_TRAINED for b in model["blocks"])
+    if trained and config["units"] is None and rng.random() < 0.15:  # units override a policy
+        config["policy"] = MODULE_CLASSES
+        if config["strategy"] == "zero3" and rng.random() < 0.5:
+            config["strategy"], config["reshard_after_forward"] = "zero2", "auto"
+
+
+def module_class_kind(model: dict) -> Optional[str]:
+    """Policy "module:classes": the kind of the first block holding trained parameters."""
+    return next((b["kind"] for b in model.get("blocks", ()) if b["kind"] not in NO_TRAINED),
+                None)
 
 
 def _fix(spec: dict) -> None:
@@ -204,6 +248,14 @@ def problems(spec: dict) -> list:
         out.append("clip_norm is the norm of a clip")
     if (loop.get("entry") or config.get("units")) and not model.get("blocks"):
         out.append("a block called directly, or a unit per block, needs a block")
+    if config["policy"] == MODULE_CLASSES and ("factory" in model
+                                                or module_class_kind(model) is None):
+        out.append("policy module:classes names the class of a block holding trained "
+                   "parameters, and the model has none")
+    if loop.get("twice") == "backwards" and (how is not None or hooked):
+        out.append("a second backward of one loss (retain_graph=True) is drawn with plain "
+                   "backward() and a step after backward, never with the autograd API or an "
+                   "optimizer stepped in backward (it would step twice)")
     if "factory" not in model and any(b["kind"] not in BLOCKS for b in model["blocks"]):
         out.append("unknown block kind")
     if config["mp"] is not None and any(b["kind"] == "float64" for b in model.get("blocks", ())):

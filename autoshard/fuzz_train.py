@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from autoshard import Config, autoshard, load_checkpoint, save
 from autoshard._compat import tree_leaves
 from autoshard.factory import default_inputs, load_factory
-from autoshard.fuzz_model import FuzzOutput, build_model
-from autoshard.fuzz_spec import LR, SEQ
-from autoshard.options import Offload, Prefetch
+from autoshard.fuzz_model import FuzzOutput, block_class, build_model
+from autoshard.fuzz_spec import LR, MODULE_CLASSES, SEQ, module_class_kind
+from autoshard.options import Module, Offload, Prefetch
 
 
 # --- data and loss ----------------------------------------------------------------------------
@@ -92,6 +92,33 @@ def with_entry(model: nn.Module, loss: torch.Tensor, inputs: tuple, loop: dict):
     d = model.emb.weight.shape[1]
     h = (inputs[0].unsqueeze(-1).float() + torch.arange(d)) / (2 * d)
     return loss + 0.1 * model.blocks[0](h).float().pow(2).mean()
+
+
+def loop_loss(forward, model: nn.Module, inputs: tuple, targets, loop: dict):
+    """One rank's micro-batch loss: ``forward(inputs)``'s, plus what forward wrote and the
+    entry's; with loop "twice": "forwards", plus a second forward's (on the tokens rolled by
+    one), both read by one backward."""
+    loss = with_written(model, loss_of(forward(inputs), targets))
+    if loop.get("twice") == "forwards":
+        again = (inputs[0].roll(1, -1),) + tuple(inputs[1:])
+        loss = loss + with_written(model, loss_of(forward(again), targets))
+    return with_entry(model, loss, inputs, loop)
+
+
+def loop_backward(model: nn.Module, loss: torch.Tensor, loop: dict) -> None:
+    """The micro-batch's backward; with loop "twice": "backwards", a first one with
+    ``retain_graph=True`` before it (every gradient twice)."""
+    if loop.get("twice") == "backwards":
+        loss.backward(retain_graph=True)
+    backward_by(model, loss, loop.get("autograd"))
+
+
+def _evaluating(model: nn.Module, mode: str):
+    """An evaluation call's context: "no_grad" in training mode, "eval" in eval mode, and
+    "inference" in eval mode under ``torch.inference_mode()``."""
+    if mode in ("eval", "inference"):
+        model.eval()
+    return torch.inference_mode() if mode == "inference" else torch.no_grad()
 
 
 def block_units(model: nn.Module) -> list:
@@ -238,18 +265,16 @@ class ShardedRun:
         if self.spec["loop"]["accumulate"] > 1:
             self.model.set_requires_gradient_sync(sync)
         inputs, targets = self._batch(step, micro)
-        with _autocast(self.spec["loop"]):
-            loss = with_written(self.model, loss_of(self.model(*inputs), targets))
-            loss = with_entry(self.model, loss, inputs, self.spec["loop"])
-        backward_by(self.model, loss, self.spec["loop"].get("autograd"))
+        loop = self.spec["loop"]
+        with _autocast(loop):
+            loss = loop_loss(lambda x: self.model(*x), self.model, inputs, targets, loop)
+        loop_backward(self.model, loss, loop)
         _no_graph_in_grads(self.model)
         self.records.append(("loss", step, micro, loss.item()))
 
     def evaluate(self, step, mode):
         inputs, targets = self._batch(step, 97)
-        if mode == "eval":
-            self.model.eval()
-        with torch.no_grad(), _autocast(self.spec["loop"]):
+        with _evaluating(self.model, mode), _autocast(self.spec["loop"]):
             value = _scalar(self.model(*inputs), targets)
         self.model.train()
         self.records.append((mode, step, 0, value))
@@ -365,14 +390,14 @@ class ReferenceRun:
         return [rank_batch(self.spec, batch, r) for r in range(self.world)]
 
     def micro(self, step, micro, sync):
-        total, values = 0.0, []
+        total, values, loop = 0.0, [], self.spec["loop"]
         for rank, (inputs, targets) in enumerate(self._batches(step, micro)):
-            with _autocast(self.spec["loop"]):
-                loss = with_written(self.model, loss_of(self._forward(rank, inputs), targets))
-                loss = with_entry(self.model, loss, inputs, self.spec["loop"])
+            with _autocast(loop):
+                loss = loop_loss(lambda x: self._forward(rank, x), self.model, inputs, targets,
+                                 loop)
             values.append(loss.item())
             total = total + loss
-        backward_by(self.model, total / self.divide, self.spec["loop"].get("autograd"))
+        loop_backward(self.model, total / self.divide, loop)
         self.records.append(("loss", step, micro, values))
         if self.spec["loop"]["optimizer"] == "in_backward" and sync:
             for p, opt in self.opt.items():
@@ -382,10 +407,8 @@ class ReferenceRun:
 
     def evaluate(self, step, mode):
         values = []
-        if mode == "eval":
-            self.model.eval()
         for rank, (inputs, targets) in enumerate(self._batches(step, 97)):
-            with torch.no_grad(), _autocast(self.spec["loop"]):
+            with _evaluating(self.model, mode), _autocast(self.spec["loop"]):
                 values.append(_scalar(self._forward(rank, inputs), targets))
         self.model.train()
         self.records.append((mode, step, 0, values))
@@ -448,8 +471,15 @@ def config_kwargs(spec: dict) -> dict:
     out = {k: c[k] for k in ("strategy", "policy", "recompute", "bucket",
                              "reshard_after_forward", "gradient_divide_factor",
                              "force_sum_reduction_for_comms", "verify")}
-    out["prefetch"] = Prefetch(depth=c["prefetch"]) if isinstance(c["prefetch"], int) and not\
-        isinstance(c["prefetch"], bool) else c["prefetch"]
+    prefetch = c["prefetch"]
+    if isinstance(prefetch, str):  # a byte bound
+        out["prefetch"] = Prefetch(bytes=prefetch)
+    elif isinstance(prefetch, int) and not isinstance(prefetch, bool):  # a depth
+        out["prefetch"] = Prefetch(depth=prefetch)
+    else:
+        out["prefetch"] = prefetch
+    if c["policy"] == MODULE_CLASSES:
+        out["policy"] = Module(classes=[block_class(module_class_kind(spec["model"]))])
     out["offload_policy"] = {None: None, "cpu": CPUOffloadPolicy(pin_memory=False),
                              "half": Offload(state=0.5, pin_memory=False)}[c["offload"]]
     out["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,

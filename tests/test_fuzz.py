@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from autoshard import fuzz
+from autoshard import fuzz, fuzz_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
@@ -57,6 +57,28 @@ def test_the_generator_keeps_to_the_rules():
             assert loop["clip"] is None
 
 
+def test_the_late_draws_keep_every_earlier_draw(monkeypatch):
+    """The crash classes' draws (two forwards or backwards, a prefetch byte bound, a batch
+    norm block, an inference-mode evaluation, Module(classes=...)) come after every other
+    draw and change only their own keys: without them, each seed makes what it made."""
+    late = {"loop": ("twice", "eval"),
+            "config": ("prefetch", "verify", "policy", "strategy", "reshard_after_forward")}
+    changed = 0
+    for seed in range(300):
+        spec = fuzz.generate(seed)
+        with monkeypatch.context() as m:
+            m.setattr(fuzz_spec, "_draw_crash_classes", lambda *args: None)
+            earlier = fuzz.generate(seed)
+        changed += spec != earlier
+        spec["model"]["blocks"] = [b for b in spec["model"]["blocks"]
+                                   if b["kind"] not in fuzz_spec.LATE_BLOCKS]
+        for part, keys in late.items():
+            for key in keys:
+                del spec[part][key], earlier[part][key]
+        assert spec == earlier, seed
+    assert 0 < changed < 300
+
+
 def test_invalid_combinations_are_named():
     spec = fuzz.generate(0)
     spec["world"], spec["mesh"] = 3, "hsdp"
@@ -82,7 +104,8 @@ def test_the_sample_covers_every_feature():
                    "reshard_after_forward=2",
                    "recompute=blocks", "bucket=True", "prefetch=1",
                    "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
-                   "rank_local=on"):
+                   "rank_local=on", "twice=forwards", "twice=backwards", "prefetch=1KB",
+                   "eval=inference", "policy=module:classes"):
         assert wanted in seen, wanted
 
 
