@@ -89,6 +89,18 @@ def test_invalid_combinations_are_named():
     assert fuzz.run_case(spec).status == "invalid"
 
 
+def test_the_crash_classes_refusals_are_named():
+    spec = fuzz.generate(0)
+    spec["model"]["blocks"] = [{"kind": "running"}, {"kind": "batchnorm"}]
+    spec["config"].update(policy="module:classes", mp="bf16")
+    spec["loop"].update(twice="backwards", optimizer="in_backward", clip=None)
+    found = " ".join(fuzz.problems(spec))
+    assert "batch norm's weight to bf16" in found, found
+    assert "a second backward of one loss" in found, found
+    spec["model"]["blocks"] = [{"kind": "running"}]
+    assert "module:classes names the class" in " ".join(fuzz.problems(spec))
+
+
 def test_the_sample_covers_every_feature():
     seen = {f for seed in SAMPLE for f in fuzz.features(fuzz.generate(seed))}
     seen |= {f for case in _regressions() for f in fuzz.features(case["spec"])}
