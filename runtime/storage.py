@@ -250,6 +250,13 @@ def move_to_host(model: torch.nn.Module, specs, device: torch.device, *,
         p = model.get_parameter(spec.fqn)
         if getattr(p, ON_HOST, False):
             continue
+        if device.type == "cpu":
+            # in host memory already: marked, the tensor kept. A swap would poison the
+            # parameter's AccumulateGrad in the graph of a forward whose backward is pending
+            # (a submodule called directly, planned after the model's forward in one step)
+            setattr(p, ON_HOST, True)
+            moved.append(spec.fqn)
+            continue
         with torch.no_grad():
             local = p.to_local().to("cpu", copy=True)
             if device.type == "cuda" and pin:
