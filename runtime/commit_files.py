@@ -69,9 +69,9 @@ def open_inside(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644
                     raise
                 which = ("is a symlink" if last else f"is under {'/'.join(parts[:k + 1])}, "
                          "a symlink or not a folder")
-                raise Refused(f"{where} {which}: a {what}'s files are opened as plain files "
-                              "inside it, never through a symlink. Copy it again from a source "
-                              "you trust.") from None
+                raise Refused(f"{where} {which}: the {what}'s files are opened as plain "
+                              "files inside it, never through a symlink. Copy it again from a "
+                              "source you trust.") from None
             os.close(fd)
             fd = nxt
         st = os.fstat(fd)
