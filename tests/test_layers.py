@@ -9,8 +9,9 @@ the table below or stays within its layer, failing with file:line where one goes
     core      everything else: graph and node tags, ops, specs, Config, cost model, plans
 
 passes and runtime do not import each other. Also held: no module imports another module's
-private name, and no import cycle, imports inside functions counted. What is left to do is listed, with its
-reason, in ``KNOWN`` (an entry that no longer happens fails too, so the list only shrinks),
+private name, and no import cycle, imports inside functions counted. What is left to do is
+listed, with its reason, in ``KNOWN`` (an entry that no longer happens fails too, so the list
+only shrinks),
 and in the imports left inside functions (``INSIDE_FUNCTIONS``, each with its reason: a new
 one fails until it is imported at the top of its module or given a reason there)."""
 
