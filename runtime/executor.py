@@ -28,7 +28,7 @@ from autoshard._compat import tree_unflatten
 from autoshard.captured import NewState, StateOut, TENSOR
 from autoshard.errors import AutoshardError
 from autoshard.graph import alias_base, clone_graph
-from autoshard.runtime import bindings, streams
+from autoshard.runtime import bindings, double, streams
 from autoshard.runtime.inductor import CompiledGraph, failing_sources
 
 
@@ -69,6 +69,9 @@ class Program:
         self.mutated = [r[meta.FQN] for r in roles if r[meta.ROLE] == meta.OUT_BUFFER]
         slot = {f: i for i, f in enumerate(captured.buffer_fqns)}
         self.mutated_slots = [slot[f] for f in self.mutated]
+        # a backward with create_graph replays the forward's random draws (runtime.double)
+        self.draws_random = (captured.pristine is not None
+                             and double.draws_random(captured.pristine))
         self.fqns = [p.fqn for p in captured.params]
         self.layouts = [p.layout for p in captured.params]
         # a layout over one rank (a replicated parameter) is all of it, on every rank
@@ -428,14 +431,37 @@ _NO_EDGE = torch.empty(0)  # in a parameter's place among the step's inputs: no 
 def _returned(param, local: torch.Tensor, world_size: int):
     """A parameter's gradient as ``torch.autograd.grad`` returns it: the sharded DTensor
     ``.grad`` would hold (reduced over the data-parallel ranks as backward() reduces it)."""
+    _say_reduced(world_size)
+    return _compat.dtensor_like(param, local)
+
+
+def _say_reduced(world_size: int) -> None:
     if world_size > 1 and not _WARNED_REDUCED:
         _WARNED_REDUCED.append(True)
         warnings.warn(
             "torch.autograd.grad with respect to parameters sharded by autoshard returns "
             "their gradients as .grad would hold them: sharded DTensors, reduced over the "
             "data-parallel ranks as backward() reduces them (the mean of every rank's loss's "
-            "gradient), not this rank's own loss's alone (docs/api.md).", stacklevel=3)
-    return _compat.dtensor_like(param, local)
+            "gradient), not this rank's own loss's alone (docs/api.md).", stacklevel=4)
+
+
+def _double_backward(ctx, tangents: list, given: set, accumulates: list) -> tuple:
+    """``_Step.backward`` with ``create_graph=True`` (``autoshard.runtime.double``): every
+    gradient with its graph. The engine accumulates a parameter's into ``.grad``, reduced and
+    sharded as ever; ``autograd.grad`` gets this rank's own full gradient, as eager's."""
+    program = ctx.program
+    params, inputs = double.backward(program, ctx.kept, ctx.params, tangents, given)
+    edge_grads = [None] * ctx.n_edges
+    for i, g in enumerate(params):
+        if g is None or accumulates[i] is False:
+            continue
+        if accumulates[i]:
+            edge_grads[i] = double.reduced(ctx.params[i], g)
+        else:
+            double.say_own(program.world_size)
+            edge_grads[i] = g
+    return (None, None, None, None, None, None, *edge_grads,
+            *([None] * (ctx.n_flat - ctx.n_inputs)), *inputs)
 
 
 class _Step(torch.autograd.Function):
@@ -450,6 +476,7 @@ class _Step(torch.autograd.Function):
         n_p = len(program.fqns)
         ctx.n_edges = n_edges
         flat = rest[n_edges:]
+        ctx.kept = double.Kept(program, flat, n_buffers)  # for a backward with create_graph
         with program.forward_mode():
             res = program.call(program.fwd, *_detached(flat))
         n_out = program.n_user + len(program.mutated)
@@ -468,15 +495,6 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         program = ctx.program
-        if torch.is_grad_enabled():  # create_graph=True: before anything is taken
-            raise AutoshardError(
-                "backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
-                "a gradient penalty, a Hessian-vector product) through a model sharded by "
-                "autoshard: its backward is a captured graph, and autoshard does not build "
-                "that graph's own gradient, so the penalty would add nothing to the "
-                "parameters' gradients. Compute such a penalty on an unsharded model (or its "
-                "full_state_dict() in a copy); backward(), autograd.grad without "
-                "create_graph and backward(inputs=...) work as in eager.")
         # per parameter edge: True, the engine accumulates it (backward(), or
         # backward(inputs=...) naming it); False, not asked for (its .grad is left as eager
         # leaves it); None, autograd.grad asks for it (and takes what is returned)
@@ -497,8 +515,14 @@ class _Step(torch.autograd.Function):
         tangents = [grads[i].contiguous() if grads[i] is not None
                     else torch.zeros(shape, dtype=dtype, device=device)
                     for i, (shape, dtype, device) in zip(program.diff, ctx.diff_like)]
+        create_graph = torch.is_grad_enabled()  # the engine runs backward in grad mode then
+        if create_graph and (why := double.refusal(program, ctx.kept)) is not None:
+            raise double.refuse(why)  # before anything is taken: a refusal keeps it all
         if program.agreement is not None:  # before anything is taken: a refusal keeps it all
             program.agreement(f"step {ctx.step}: backward")
+        if create_graph:
+            ctx.maybe_clear_saved_tensors()
+            return _double_backward(ctx, tangents, given, accumulates)
         pending = ctx.pending
         accs = [pending.pop(f) if f in pending else program.acc_zeros(f)
                 for f in program.split.acc_fqns]
