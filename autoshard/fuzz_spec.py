@@ -51,6 +51,8 @@ LOOP_DEFAULTS = {
     "entry": False,        # the loss also calls the first block directly (its own entry)
     "twice": None,         # each micro-batch: "forwards" (its loss is two forwards' losses),
                            # "backwards" (backward twice, the first with retain_graph=True)
+    "penalty": False,      # the loss adds a penalty on its parameters' gradients, taken with
+                           # autograd.grad(create_graph=True): a double backward
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -130,6 +132,8 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
     if factory is None:
         _draw_client_patterns(rng, model, loop, config)
         _draw_crash_classes(rng, model, loop, config)
+        if rng.random() < 0.5 and not penalty_excluded(model, loop, config):
+            loop["penalty"] = True  # a double backward: a penalty on the gradients
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -236,6 +240,8 @@ def problems(spec: dict) -> list:
     if how == "inputs" and hooked and loop["accumulate"] > 1:
         out.append("without gradient sync a hooked parameter is no input of the step's graph "
                    "for backward(inputs=...) to name (docs/api.md)")
+    if loop.get("penalty") and (why := penalty_excluded(model, loop, config)):
+        out.append(why)
     if loop["steps"] < 1 or loop["accumulate"] < 1:
         out.append("at least one step and one micro-batch")
     if loop["seq"] is not None and len(loop["seq"]) != loop["steps"]:
@@ -273,6 +279,27 @@ def problems(spec: dict) -> list:
 def same_value(a, b) -> bool:
     """Equal and of one type: ``prefetch=1`` (a depth) is not ``prefetch=True``."""
     return type(a) is type(b) and a == b
+
+
+def penalty_excluded(model: dict, loop: dict, config: dict) -> Optional[str]:
+    """Why loop "penalty" (``create_graph=True``) is not drawn with this case: what
+    autoshard refuses for it (docs/api.md), what would step or reduce twice, and what eager
+    cannot differentiate twice."""
+    if any(b["kind"] == "attention" for b in model.get("blocks", ())):
+        return ("eager's CPU attention kernel has no double backward (derivative for "
+                "_scaled_dot_product_flash_attention_for_cpu_backward is not implemented)")
+    if config["mp"] is not None or loop["precision"] != "fp32" or config["offload"]:
+        return "a double backward is refused under mixed precision and offload"
+    if config["gradient_divide_factor"] is not None or config["force_sum_reduction_for_comms"]:
+        return "a double backward builds the mean over the ranks only"
+    if loop["accumulate"] > 1:
+        return "a double backward is refused without gradient sync"
+    if loop["hook"] is not None or loop["optimizer"] == "in_backward":
+        return ("a double backward is refused with module backward hooks, and an optimizer "
+                "stepped in backward would step on gradients still growing")
+    if loop.get("autograd") is not None or loop.get("twice") is not None:
+        return "a penalty is drawn with one plain backward of each micro-batch"
+    return None
 
 
 def precision_of(spec: dict) -> str:

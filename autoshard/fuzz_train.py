@@ -95,14 +95,26 @@ def with_entry(model: nn.Module, loss: torch.Tensor, inputs: tuple, loop: dict):
 
 
 def loop_loss(forward, model: nn.Module, inputs: tuple, targets, loop: dict):
-    """One rank's micro-batch loss: ``forward(inputs)``'s, plus what forward wrote and the
-    entry's; with loop "twice": "forwards", plus a second forward's (on the tokens rolled by
-    one), both read by one backward."""
+    """One rank's micro-batch loss: ``forward(inputs)``'s, plus what forward wrote, the
+    entry's and the penalty; with loop "twice": "forwards", plus a second forward's (on the
+    tokens rolled by one), both read by one backward."""
     loss = with_written(model, loss_of(forward(inputs), targets))
     if loop.get("twice") == "forwards":
         again = (inputs[0].roll(1, -1),) + tuple(inputs[1:])
         loss = loss + with_written(model, loss_of(forward(again), targets))
-    return with_entry(model, loss, inputs, loop)
+    return with_penalty(model, with_entry(model, loss, inputs, loop), loop)
+
+
+def with_penalty(model: nn.Module, loss: torch.Tensor, loop: dict) -> torch.Tensor:
+    """With loop "penalty": ``loss`` plus a penalty on its parameters' gradients, taken with
+    ``create_graph=True`` (the rank's own, as eager's; a double backward reaches .grad)."""
+    if not loop.get("penalty"):
+        return loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sharded: this rank's own gradients, said once
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    return loss + 0.01 * sum((g * g.conj()).real.sum() for g in grads if g is not None)
 
 
 def loop_backward(model: nn.Module, loss: torch.Tensor, loop: dict) -> None:

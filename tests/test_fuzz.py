@@ -24,7 +24,7 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
 # captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
 # the classes).
-SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 108, 144, 238)
+SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 95, 108, 144, 238)
 
 
 def _regressions() -> list:
@@ -61,7 +61,7 @@ def test_the_late_draws_keep_every_earlier_draw(monkeypatch):
     """The crash classes' draws (two forwards or backwards, a prefetch byte bound, a batch
     norm block, an inference-mode evaluation, Module(classes=...)) come after every other
     draw and change only their own keys: without them, each seed makes what it made."""
-    late = {"loop": ("twice", "eval"),
+    late = {"loop": ("twice", "eval", "penalty"),
             "config": ("prefetch", "verify", "policy", "strategy", "reshard_after_forward")}
     changed = 0
     for seed in range(300):
@@ -117,7 +117,7 @@ def test_the_sample_covers_every_feature():
                    "recompute=blocks", "bucket=True", "prefetch=1",
                    "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
                    "rank_local=on", "twice=forwards", "twice=backwards", "prefetch=1KB",
-                   "eval=inference", "policy=module:classes"):
+                   "eval=inference", "policy=module:classes", "penalty=True"):
         assert wanted in seen, wanted
 
 
