@@ -51,8 +51,9 @@ LOOP_DEFAULTS = {
     "entry": False,        # the loss also calls the first block directly (its own entry)
     "twice": None,         # each micro-batch: "forwards" (its loss is two forwards' losses),
                            # "backwards" (backward twice, the first with retain_graph=True)
-    "penalty": False,      # the loss adds a penalty on its parameters' gradients, taken with
-                           # autograd.grad(create_graph=True): a double backward
+    "penalty": None,       # the loss adds a penalty on gradients taken with create_graph=True
+                           # (a double backward): "params", its parameters'; "inputs", those
+                           # of the features of the entry's block call (WGAN-GP's)
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -133,7 +134,9 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         _draw_client_patterns(rng, model, loop, config)
         _draw_crash_classes(rng, model, loop, config)
         if rng.random() < 0.5 and not penalty_excluded(model, loop, config):
-            loop["penalty"] = True  # a double backward: a penalty on the gradients
+            # a double backward: a penalty on the gradients of the parameters, or of the
+            # features a block called directly reads
+            loop["penalty"] = "inputs" if loop.get("entry") and rng.random() < 0.5 else "params"
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -242,6 +245,8 @@ def problems(spec: dict) -> list:
                    "for backward(inputs=...) to name (docs/api.md)")
     if loop.get("penalty") and (why := penalty_excluded(model, loop, config)):
         out.append(why)
+    if loop.get("penalty") == "inputs" and not loop.get("entry"):
+        out.append("a penalty on input gradients takes those of the entry's features")
     if loop["steps"] < 1 or loop["accumulate"] < 1:
         out.append("at least one step and one micro-batch")
     if loop["seq"] is not None and len(loop["seq"]) != loop["steps"]:

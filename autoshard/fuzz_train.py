@@ -91,7 +91,12 @@ def with_entry(model: nn.Module, loss: torch.Tensor, inputs: tuple, loop: dict):
         return loss
     d = model.emb.weight.shape[1]
     h = (inputs[0].unsqueeze(-1).float() + torch.arange(d)) / (2 * d)
-    return loss + 0.1 * model.blocks[0](h).float().pow(2).mean()
+    if loop.get("penalty") != "inputs":
+        return loss + 0.1 * model.blocks[0](h).float().pow(2).mean()
+    h.requires_grad_()
+    out = model.blocks[0](h).float()
+    g, = torch.autograd.grad(out.sum(), h, create_graph=True)  # WGAN-GP's penalty
+    return loss + 0.1 * out.pow(2).mean() + 0.01 * (g.square().sum(-1) - 1).square().mean()
 
 
 def loop_loss(forward, model: nn.Module, inputs: tuple, targets, loop: dict):
@@ -106,9 +111,10 @@ def loop_loss(forward, model: nn.Module, inputs: tuple, targets, loop: dict):
 
 
 def with_penalty(model: nn.Module, loss: torch.Tensor, loop: dict) -> torch.Tensor:
-    """With loop "penalty": ``loss`` plus a penalty on its parameters' gradients, taken with
-    ``create_graph=True`` (the rank's own, as eager's; a double backward reaches .grad)."""
-    if not loop.get("penalty"):
+    """With loop "penalty": "params": ``loss`` plus a penalty on its parameters' gradients,
+    taken with ``create_graph=True`` (the rank's own, as eager's; a double backward reaches
+    .grad). ("inputs": ``with_entry`` adds it.)"""
+    if loop.get("penalty") != "params":
         return loss
     params = [p for p in model.parameters() if p.requires_grad]
     with warnings.catch_warnings():

@@ -117,7 +117,8 @@ def test_the_sample_covers_every_feature():
                    "recompute=blocks", "bucket=True", "prefetch=1",
                    "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
                    "rank_local=on", "twice=forwards", "twice=backwards", "prefetch=1KB",
-                   "eval=inference", "policy=module:classes", "penalty=True"):
+                   "eval=inference", "policy=module:classes", "penalty=params",
+                   "penalty=inputs"):
         assert wanted in seen, wanted
 
 
