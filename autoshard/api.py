@@ -26,6 +26,7 @@ from autoshard.runtime import dist as _dist, export as exporting, optim, record 
 from autoshard.runtime.checkpoint import localize_state_dict
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.spec import param_specs
+from autoshard.state_dicts import new_state_dict
 
 
 # torch.compile's keyword arguments (``ShardedModule.compile`` passes them on)
@@ -186,6 +187,15 @@ class ShardedModule(torch.nn.Module):
         return full_state_dict(self, cpu_offload=cpu_offload, rank0_only=rank0_only)
 
     # --- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """``nn.Module.state_dict``: this rank's DTensor shards under the model's keys (as
+        FSDP2's), in a dict that warns when ``torch.save`` pickles it with rows of other
+        ranks missing (``autoshard.state_dicts``), and is saved as a plain OrderedDict."""
+        if destination is None and not args:
+            destination = new_state_dict()
+        return super().state_dict(*args, destination=destination, prefix=prefix,
+                                  keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` into this rank's shards. Values may be DTensor shards
