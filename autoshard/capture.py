@@ -420,10 +420,10 @@ def _trace(joint: _Joint, flat: list, args: tuple, kwargs: dict) -> fx.GraphModu
               else contextlib.nullcontext([]))
     with progress.phase("capturing the training step"):
         try:
-            with _compat.preserve_node_meta(), checks as found:
+            with _compat.preserve_node_meta(), checks as found, \
+                    torch.autograd.set_detect_anomaly(False):  # its checks read values
                 table = {**capture_decompositions(), **_AS_RUN}
-                gm = _compat.make_fx(joint, tracing_mode="fake", decomposition_table=table)(
-                    *flat)
+                gm = _compat.make_fx(joint, tracing_mode="fake", decomposition_table=table)(*flat)
             assert_value_checks(gm, found, joint.stack)
             return _compat.graph_module(gm, gm.graph)
         except AutoshardError:

@@ -54,6 +54,7 @@ LOOP_DEFAULTS = {
     "penalty": None,       # the loss adds a penalty on gradients taken with create_graph=True
                            # (a double backward): "params", its parameters'; "inputs", those
                            # of the features of the entry's block call (WGAN-GP's)
+    "anomaly": False,      # each micro-batch under torch.autograd.detect_anomaly()
 }
 CONFIG_DEFAULTS = {
     "strategy": "zero3", "policy": "auto", "recompute": True, "offload": None,
@@ -137,6 +138,7 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
             # a double backward: a penalty on the gradients of the parameters, or of the
             # features a block called directly reads
             loop["penalty"] = "inputs" if loop.get("entry") and rng.random() < 0.5 else "params"
+        loop["anomaly"] = rng.random() < 0.08  # every micro-batch under detect_anomaly()
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)

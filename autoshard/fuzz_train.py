@@ -8,6 +8,7 @@ one way for both sides, so that what ``fuzz.compare`` finds is autoshard's diffe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import warnings
@@ -178,8 +179,6 @@ def _scalar(out, targets) -> float:
 
 
 def _autocast(loop: dict):
-    import contextlib
-
     if loop["precision"] == "autocast_bf16":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -223,6 +222,18 @@ def _make_optimizers(model: nn.Module, loop: dict):
 # --- one training loop, for both sides --------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _anomaly(loop: dict):
+    """With loop "anomaly": ``torch.autograd.detect_anomaly()`` (its checks read values)."""
+    if not loop.get("anomaly"):
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+        with torch.autograd.detect_anomaly():
+            yield
+
+
 def drive(run) -> None:
     """The case's training loop, the same calls in the same order on the sharded ranks and
     the reference (``run`` is a ``ShardedRun`` or a ``ReferenceRun``)."""
@@ -234,7 +245,8 @@ def drive(run) -> None:
         if loop["hook"] is not None and loop["hook"]["at"] == step:
             run.add_hook(loop["hook"])
         for micro in range(k):
-            run.micro(step, micro, _synced(loop["sync"], micro, k))
+            with _anomaly(loop):
+                run.micro(step, micro, _synced(loop["sync"], micro, k))
         if loop["optimizer"] != "in_backward":
             if loop["clip"] is not None:
                 run.clip(loop["clip"])

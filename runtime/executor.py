@@ -445,6 +445,19 @@ def _say_reduced(world_size: int) -> None:
             "gradient), not this rank's own loss's alone (docs/api.md).", stacklevel=4)
 
 
+def _check_nan(program, res: list, given: set) -> None:
+    """Under ``torch.autograd.detect_anomaly()``: a gradient the backward graph computed
+    holding NaN raises, naming it, as autograd raises for a function returning one."""
+    for (kind, i), g, deps in zip(program.grad_slots, res, program.grad_tangents):
+        if deps & given and kind != "hook" and g.isnan().any():
+            what = program.fqns[i] if kind == "param" else f"input {i} of the call"
+            raise RuntimeError(
+                f"the backward of the step autoshard captured returned nan values in the "
+                f"gradient of {what} (anomaly detection: the first NaN is in that gradient "
+                "or before it in the step's backward; run the model unsharded under "
+                "detect_anomaly to find the op)")
+
+
 def _double_backward(ctx, tangents: list, given: set, accumulates: list) -> tuple:
     """``_Step.backward`` with ``create_graph=True`` (``autoshard.runtime.double``): every
     gradient with its graph. The engine accumulates a parameter's into ``.grad``, reduced and
@@ -533,6 +546,8 @@ class _Step(torch.autograd.Function):
         ctx.maybe_clear_saved_tensors()  # autograd's references go; the graph drops the rest
         with torch.set_grad_enabled(program.bwd_grad_enabled), program.no_autocast():
             res = program.call(program.backward_graph(), args)
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            _check_nan(program, res, given)  # as autograd checks each function's outputs
         input_grads, edge_grads = [None] * ctx.n_inputs, [None] * ctx.n_edges
         if program.captured.backward_taps:
             program.run_backward_hooks(res, given)

@@ -61,7 +61,7 @@ def test_the_late_draws_keep_every_earlier_draw(monkeypatch):
     """The crash classes' draws (two forwards or backwards, a prefetch byte bound, a batch
     norm block, an inference-mode evaluation, Module(classes=...)) come after every other
     draw and change only their own keys: without them, each seed makes what it made."""
-    late = {"loop": ("twice", "eval", "penalty"),
+    late = {"loop": ("twice", "eval", "penalty", "anomaly"),
             "config": ("prefetch", "verify", "policy", "strategy", "reshard_after_forward")}
     changed = 0
     for seed in range(300):
@@ -118,7 +118,7 @@ def test_the_sample_covers_every_feature():
                    "gradient_divide_factor=1.0", "force_sum_reduction_for_comms=True",
                    "rank_local=on", "twice=forwards", "twice=backwards", "prefetch=1KB",
                    "eval=inference", "policy=module:classes", "penalty=params",
-                   "penalty=inputs"):
+                   "penalty=inputs", "anomaly=True"):
         assert wanted in seen, wanted
 
 

@@ -147,3 +147,21 @@ def test_without_gradient_sync_backward_inputs_keeps_only_those_named():
     ref(x).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=ATOL)
+
+
+def test_under_detect_anomaly_the_step_captures_and_a_nan_gradient_raises_naming_it():
+    """Anomaly detection's checks read values, which capture cannot: the step is traced with
+    it off and trains as eager under it; a NaN the backward graph computes raises, naming the
+    gradient, as autograd raises for a function returning one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1; "Anomaly Detection has been enabled"
+        model, ref = autoshard(_build()), _build()
+        x = _batch(1)
+        with torch.autograd.detect_anomaly():
+            model(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=ATOL)
+            model.zero_grad(set_to_none=True)
+            with pytest.raises(RuntimeError, match="nan values in the gradient of 0.weight"):
+                model(torch.full_like(x, float("nan"))).sum().backward()
