@@ -138,7 +138,9 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
             # a double backward: a penalty on the gradients of the parameters, or of the
             # features a block called directly reads
             loop["penalty"] = "inputs" if loop.get("entry") and rng.random() < 0.5 else "params"
-        loop["anomaly"] = rng.random() < 0.08  # every micro-batch under detect_anomaly()
+        # every micro-batch under detect_anomaly(), which cannot check the DTensor gradients
+        # autograd.grad of parameters and create_graph hand back (refused, docs/api.md)
+        loop["anomaly"] = rng.random() < 0.08 and not anomaly_excluded(loop)
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -247,6 +249,9 @@ def problems(spec: dict) -> list:
                    "for backward(inputs=...) to name (docs/api.md)")
     if loop.get("penalty") and (why := penalty_excluded(model, loop, config)):
         out.append(why)
+    if loop.get("anomaly") and anomaly_excluded(loop):
+        out.append("detect_anomaly() is refused with autograd.grad of parameters and "
+                   "create_graph (it cannot check DTensor gradients for NaN)")
     if loop.get("penalty") == "inputs" and not loop.get("entry"):
         out.append("a penalty on input gradients takes those of the entry's features")
     if loop["steps"] < 1 or loop["accumulate"] < 1:
@@ -307,6 +312,10 @@ def penalty_excluded(model: dict, loop: dict, config: dict) -> Optional[str]:
     if loop.get("autograd") is not None or loop.get("twice") is not None:
         return "a penalty is drawn with one plain backward of each micro-batch"
     return None
+
+
+def anomaly_excluded(loop: dict) -> bool:
+    return bool(loop.get("penalty")) or loop.get("autograd") == "grad"
 
 
 def precision_of(spec: dict) -> str:

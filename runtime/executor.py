@@ -531,6 +531,14 @@ class _Step(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()  # the engine runs backward in grad mode then
         if create_graph and (why := double.refusal(program, ctx.kept)) is not None:
             raise double.refuse(why)  # before anything is taken: a refusal keeps it all
+        if (create_graph or None in accumulates) and torch.is_anomaly_check_nan_enabled() \
+                and torch.is_anomaly_enabled():
+            raise AutoshardError(
+                "torch.autograd.detect_anomaly() checks every gradient a backward function "
+                "returns for NaN, and cannot check the DTensor gradients of sharded parameters "
+                "that autograd.grad or create_graph=True hand back (DTensor has no sharding "
+                "rule for aten._is_any_true). Use detect_anomaly(check_nan=False) there, or "
+                "make that call outside anomaly detection; backward() works under it.")
         if program.agreement is not None:  # before anything is taken: a refusal keeps it all
             program.agreement(f"step {ctx.step}: backward")
         if create_graph:

@@ -24,7 +24,7 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
 # captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
 # the classes).
-SAMPLE = (2, 7, 14, 15, 16, 18, 38, 78, 91, 95, 108, 144, 238, 2127)
+SAMPLE = (2, 7, 14, 15, 16, 18, 38, 67, 78, 91, 95, 108, 144, 238, 2127)
 
 
 def _regressions() -> list:

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import AutoshardError, autoshard
+from autoshard.runtime import executor
 from harness import run_ranks
 
 ATOL = 1e-6
@@ -45,6 +46,7 @@ def _eager(world):
 
 
 def _sharded(rank, world, _):
+    executor._WARNED_REDUCED.clear()  # said once per process: it may have said it before
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # world size 1 says so
         model = autoshard(_build())
@@ -152,7 +154,9 @@ def test_without_gradient_sync_backward_inputs_keeps_only_those_named():
 def test_under_detect_anomaly_the_step_captures_and_a_nan_gradient_raises_naming_it():
     """Anomaly detection's checks read values, which capture cannot: the step is traced with
     it off and trains as eager under it; a NaN the backward graph computes raises, naming the
-    gradient, as autograd raises for a function returning one."""
+    gradient, as autograd raises for a function returning one. Its NaN check cannot read the
+    DTensor gradients autograd.grad of parameters returns: refused, naming check_nan=False,
+    which works."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # world size 1; "Anomaly Detection has been enabled"
         model, ref = autoshard(_build()), _build()
@@ -165,3 +169,11 @@ def test_under_detect_anomaly_the_step_captures_and_a_nan_gradient_raises_naming
             model.zero_grad(set_to_none=True)
             with pytest.raises(RuntimeError, match="nan values in the gradient of 0.weight"):
                 model(torch.full_like(x, float("nan"))).sum().backward()
+            # its check cannot read the DTensor gradients autograd.grad of parameters returns
+            with pytest.raises(AutoshardError, match="check_nan=False"):
+                torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        with torch.autograd.detect_anomaly(check_nan=False):
+            grads = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    expected = torch.autograd.grad(ref(x).sum(), list(ref.parameters()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g.full_tensor(), e, rtol=0, atol=ATOL)
