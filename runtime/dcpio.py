@@ -21,6 +21,10 @@ run any code there. Here:
   shape and dtype, and chunks that cover each of its elements exactly once; otherwise the
   load is refused naming the metadata file and the key (DCP would copy what the chunks hold,
   cast to the state's dtype, and leave the rest of the tensor as it was).
+- Each tensor a storage file holds must be of the metadata's dtype and of its chunk's shape,
+  checked as it is read, before it is copied into the state; otherwise the load is refused
+  naming the storage file and the key (DCP would cast another dtype, cut a larger tensor to
+  the chunk's lengths, and fail on a smaller one naming no file).
 - ``strict`` (the default) refuses a load whose state and checkpoint keys differ, naming the
   missing and unexpected keys (a param group's hyperparameter that one side lacks, such as an
   LR scheduler's ``initial_lr``, is reported, not refused); ``strict=False`` loads what both
@@ -46,6 +50,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.futures import Future
 
 from autoshard._compat import dcp_set_element
 from autoshard.errors import AutoshardError
@@ -140,6 +146,41 @@ class SafeReader(FileSystemReader):
             self.checked = md
         return md
 
+    def read_data(self, plan, planner):
+        """DCP's ``FileSystemReader.read_data``, with each stored tensor checked (``_stored``)
+        before it is copied into the state (which the callers copy into the model only once
+        every rank has read all of it)."""
+        by_file: dict = {}
+        for req in plan.items:
+            by_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, reqs in by_file.items():
+            where = os.path.join(self.folder, rel)
+            with self.fs.create_stream(self.fs.concat_path(self.path, rel), "rb") as f:
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    if info.transform_descriptors or not (
+                            type(info.offset) is int and type(info.length) is int
+                            and info.offset >= 0 and info.length >= 0):
+                        raise AutoshardError(
+                            f"{where}: {req.storage_index.fqn}: the metadata stores it "
+                            f"transformed ({info.transform_descriptors}) or at bytes "
+                            f"{info.offset!r} (+{info.length!r}), which autoshard never "
+                            "writes; nothing was read. The checkpoint was changed: copy it "
+                            "again from a source you trust, or save it again.")
+                    view = io.BufferedReader(_Slice(f, info.offset, info.length))
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(view.read()))
+                        continue
+                    value = _stored(view, req, planner.metadata, where)
+                    for dim, (at, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                        value = value.narrow(dim, at, n)
+                    target = planner.resolve_tensor(req).detach()
+                    target.copy_(value)
+                    planner.commit_tensor(req, target)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
     def _check(self, rel, where: str) -> None:
         plain = (isinstance(rel, str) and rel not in ("", ".", "..") and "/" not in rel
                  and "\\" not in rel and os.sep not in rel)
@@ -154,6 +195,69 @@ class SafeReader(FileSystemReader):
             raise AutoshardError(f"{where} names the storage file {rel!r}{shown}, which {why}: "
                                  "the checkpoint was changed, and nothing was read. Copy it "
                                  "again from a source you trust, or save it again.")
+
+
+def _stored(view, req, md, where: str) -> torch.Tensor:
+    """The tensor ``view`` holds for the read item ``req``, if it has the dtype the metadata
+    ``md`` gives its key and the shape of its chunk; else AutoshardError naming the storage
+    file ``where`` and the key."""
+    key, at = req.storage_index.fqn, tuple(req.storage_index.offset)
+    tmd = md.state_dict_metadata[key]
+    sizes = next(tuple(c.sizes) for c in tmd.chunks if tuple(c.offsets) == at)
+    try:
+        value = torch.load(view, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a foreign or damaged record
+        first = str(e).strip().splitlines()
+        value = f"cannot be read as a tensor ({first[-1][:200] if first else type(e).__name__})"
+    why = None
+    if isinstance(value, str):
+        why = value
+    elif not isinstance(value, torch.Tensor):
+        why = f"is a {type(value).__name__}, not a tensor"
+    elif value.layout != torch.strided:
+        why = f"is a tensor of layout {value.layout}, not a dense one"
+    elif value.dtype != tmd.properties.dtype:
+        why = (f"is of dtype {value.dtype}, and the metadata gives {tmd.properties.dtype} (a "
+               "load never casts)")
+    elif tuple(value.shape) != sizes:
+        why = (f"has the shape {tuple(value.shape)}, and the metadata's chunk at offsets {at} "
+               f"has the sizes {sizes}")
+    if why is not None:
+        raise AutoshardError(
+            f"{where}: {key}: the stored value {why}, and was not loaded. The checkpoint was "
+            "changed: copy it again from a source you trust, or save it again.")
+    return value
+
+
+class _Slice(io.RawIOBase):
+    """Bytes ``start`` to ``start + length`` of the seekable file ``f``, as a file of their
+    own (DCP's storage item: one ``torch.save`` record in a storage file)."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.at = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.at))
+        self.f.seek(self.start + self.at)
+        data = self.f.read(n)
+        b[:len(data)] = data
+        self.at += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.at = {os.SEEK_SET: 0, os.SEEK_CUR: self.at, os.SEEK_END: self.length}[whence]
+        self.at += offset
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
 
 
 class _Files(FileSystem):

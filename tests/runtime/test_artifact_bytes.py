@@ -1,0 +1,144 @@
+"""What an artifact's files hold is checked before it is used: a tensor a checkpoint's storage
+file holds must be of the dtype and shape its metadata says, before any tensor is copied into
+the model.
+
+The checkpoint cases are copies of one checkpoint changed as someone who can edit the
+directory would (the marker's sizes and SHA-256s recomputed, the metadata kept), loaded on one
+gloo rank (``cases``) into a model whose values differ from the checkpoint's."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.runtime import commit, dcpio
+from harness import outcome, run_ranks
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(9, 13), nn.Linear(13, 4)  # b.weight: 4 x 13
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+X = torch.randn(4, 9, generator=torch.Generator().manual_seed(3))
+KEY = "model.b.weight"  # read after model.a.*: a load that copied as it went would change them
+
+
+def _model(seed: int):
+    torch.manual_seed(seed)
+    model = autoshard.autoshard(Net())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(X).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _data(path: str) -> str:
+    with open(os.path.join(path, "checkpoint.json")) as f:
+        return os.path.join(path, json.load(f)["data"])
+
+
+def _rehash(path: str) -> None:
+    where = os.path.join(path, "checkpoint.json")
+    with open(where) as f:
+        doc = json.load(f)
+    doc["files"] = commit.entries(os.path.join(path, doc["data"]))
+    with open(where, "w") as f:
+        json.dump(doc, f)
+
+
+def _restore(path: str, key: str, change) -> str:
+    """The storage file holding ``key``'s chunk given, at the file's end, ``change(tensor)`` in
+    place of the tensor it held; the metadata's record of where it lies moved there (what it
+    says of the tensor, its dtype, shape and chunks, kept). Returns the storage file."""
+    folder = _data(path)
+    meta = os.path.join(folder, dcpio.METADATA)
+    md = dcpio.read_metadata(meta)
+    index = next(i for i in md.storage_data if i.fqn == key)
+    info = md.storage_data[index]
+    shard = os.path.join(folder, info.relative_path)
+    with open(shard, "rb") as f:
+        f.seek(info.offset)
+        stored = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+    buf = io.BytesIO()
+    torch.save(change(stored), buf)
+    with open(shard, "ab") as f:
+        info.offset, info.length = f.tell(), len(buf.getvalue())
+        f.write(buf.getvalue())
+    with open(meta, "wb") as f:
+        pickle.dump(md, f)
+    _rehash(path)
+    return shard
+
+
+def _weights(model) -> dict:
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+CHANGES = {
+    "same": lambda t: t.clone(),  # the forgery itself changes nothing: this one loads
+    "dtype": lambda t: t.double(),  # DCP casts it silently
+    "wider": lambda t: torch.cat([t, t[:, :1]], 1),  # 4 x 14: DCP cuts it to 4 x 13 silently
+    "narrower": lambda t: t[:, :12].clone(),  # 4 x 12: DCP's AssertionError, naming no file
+    "not_a_tensor": lambda t: {"w": t},  # DCP's AttributeError
+}
+
+
+def cases(rank, world, root):
+    out = {}
+    model, opt = _model(0)
+    other, other_opt = _model(1)
+    theirs = f"{root}/theirs"
+    autoshard.save(theirs, other, other_opt)
+    for name, change in CHANGES.items():
+        path = f"{root}/{name}"
+        shutil.copytree(theirs, path)
+        shard = _restore(path, KEY, change)
+        before = _weights(model)
+        got = {"outcome": outcome(lambda: autoshard.load_checkpoint(path, model, opt)),
+               "file": shard}
+        after = _weights(model)
+        got["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+        got["loaded"] = all(torch.equal(after[k], v) for k, v in _weights(other).items())
+        out[name] = got
+
+    return out
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return run_ranks(1, cases, str(tmp_path_factory.mktemp("artifact_bytes")))[0]
+
+
+def test_a_restored_tensor_of_the_same_dtype_and_shape_loads(out):
+    got = out["same"]
+    assert got["outcome"] == "ok" and got["loaded"], got
+
+
+@pytest.mark.parametrize("name, words", [
+    ("dtype", ("is of dtype torch.float64, and the metadata gives torch.float32",)),
+    ("wider", ("has the shape (4, 14)", "has the sizes (4, 13)")),
+    ("narrower", ("has the shape (4, 12)", "has the sizes (4, 13)")),
+    ("not_a_tensor", ("is a dict, not a tensor",)),
+])
+def test_a_stored_tensor_unlike_its_metadata_is_refused_before_any_copy(out, name, words):
+    got = out[name]
+    msg = got["outcome"]
+    assert msg.startswith("AutoshardError"), (name, msg)
+    assert f"{got['file']}: {KEY}:" in msg, (name, msg)
+    for w in words:
+        assert w in msg, (name, w, msg)
+    assert got["unchanged"], f"{name}: the model's values changed"
