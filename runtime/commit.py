@@ -406,8 +406,8 @@ def _holder(where: str) -> str:
     for _ in range(50):
         try:
             fd = open_inside(path, name)
-            with os.fdopen(fd, "rb") as f:
-                doc = json.loads(f.read() or "null")
+            with os.fdopen(fd, "rb") as f:  # a lock's own document is some 150 bytes
+                doc = json.loads(f.read(4096) or "null")
         except (OSError, ValueError, RecursionError, AutoshardError):
             doc = None
         if isinstance(doc, dict):

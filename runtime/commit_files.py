@@ -27,6 +27,7 @@ import stat
 from typing import NamedTuple, Optional
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime import graphcost
 from autoshard.runtime.commit_ranks import exchange
 from autoshard.version import VERSION
 
@@ -90,19 +91,27 @@ def open_inside(root: str, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644
 
 
 def read_bytes(root: str, rel: str, what: str) -> bytes:
-    """The bytes of the file ``rel`` of ``root`` (``open_inside``), or AutoshardError."""
+    """The bytes of the file ``rel`` of ``root`` (``open_inside``), or AutoshardError; one
+    larger than ``graphcost.DOCUMENT_BYTES`` is refused on the open file, before it is read."""
+    where, bound = os.path.join(root, rel), graphcost.DOCUMENT_BYTES
     try:
         fd = open_inside(root, rel, what=what)
     except (OSError, ValueError) as e:
-        raise AutoshardError(f"{os.path.join(root, rel)} cannot be read "
+        raise AutoshardError(f"{where} cannot be read "
                              f"({getattr(e, 'strerror', None) or e})") from None
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        size, limit = os.fstat(fd).st_size, bound.value()
+        data = f.read(limit + 1) if size <= limit else b""  # + 1: one that grew meanwhile
+    if max(size, len(data)) > limit:
+        raise AutoshardError(f"{where} holds {bound.refusal(max(size, len(data)), limit)} "
+                             "(checked before reading it)")
+    return data
 
 
 def read_document(root: str, rel: str, what: str):
     """The JSON document ``rel`` of ``root``; AutoshardError naming the file when it cannot
-    be read, is not JSON, or nests too deeply for the parser."""
+    be read, is larger than ``graphcost.DOCUMENT_BYTES``, is not JSON, or nests too deeply
+    for the parser."""
     where = os.path.join(root, rel)
     data = read_bytes(root, rel, what)
     try:

@@ -4,8 +4,9 @@ Three bounds (``Bound``), each read from its environment variable at each use, s
 caller (every rank of a launch) raises it to read a larger file it trusts:
 
 - ``DOCUMENT_BYTES`` (``AUTOSHARD_MAX_DOCUMENT_BYTES``, 128 MiB): the size of one JSON
-  document of an export (a graph, a program, the module tree), checked on the open file
-  before a byte is read (``export_load.read_file``);
+  document of an artifact (an export's graph, program or module tree; a checkpoint's or an
+  export's marker), checked on the open file before a byte is read
+  (``export_load.read_file``, ``commit_files.read_bytes``);
 - ``NODE_BYTES`` (``AUTOSHARD_GRAPH_MAX_NODE_BYTES``, 64 GiB): the bytes of one graph node's
   output, a view counted at its full size (an ``expand`` to 2^36 elements is 2^36 of them);
 - ``WORK`` (``AUTOSHARD_GRAPH_MAX_WORK``, 2^53): a graph's work, the elements its nodes read

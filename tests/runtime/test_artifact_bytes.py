@@ -1,6 +1,7 @@
 """What an artifact's files hold is checked before it is used: a tensor a checkpoint's storage
 file holds must be of the dtype and shape its metadata says, before any tensor is copied into
-the model.
+the model; a marker or manifest larger than ``AUTOSHARD_MAX_DOCUMENT_BYTES`` is refused before
+it is read.
 
 The checkpoint cases are copies of one checkpoint changed as someone who can edit the
 directory would (the marker's sizes and SHA-256s recomputed, the metadata kept), loaded on one
@@ -13,13 +14,15 @@ import json
 import os
 import pickle
 import shutil
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 import autoshard
-from autoshard.runtime import commit, dcpio
+from autoshard.errors import AutoshardError
+from autoshard.runtime import commit, dcpio, export_load
 from harness import outcome, run_ranks
 
 
@@ -115,6 +118,17 @@ def cases(rank, world, root):
         got["loaded"] = all(torch.equal(after[k], v) for k, v in _weights(other).items())
         out[name] = got
 
+    # a marker past the document bound (set small here): refused naming it, before reading
+    path = f"{root}/bounded"
+    shutil.copytree(theirs, path)
+    size = os.path.getsize(os.path.join(path, "checkpoint.json"))
+    os.environ["AUTOSHARD_MAX_DOCUMENT_BYTES"] = str(size - 1)
+    try:
+        out["marker_bound"] = {"outcome": outcome(
+            lambda: autoshard.load_checkpoint(path, model, opt)), "size": size}
+    finally:
+        del os.environ["AUTOSHARD_MAX_DOCUMENT_BYTES"]
+    out["marker_bound"]["then"] = outcome(lambda: autoshard.load_checkpoint(path, model, opt))
     return out
 
 
@@ -142,3 +156,32 @@ def test_a_stored_tensor_unlike_its_metadata_is_refused_before_any_copy(out, nam
     for w in words:
         assert w in msg, (name, w, msg)
     assert got["unchanged"], f"{name}: the model's values changed"
+
+
+def test_a_marker_past_the_document_bound_is_refused_naming_it(out):
+    got = out["marker_bound"]
+    assert got["outcome"].startswith("AutoshardError"), got
+    assert "checkpoint.json holds" in got["outcome"], got
+    assert f"{got['size']:,} bytes in one JSON document" in got["outcome"], got
+    assert "AUTOSHARD_MAX_DOCUMENT_BYTES" in got["outcome"], got
+    assert got["then"] == "ok", got  # the bound raised (here: its default), it loads
+
+
+@pytest.mark.parametrize("marker, what", [("checkpoint.json", "checkpoint"),
+                                          ("manifest.json", "export")])
+def test_a_huge_marker_is_refused_before_it_is_read(tmp_path, marker, what):
+    with open(tmp_path / marker, "wb") as f:  # 200 MiB, not JSON: read, it would say so
+        f.truncate(200 << 20)
+    t0 = time.perf_counter()
+    with pytest.raises(AutoshardError, match=rf"{marker} holds 209,715,200 bytes in one JSON "
+                       r"document, more than AUTOSHARD_MAX_DOCUMENT_BYTES \(134,217,728\).*"
+                       r"checked before reading it"):
+        commit.read_marker(str(tmp_path), marker, what, {})
+    assert time.perf_counter() - t0 < 1
+
+
+def test_a_huge_manifest_is_refused_by_the_export_loader(tmp_path):
+    with open(tmp_path / "manifest.json", "wb") as f:
+        f.truncate(200 << 20)
+    with pytest.raises(AutoshardError, match=r"manifest\.json holds 209,715,200 bytes"):
+        export_load.read_manifest(str(tmp_path))
