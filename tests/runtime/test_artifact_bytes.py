@@ -10,7 +10,6 @@ gloo rank (``cases``) into a model whose values differ from the checkpoint's."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import shutil
@@ -18,24 +17,14 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 import autoshard
 from autoshard.errors import AutoshardError
 from autoshard.runtime import commit, dcpio, export_load
 from harness import outcome, run_ranks
+from safe_load_workers import _data, _rehash_checkpoint
+from test_artifact_fs import Net, X
 
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(9, 13), nn.Linear(13, 4)  # b.weight: 4 x 13
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-
-X = torch.randn(4, 9, generator=torch.Generator().manual_seed(3))
 KEY = "model.b.weight"  # read after model.a.*: a load that copied as it went would change them
 
 
@@ -49,25 +38,11 @@ def _model(seed: int):
     return model, opt
 
 
-def _data(path: str) -> str:
-    with open(os.path.join(path, "checkpoint.json")) as f:
-        return os.path.join(path, json.load(f)["data"])
-
-
-def _rehash(path: str) -> None:
-    where = os.path.join(path, "checkpoint.json")
-    with open(where) as f:
-        doc = json.load(f)
-    doc["files"] = commit.entries(os.path.join(path, doc["data"]))
-    with open(where, "w") as f:
-        json.dump(doc, f)
-
-
 def _restore(path: str, key: str, change) -> str:
     """The storage file holding ``key``'s chunk given, at the file's end, ``change(tensor)`` in
     place of the tensor it held; the metadata's record of where it lies moved there (what it
     says of the tensor, its dtype, shape and chunks, kept). Returns the storage file."""
-    folder = _data(path)
+    folder = _data(path, "checkpoint.json")
     meta = os.path.join(folder, dcpio.METADATA)
     md = dcpio.read_metadata(meta)
     index = next(i for i in md.storage_data if i.fqn == key)
@@ -83,7 +58,7 @@ def _restore(path: str, key: str, change) -> str:
         f.write(buf.getvalue())
     with open(meta, "wb") as f:
         pickle.dump(md, f)
-    _rehash(path)
+    _rehash_checkpoint(path)
     return shard
 
 
