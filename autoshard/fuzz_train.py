@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import os
 import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from autoshard import Config, autoshard, load_checkpoint, save
 from autoshard._compat import tree_leaves
@@ -222,6 +224,25 @@ def _make_optimizers(model: nn.Module, loop: dict):
 # --- one training loop, for both sides --------------------------------------------------------
 
 
+def _check_pickled_state_dict(model: nn.Module) -> None:
+    """``torch.save(sharded.state_dict())`` warns exactly when a tensor in it is this rank's
+    shard only (the file then lacks the other ranks' rows), and writes every key."""
+    state = model.state_dict()
+    partial = any(isinstance(v, DTensor) and v.to_local().shape != v.shape
+                  for v in state.values())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+    said = any("this rank's shards only" in str(w.message) for w in seen)
+    if said != partial:
+        raise AssertionError(f"torch.save of a state_dict holding shards ({partial}) warned: "
+                             f"{said}")
+    buf.seek(0)
+    if list(torch.load(buf, weights_only=True)) != list(state):
+        raise AssertionError("torch.save of a sharded state_dict lost keys")
+
+
 @contextlib.contextmanager
 def _anomaly(loop: dict):
     """With loop "anomaly": ``torch.autograd.detect_anomaly()`` (its checks read values)."""
@@ -326,6 +347,7 @@ class ShardedRun:
     def save(self):
         opt = None if isinstance(self.opt, dict) else self.opt
         save(os.path.join(self.tmp, "ckpt"), self.model, opt)
+        _check_pickled_state_dict(self.model)
 
     def note(self, step):
         """Rank 0 alone changes a plain attribute forward reads, computing nothing with it:
