@@ -515,7 +515,8 @@ class _Step(torch.autograd.Function):
                        for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
         # a parameter without an edge (a hooked one without gradient sync): the anchor says
         # whether this is a plain backward, which keeps its gradient for the synced one
-        plain = _compat.engine_accumulates(ctx.next_functions[0][0]) is True
+        anchor = _compat.engine_accumulates(ctx.next_functions[0][0])  # None: autograd.grad
+        plain = anchor is True
         keeps = [plain if node is None else a for (node, _), a in
                  zip(ctx.next_functions[1:1 + ctx.n_edges], accumulates)]
         if not program.plan.grad_sync and None in keeps:
@@ -531,14 +532,15 @@ class _Step(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()  # the engine runs backward in grad mode then
         if create_graph and (why := double.refusal(program, ctx.kept)) is not None:
             raise double.refuse(why)  # before anything is taken: a refusal keeps it all
-        if (create_graph or None in accumulates) and torch.is_anomaly_check_nan_enabled() \
-                and torch.is_anomaly_enabled():
+        if (create_graph or anchor is None) and torch.is_anomaly_enabled() \
+                and torch.is_anomaly_check_nan_enabled():
             raise AutoshardError(
                 "torch.autograd.detect_anomaly() checks every gradient a backward function "
                 "returns for NaN, and cannot check the DTensor gradients of sharded parameters "
-                "that autograd.grad or create_graph=True hand back (DTensor has no sharding "
-                "rule for aten._is_any_true). Use detect_anomaly(check_nan=False) there, or "
-                "make that call outside anomaly detection; backward() works under it.")
+                "that a step's backward hands back to torch.autograd.grad or under "
+                "create_graph=True (DTensor has no sharding rule for aten._is_any_true). Use "
+                "detect_anomaly(check_nan=False) there, or make that call outside anomaly "
+                "detection; backward() works under it.")
         if program.agreement is not None:  # before anything is taken: a refusal keeps it all
             program.agreement(f"step {ctx.step}: backward")
         if create_graph:
