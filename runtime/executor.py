@@ -511,14 +511,14 @@ class _Step(torch.autograd.Function):
         # per parameter edge: True, the engine accumulates it (backward(), or
         # backward(inputs=...) naming it); False, not asked for (its .grad is left as eager
         # leaves it); None, autograd.grad asks for it (and takes what is returned)
-        accumulates = [_compat.engine_accumulates(node)
-                       for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
+        edges = [node for node, _ in ctx.next_functions[1:1 + ctx.n_edges]]
+        accumulates = [_compat.engine_accumulates(node) for node in edges]
+        # autograd.grad asks for a parameter (one with an edge: a frozen one has none)
+        asked = any(a is None for n, a in zip(edges, accumulates) if n is not None)
         # a parameter without an edge (a hooked one without gradient sync): the anchor says
         # whether this is a plain backward, which keeps its gradient for the synced one
-        anchor = _compat.engine_accumulates(ctx.next_functions[0][0])  # None: autograd.grad
-        plain = anchor is True
-        keeps = [plain if node is None else a for (node, _), a in
-                 zip(ctx.next_functions[1:1 + ctx.n_edges], accumulates)]
+        plain = _compat.engine_accumulates(ctx.next_functions[0][0]) is True
+        keeps = [plain if node is None else a for node, a in zip(edges, accumulates)]
         if not program.plan.grad_sync and None in keeps:
             raise AutoshardError(
                 "torch.autograd.grad with respect to parameters while gradient sync is off "
@@ -532,7 +532,7 @@ class _Step(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()  # the engine runs backward in grad mode then
         if create_graph and (why := double.refusal(program, ctx.kept)) is not None:
             raise double.refuse(why)  # before anything is taken: a refusal keeps it all
-        if (create_graph or anchor is None) and torch.is_anomaly_enabled() \
+        if (create_graph or asked) and torch.is_anomaly_enabled() \
                 and torch.is_anomaly_check_nan_enabled():
             raise AutoshardError(
                 "torch.autograd.detect_anomaly() checks every gradient a backward function "
