@@ -23,19 +23,9 @@ from autoshard.errors import AutoshardError
 from autoshard.runtime import commit, dcpio, export_load
 from harness import outcome, run_ranks
 from safe_load_workers import _data, _rehash_checkpoint
-from test_artifact_fs import Net, X
+from test_artifact_fs import X, _model
 
 KEY = "model.b.weight"  # read after model.a.*: a load that copied as it went would change them
-
-
-def _model(seed: int):
-    torch.manual_seed(seed)
-    model = autoshard.autoshard(Net())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(X).pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
-    return model, opt
 
 
 def _restore(path: str, key: str, change) -> str:

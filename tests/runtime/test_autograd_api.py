@@ -4,7 +4,8 @@
 ``.grad`` would hold (reduced over the ranks, said once by a warning) and touches no
 ``.grad``, with respect to inputs it touches no parameter's ``.grad`` either, as in eager;
 torch.func transforms are refused at the call, naming them, and the model trains on
-afterwards (``create_graph=True``: tests/runtime/test_double_backward.py). Tolerance: 1e-6 absolute (float32, the same graph)."""
+afterwards (``create_graph=True``: tests/runtime/test_double_backward.py). Tolerance: 1e-6
+absolute (float32, the same graph)."""
 
 import warnings
 
