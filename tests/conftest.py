@@ -37,7 +37,8 @@ SLOW = tuple(f"tests/{m}.py" for m in (
     "runtime/test_parity", "runtime/test_strategies", "runtime/test_predicted",
     "runtime/test_export", "runtime/test_commit", "runtime/test_checkpoint",
     "runtime/test_kernels", "runtime/test_moe", "runtime/test_faults",
-    "test_readme", "test_depth", "test_cli", "test_teardown"))
+    "test_readme", "test_depth", "test_cli", "test_teardown", "test_gpu_check",
+    "runtime/test_export_reload_2d"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
