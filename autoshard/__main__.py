@@ -9,18 +9,18 @@ import sys
 import time
 
 import autoshard
-from autoshard import progress
+from autoshard.core import progress
 from autoshard.check import run_factory
-from autoshard.config import Config, POLICIES
-from autoshard.cost import PROFILES
-from autoshard.errors import AutoshardError
-from autoshard.factory import export_factory, load_factory
-from autoshard.options import Offload
+from autoshard.core.config import Config, POLICIES
+from autoshard.core.cost import PROFILES
+from autoshard.core.errors import AutoshardError
+from autoshard.front.factory import export_factory, load_factory
+from autoshard.core.options import Offload
 from autoshard.runtime import commit
 from autoshard.runtime.dist import spawn_ranks
 from autoshard.runtime.export import describe, stored_plan
 from autoshard.runtime.export_format import MANIFEST
-from autoshard.spec import STRATEGIES
+from autoshard.core.spec import STRATEGIES
 
 
 def _plan(args) -> int:
@@ -349,7 +349,7 @@ def _fuzz(args) -> int:
 
 
 def _demo(args) -> int:
-    from autoshard.demo import main as demo_main
+    from autoshard.front.demo import main as demo_main
 
     demo_main(steps=args.steps, world=args.world_size, layers=args.layers)
     return 0

@@ -51,7 +51,7 @@ def plan_at(factory, world: int, batch: int, seq: int, name: str):
     """The plan of ``factory()`` (built on the meta device) at ``batch`` x ``seq``, and
     whether it fits."""
     import autoshard
-    from autoshard.errors import AutoshardError
+    from autoshard.core.errors import AutoshardError
 
     with torch.device("meta"):
         model = factory()
@@ -91,7 +91,7 @@ def largest(plan_of, limit: int, say) -> tuple:
 
 def main(argv=None) -> None:
     from autoshard.examples import llama_shapes
-    from autoshard.plans import fmt_bytes
+    from autoshard.core.plans import fmt_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama3_8b:8,llama3_70b:64",

@@ -24,7 +24,7 @@ def _rank(rank: int, world: int, calls: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from autoshard import Config, autoshard
-    from autoshard.models import GPT, gpt_loss
+    from autoshard.core.models import GPT, gpt_loss
     from autoshard.runtime.dist import Agreement
 
     agree = Agreement(autoshard(torch.nn.Linear(2, 2))._autoshard.mesh, 300)

@@ -42,7 +42,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import Prefetch
-from autoshard.models import GPT, gpt_loss, tiny_hf
+from autoshard.core.models import GPT, gpt_loss, tiny_hf
 from bench import libmodels
 
 VOCAB = 256
@@ -236,7 +236,7 @@ def _peak(model, opt, x, y):
         return base + torch.cuda.max_memory_allocated() - start
     from torch.profiler import ProfilerActivity, profile
 
-    from autoshard._compat import allocation_events
+    from autoshard.core._compat import allocation_events
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         _step(model, opt, x, y)

@@ -435,7 +435,7 @@ def stage_smoke(args, st: Stage, device) -> None:
 def _captures(model) -> dict:
     """How often autoshard captured ``model``'s step: the programs kept, the guards whose
     failure caused a capture again, and where two calls were told apart by their keys
-    (``autoshard.calls.call_key``), the parts that differ, printed to the stage's log."""
+    (``autoshard.front.calls.call_key``), the parts that differ, printed to the stage's log."""
     st = getattr(model, "_autoshard", None)
     if st is None:
         return {}

@@ -2,7 +2,7 @@
 
     python -m bench.guards [--steps 20] [--checks 2000] [--models gpt-small,hf-llama]
 
-Before each call reuses a program, every guard capture recorded (``autoshard.guards``: the
+Before each call reuses a program, every guard capture recorded (``autoshard.core.guards``: the
 module tree, hooks and dtypes, the attributes, globals and closure cells the forward read)
 is compared with the value now. For each benchmark model (``bench.compare``'s, same batch)
 this times, at world size 1 in this process, the median of ``checks`` guard checks and the

@@ -51,7 +51,7 @@ def _build(name):
                   for _ in range(48)]
         return torch.nn.Sequential(*blocks), blocks
     if name == "llama4":
-        from autoshard.models import tiny_hf
+        from autoshard.core.models import tiny_hf
 
         model = tiny_hf("llama", SMALL[name], layers=4, hidden=32)
         return model, list(model.model.layers)

@@ -41,7 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autoshard.options import parse_bytes
+from autoshard.core.options import parse_bytes
 from bench.compare import (MODELS, _blocks, _build, _peak, _step, _to, batch_for, parser,
                            init_rank, spawn)
 
@@ -108,7 +108,7 @@ def _trial(system, args, batch, budget, device, rank):
         model, opt, data = _built(system, args, batch, budget, device, rank)
         peak = float(_peak(model, opt, *data[0]))
     except Exception as e:  # noqa: BLE001 - any failure is "does not fit", on every rank
-        from autoshard.errors import AutoshardError
+        from autoshard.core.errors import AutoshardError
 
         err = ("no plan fits" if isinstance(e, AutoshardError)
                else f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")

@@ -7,7 +7,7 @@ goes.
 Each model is planned in a fresh process (``python -m autoshard plan``, run by this module's
 ``--child``) so its wall time and peak resident memory are its own; prints a table, then the
 time per phase: the capture, each pass the runner applied and each of the planner's phases
-("plan: ..."), as ``autoshard.progress.TIMES`` counted them (nested phases count in each,
+("plan: ..."), as ``autoshard.core.progress.TIMES`` counted them (nested phases count in each,
 so the rows do not add up to the wall time).
 """
 
@@ -53,7 +53,7 @@ def run(model: str, args) -> tuple:
 
 def child(argv: list) -> None:
     """``python -m autoshard plan`` with ``argv``, then its phases' times on stderr."""
-    from autoshard import progress
+    from autoshard.core import progress
     from autoshard.__main__ import main as autoshard_main
 
     code = autoshard_main(argv)

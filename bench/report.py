@@ -18,7 +18,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from autoshard.passes import planner
+from autoshard import planner
 from bench import compare, membound, strategies
 
 
@@ -180,7 +180,7 @@ def _compile_cost(depth: int, policy: str = "module", runs: int = 3) -> float:
 
 
 def _compile_cost_once(depth: int, policy: str) -> float:
-    code = ("import time, torch, autoshard\nfrom autoshard.models import GPT\n"
+    code = ("import time, torch, autoshard\nfrom autoshard.core.models import GPT\n"
             f"m = GPT(vocab=256, dim=64, heads=4, layers={depth}, seq=64)\n"
             "t = time.perf_counter()\n"
             "autoshard.plan(m, (torch.randint(0, 256, (8, 64)),), world_size=2,"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from autoshard import Config
-from autoshard.capture import capture, param_specs
+from autoshard.compiler.capture import capture
+from autoshard.core.spec import param_specs
 from autoshard.passes import PassContext, run_passes
 from autoshard.runtime.storage import fqn_aliases
 

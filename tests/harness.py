@@ -91,7 +91,7 @@ def train_step(loss, opt, world: int) -> float:
 def outcome(fn) -> str:
     """``"ok"`` if ``fn()`` returned, ``"AutoshardError: ..."`` if it raised that, otherwise
     ``"escaped <type>: ..."``: what a rank reports of a call a test expects to be refused."""
-    from autoshard.errors import AutoshardError
+    from autoshard.core.errors import AutoshardError
 
     try:
         fn()

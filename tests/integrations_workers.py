@@ -63,14 +63,14 @@ def _hf_run(trainer_cls, shard, out: str, resume=None) -> dict:
 
 def trainer_worker(rank, world, tmp):
     """The Trainer on the unsharded model (accelerate wraps it in DDP); the Trainer of
-    ``autoshard.integrations`` on the sharded one; and the sharded one again, resumed from
+    ``autoshard.front.integrations`` on the sharded one; and the sharded one again, resumed from
     the first run's checkpoint at step 2; the weights each checkpoint's
     ``model.safetensors`` holds at step 2, as ``from_pretrained`` reads them; and then
     accelerate's recipe (``accelerate_worker``)."""
     import transformers
     from transformers import LlamaForCausalLM
 
-    from autoshard.integrations import Trainer
+    from autoshard.front.integrations import Trainer
 
     out = {"eager": _hf_run(transformers.Trainer, False, f"{tmp}/eager"),
            "sharded": _hf_run(Trainer, True, f"{tmp}/sharded")}

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from autoshard.models import GPT, gpt_loss, tiny_hf
+from autoshard.core.models import GPT, gpt_loss, tiny_hf
 
 VOCAB = 96
 

@@ -272,11 +272,11 @@ _NN_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
 def _reset_autoshard() -> None:
     """autoshard's process-wide state as a new process has it (for the modules imported)."""
     mods = sys.modules
-    if "autoshard.graph" in mods:
-        mods["autoshard.graph"]._TRACES.clear()
-    if "autoshard.progress" in mods:
-        mods["autoshard.progress"]._enabled = None
-        mods["autoshard.progress"]._stack.clear()
+    if "autoshard.core.graph" in mods:
+        mods["autoshard.core.graph"]._TRACES.clear()
+    if "autoshard.core.progress" in mods:
+        mods["autoshard.core.progress"]._enabled = None
+        mods["autoshard.core.progress"]._stack.clear()
     if "autoshard.runtime.optim" in mods:
         optim = mods["autoshard.runtime.optim"]
         optim._enabled = None

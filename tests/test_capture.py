@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoshard import meta
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.models import GPT
 from graphs import captured
 from models import CNN
 

@@ -6,7 +6,7 @@ model trains as eager does, and a wrong count raises at run time, naming the che
 import pytest
 import torch
 
-from autoshard.models import tiny_hf
+from autoshard.core.models import tiny_hf
 from tests.harness import eager_and_sharded
 
 VOCAB, FEATURES = 96, 16  # tiny_hf("llava"): 16 image features per 16 x 16 image

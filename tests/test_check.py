@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import autoshard
 from autoshard import Config
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 from harness import run_ranks
 from models import MLP, Odd
 
@@ -65,9 +65,11 @@ def _break_backward(patch):
         corrupted.append(last.name)
         return gm, decided
 
-    # every module of the passes that holds the split pass by name runs the broken one
+    # every module of the passes and the planner that holds the split pass by name runs the
+    # broken one
     for name, module in list(sys.modules.items()):
-        if name.startswith("autoshard.passes") and getattr(module, "split_pass", None) is split:
+        if name.startswith(("autoshard.passes", "autoshard.planner")) and getattr(
+                module, "split_pass", None) is split:
             patch(module, "split_pass", broken_split)
     return corrupted
 
@@ -157,7 +159,7 @@ def test_a_wrong_op_in_the_backward_is_named(monkeypatch):
 
 def _unsafe_recomputable(n, mutated, region):
     """Recompute any cheap op, even one that reads a tensor written in place later."""
-    from autoshard.graph import aliased_arg, written_inputs
+    from autoshard.core.graph import aliased_arg, written_inputs
     from autoshard.passes import remat
 
     t = n.target
@@ -189,8 +191,7 @@ def test_an_unsafe_recomputation_is_named(monkeypatch):
 
 
 def test_a_capture_that_differs_from_eager_is_blamed_on_capture(monkeypatch):
-    from autoshard import compiler
-    from autoshard import capture as capture_mod
+    from autoshard.compiler import capture as capture_mod
 
     real = capture_mod.capture
 
@@ -203,8 +204,7 @@ def test_a_capture_that_differs_from_eager_is_blamed_on_capture(monkeypatch):
         cap.gm.recompile()
         return cap
 
-    monkeypatch.setattr(capture_mod, "capture", wrong_capture)
-    monkeypatch.setattr(compiler, "capture", wrong_capture)
+    monkeypatch.setattr(capture_mod, "capture", wrong_capture)  # the compile step's capture
     model, inputs = _mlp()
     report = autoshard.check(model, inputs, config=FAST)
     assert not report.ok and not report.outputs[0].ok

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard import progress
+from autoshard.core import progress
 from autoshard.__main__ import main
 from autoshard.runtime import export
 

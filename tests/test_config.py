@@ -10,8 +10,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import autoshard
 from autoshard import Bucket, Config, Module, Offload, Prefetch, Size
-from autoshard.config import offloads
-from autoshard.options import parse_bytes
+from autoshard.core.config import offloads
+from autoshard.core.options import parse_bytes
 
 
 class Built:
@@ -48,7 +48,7 @@ BAD = [
     ({"optimizer": "lion"}, ValueError, "Config.optimizer='lion' is not accepted"),
     ({"prefer": "fast"}, ValueError,
      "Config.prefer='fast' is not accepted; use one of 'auto', 'balanced', 'memory', 'speed'"),
-    ({"policy": Module}, ValueError, "Config.policy=<class 'autoshard.options.Module'> is not "
+    ({"policy": Module}, ValueError, "Config.policy=<class 'autoshard.core.options.Module'> is not "
                                      "accepted; use one of 'auto', 'module', 'size', "
                                      "'per-parameter', 'whole-model', Module(classes=..., "
                                      "pattern=...), Size(min_numel=...)"),
@@ -218,7 +218,7 @@ def test_a_recompute_dict_is_copied():
 
 def test_plan_refuses_names_that_match_nothing():
     from autoshard import plan
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     inputs = (torch.randint(0, 96, (2, 16)),)
     with pytest.raises(ValueError, match=r"Config.policy.classes names 'Blok', but no "
@@ -329,7 +329,7 @@ def test_each_flat_name_still_works_warning_of_its_new_spelling(kwargs, now, say
         again = dataclasses.replace(Config(), **kwargs)
     assert again == now and says in str(caught[0].message)
     assert caught[0].filename == __file__
-    moved = autoshard.config_history.MOVED
+    moved = autoshard.core.config_history.MOVED
     assert not any(hasattr(config, name) for name in kwargs if name in moved)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.cost import PROFILES, calibrate, collective_time, get_profile, node_time
-from autoshard.models import GPT
+from autoshard.core.cost import PROFILES, calibrate, collective_time, get_profile, node_time
+from autoshard.core.models import GPT
 
 
 def test_matmul_time_comes_from_its_flops():
@@ -95,7 +95,7 @@ def test_calibrate_with_a_group_before_init_process_group_is_refused():
     code = """
 import pytest
 import torch.distributed as dist
-from autoshard.cost import calibrate
+from autoshard.core.cost import calibrate
 assert not dist.is_initialized()
 for group in (dist.group.WORLD, None, object()):  # WORLD is None before the group exists
     with pytest.raises(ValueError, match=r"after torch\\.distributed\\.init_process_group"):
@@ -149,7 +149,7 @@ def test_gpu_profile_takes_the_device_kind_and_its_memory(monkeypatch):
     memory it reports, not the datasheet's 80 GB."""
     import types
 
-    from autoshard.cost import PROFILES, device_profile
+    from autoshard.core.cost import PROFILES, device_profile
 
     for name, total, kind in (("NVIDIA H200", 150_000_000_000, "h200"),
                               ("NVIDIA H100 80GB HBM3", 85_520_000_000, "h100"),

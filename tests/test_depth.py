@@ -1,14 +1,14 @@
-"""Building a deep stack of identical blocks from a shallow trace (autoshard.depth)."""
+"""Building a deep stack of identical blocks from a shallow trace (autoshard.compiler.depth)."""
 
 import pytest
 import torch
 
-from autoshard import depth
+from autoshard.compiler import depth
 from autoshard.compiler import compile_step
-from autoshard.capture import capture
-from autoshard.config import Config
-from autoshard.models import GPT, tiny_hf
-from autoshard.spec import param_specs
+from autoshard.compiler.capture import capture
+from autoshard.core.config import Config
+from autoshard.core.models import GPT, tiny_hf
+from autoshard.core.spec import param_specs
 from tests.models import CheckpointedGPT
 
 

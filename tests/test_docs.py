@@ -24,7 +24,7 @@ def test_every_row_of_the_fault_table_names_an_existing_test():
 
 
 def test_config_reference_is_what_the_generator_writes():
-    from autoshard import _reference
+    from autoshard.front import _reference
 
     page = ROOT / "docs" / "config.md"
     assert page.read_text() == _reference.render(), (
@@ -35,7 +35,8 @@ def test_config_reference_is_what_the_generator_writes():
 def test_config_reference_names_every_field_once_with_type_and_default():
     import dataclasses
 
-    from autoshard import Config, _reference
+    from autoshard import Config
+    from autoshard.front import _reference
 
     text = _reference.render()
     for f in dataclasses.fields(Config):
@@ -52,7 +53,7 @@ def test_config_reference_names_every_field_once_with_type_and_default():
 
 def test_config_reference_documents_each_option_a_field_carries():
     import autoshard
-    from autoshard import _reference
+    from autoshard.front import _reference
 
     text = _reference.render()
     for cls in (autoshard.Module, autoshard.Size, autoshard.Bucket, autoshard.Prefetch,
@@ -64,7 +65,7 @@ def test_config_reference_documents_each_option_a_field_carries():
 
 
 def test_config_reference_check_mode_names_the_command(tmp_path):
-    from autoshard import _reference
+    from autoshard.front import _reference
 
     stale = tmp_path / "config.md"
     stale.write_text("# old\n")

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autoshard import AutoshardError, Config, autoshard
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 
 
 class Branchy(nn.Module):
@@ -121,7 +121,7 @@ def test_incomplete_torchrun_environment_is_named():
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(RANK="0", WORLD_SIZE="2")
     code = ("import torch, autoshard\n"
-            "from autoshard.models import GPT\n"
+            "from autoshard.core.models import GPT\n"
             "try:\n    autoshard.autoshard(GPT())\n"
             "except autoshard.AutoshardError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

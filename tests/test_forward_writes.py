@@ -1,4 +1,4 @@
-"""What a forward writes to the Python world (``autoshard.writes``): after every call the
+"""What a forward writes to the Python world (``autoshard.core.writes``): after every call the
 attributes it set hold what eager leaves there, real tensors with their autograd graph where
 eager has one; a container it changes in place is refused at the first call, naming the
 attribute and the line, and nothing of the user's is changed by capture."""

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from autoshard import fuzz, fuzz_spec
+from autoshard import fuzz
+from autoshard.fuzz import spec as fuzz_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
@@ -192,8 +193,8 @@ def test_regression(case):
 def test_a_user_factory_is_fuzzed_over_loops_and_configs():
     """``python -m autoshard fuzz MODULE:FACTORY``: the model is the factory's, the loops and
     Configs are drawn."""
-    spec = fuzz.generate(2, world_sizes=(2,), factory="autoshard.models:GPT")
-    assert spec["model"] == {"factory": "autoshard.models:GPT"}
+    spec = fuzz.generate(2, world_sizes=(2,), factory="autoshard.core.models:GPT")
+    assert spec["model"] == {"factory": "autoshard.core.models:GPT"}
     assert "block=" not in " ".join(fuzz.features(spec))
     spec["loop"]["accumulate"] = 1  # see the accumulation regression
     result = fuzz.run_case(spec)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import AutoshardError
-from autoshard.calls import RECAPTURE_LIMIT
+from autoshard.front.calls import RECAPTURE_LIMIT
 from harness import eager_and_sharded
 
 SCALE = 1.0  # a module-level global the forward reads

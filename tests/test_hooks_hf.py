@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
-from autoshard.models import tiny_hf
+from autoshard.core.models import tiny_hf
 
 VOCAB = 96
 

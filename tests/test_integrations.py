@@ -119,7 +119,7 @@ def test_accelerate_mixed_precision_is_refused_naming_the_config():
 def test_save_pretrained_takes_the_full_weights_and_names_them_without(tmp_path):
     ref, sharded = eager_and_sharded(tiny_llama)
     with pytest.raises(Exception, match=r"full_state_dict\(rank0_only=True\).*"
-                                        r"autoshard.integrations import Trainer"):
+                                        r"autoshard.front.integrations import Trainer"):
         sharded.save_pretrained(tmp_path / "bare")
     assert not (tmp_path / "bare" / "model.safetensors").exists()
     sharded.save_pretrained(tmp_path / "full", state_dict=sharded.full_state_dict())

@@ -1,12 +1,14 @@
 """The layers of the code, held: every project import (those inside functions too) goes down
 the table below or stays within its layer, failing with file:line where one goes against it.
+A module's layer is its sub-package of ``autoshard/``:
 
-    front     the API (api, calls, integrations, check, the command line, the fuzzer)
-    compiler  capture and the compile step (capture, compiler, depth)
-    planner   the planner, above the passes (passes/planner, search, candidates, readout)
-    passes    the rest of autoshard/passes/ (installed as autoshard.passes)
-    runtime   autoshard/runtime/ (installed as autoshard.runtime)
-    core      everything else: graph and node tags, ops, specs, Config, cost model, plans
+    front     the API: front/ (api, calls, files, integrations), check/, fuzz/, examples/,
+              the package and the command line
+    compiler  compiler/: capture and the compile step
+    planner   planner/: the planner, above the passes
+    passes    passes/: the runner and the rewrites
+    runtime   runtime/: programs, collectives, storage, checkpoints, export, commits
+    core      core/: graph and node tags, ops, specs, Config, cost model, plans
 
 passes and runtime do not import each other. Also held: no module imports another module's
 private name, and no import cycle, imports inside functions counted. What is left to do is
@@ -21,13 +23,10 @@ import os
 import networkx as nx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = {"autoshard": "autoshard", "passes": "autoshard.passes",
-           "runtime": "autoshard.runtime", "examples": "autoshard.examples"}
-COMPILER = {"capture", "capture_errors", "compiler", "depth"}
-PLANNER = {"planner", "search", "candidates", "readout"}  # in passes/; the package re-exports it
-FRONT = {"", "api", "calls", "files", "integrations", "check", "check_runs", "check_locate",
-         "check_report", "config_model", "__main__", "_reference", "demo", "factory", "fuzz",
-         "fuzz_spec", "fuzz_model", "fuzz_train"}
+PACKAGE = os.path.join(ROOT, "autoshard")
+LAYERS = {"core": "core", "compiler": "compiler", "planner": "planner", "passes": "passes",
+          "runtime": "runtime", "front": "front", "check": "front", "fuzz": "front",
+          "examples": "front"}
 ALLOWED = {"core": {"core"}, "passes": {"core", "passes"}, "runtime": {"core", "runtime"},
            "planner": {"core", "passes", "planner"},
            "compiler": {"core", "planner", "passes", "runtime", "compiler"},
@@ -42,34 +41,38 @@ KNOWN: dict = {}
 INSIDE_FUNCTIONS = {
     ("autoshard.__main__", "autoshard.fuzz"):
         "the command line loads a subcommand's modules when that subcommand runs",
-    ("autoshard.__main__", "autoshard.demo"):
+    ("autoshard.__main__", "autoshard.front.demo"):
         "the command line loads a subcommand's modules when that subcommand runs",
-    ("autoshard.runtime.inductor", "autoshard._compat"):
+    ("autoshard.runtime.inductor", "autoshard.core._compat"):
         "inductor takes seconds to import: only a compiled step pays it",
 }
 
 
 def layer(module: str) -> str:
-    if module == "autoshard.passes":  # the package: the passes' one door, the planner's too
-        return "planner"
-    if module.startswith("autoshard.passes."):
-        return "planner" if module.rpartition(".")[2] in PLANNER else "passes"
-    if module.startswith("autoshard.runtime"):
-        return "runtime"
-    name = module[len("autoshard."):] if module != "autoshard" else ""
-    if module.startswith("autoshard.examples") or name in FRONT:
-        return "front"
-    return "compiler" if name in COMPILER else "core"
+    parts = module.split(".")
+    return LAYERS[parts[1]] if len(parts) > 1 and parts[1] in LAYERS else "front"
 
 
 def modules() -> dict:
+    """Every module of the package: its dotted name -> its path below the checkout."""
     out = {}
-    for folder, package in FOLDERS.items():
-        for f in sorted(os.listdir(os.path.join(ROOT, folder))):
+    for folder, dirs, files in os.walk(PACKAGE):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = os.path.relpath(folder, PACKAGE)
+        package = "autoshard" if rel == "." else "autoshard." + rel.replace(os.sep, ".")
+        for f in sorted(files):
             if f.endswith(".py"):
                 name = package if f == "__init__.py" else f"{package}.{f[:-3]}"
-                out[name] = os.path.join(folder, f)
+                out[name] = os.path.relpath(os.path.join(folder, f), ROOT)
     return out
+
+
+def test_the_package_holds_no_module_beside_its_layers():
+    """autoshard/ holds the package's door and the command line; every other module lives
+    in the sub-package of its layer."""
+    loose = sorted(f for f in os.listdir(PACKAGE) if f.endswith(".py"))
+    assert loose == ["__init__.py", "__main__.py"], loose
+    assert set(LAYERS) <= set(os.listdir(PACKAGE)), set(LAYERS) - set(os.listdir(PACKAGE))
 
 
 def _targets(mods: dict, importer: str, node) -> list:
@@ -160,17 +163,18 @@ def test_imports_inside_functions_each_have_a_reason():
 def test_the_layer_table_reads_the_tree():
     layers = {layer(m) for m in modules()}
     assert layers == set(ALLOWED), layers
-    assert layer("autoshard.passes.planner") == "planner" and layer("autoshard.api") == "front"
-    assert layer("autoshard.passes.units") == "passes"
-    assert layer("autoshard.graph") == "core" and layer("autoshard.capture") == "compiler"
+    assert layer("autoshard.planner") == "planner" and layer("autoshard.front.api") == "front"
+    assert layer("autoshard.passes.units") == "passes" and layer("autoshard.fuzz.spec") == "front"
+    assert layer("autoshard.core.graph") == "core" and layer("autoshard") == "front"
+    assert layer("autoshard.compiler.capture") == "compiler"
 
 
 # the modules that read the state autoshard() hangs on the model (``model._autoshard``); the
 # others are handed what they need of it
-STATE_READERS = {"autoshard.api", "autoshard.calls"}
+STATE_READERS = {"autoshard.front.api", "autoshard.front.calls"}
 # (module, why it names the attribute without reading it)
-STATE_NAMED = {"autoshard.guards": "the tree's guards leave the attribute out, as they leave "
-                                   "nn.Module's own bookkeeping"}
+STATE_NAMED = {"autoshard.core.guards": "the tree's guards leave the attribute out, as they "
+                                        "leave nn.Module's own bookkeeping"}
 
 
 def test_only_the_front_door_reads_the_model_state():

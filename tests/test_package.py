@@ -2,6 +2,8 @@
 the examples the README runs, ``autoshard.__version__`` says which it is, and the package's
 public names read the same after either import of ``autoshard``."""
 
+import ast
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -12,6 +14,8 @@ import sys
 import zipfile
 
 import pytest
+
+from autoshard.core import old_names
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,7 +49,7 @@ def _run_installed(target, *args, timeout=300):
 
 def test_wheel_installs_autoshard_with_passes_and_runtime(wheel):
     _, target = wheel
-    code = ("import autoshard, autoshard.passes, autoshard.runtime, autoshard.ops\n"
+    code = ("import autoshard, autoshard.passes, autoshard.runtime, autoshard.core.ops\n"
             "print(autoshard.__file__); print(autoshard.passes.__file__); "
             "print(autoshard.runtime.__file__)")
     out = _run_installed(target, "-c", code)
@@ -58,13 +62,15 @@ def test_wheel_installs_autoshard_with_passes_and_runtime(wheel):
     assert paths[2].endswith(os.path.join("autoshard", "runtime", "__init__.py"))
 
 
-def test_wheel_holds_the_examples_passes_and_runtime(wheel):
+def test_wheel_holds_every_layer(wheel):
     built, _ = wheel
     names = set(zipfile.ZipFile(built).namelist())
     for module in ("autoshard/examples/__init__.py", "autoshard/examples/gpt_shapes.py",
                    "autoshard/examples/train_gpt.py", "autoshard/passes/__init__.py",
                    "autoshard/runtime/__init__.py", "autoshard/runtime/export.py",
-                   "autoshard/_reference.py"):
+                   "autoshard/front/_reference.py", "autoshard/core/config.py",
+                   "autoshard/compiler/capture.py", "autoshard/planner/search.py",
+                   "autoshard/check/runs.py", "autoshard/fuzz/spec.py"):
         assert module in names, f"{module} is not in {built.name}"
     assert not any(n.startswith(("examples/", "passes/", "runtime/", "tests/")) for n in names)
 
@@ -116,14 +122,62 @@ def test_the_function_carries_the_package_names():
     for name in package.__all__:
         if name != "autoshard":
             assert getattr(autoshard, name) is getattr(package, name), name
-    assert autoshard.load is package.files.load  # autoshard.load(...) either way
+    assert autoshard.load is package.front.files.load  # autoshard.load(...) either way
 
 
-def test_the_loaders_old_spelling_warns_and_loads_the_same():
+def _forget(name: str) -> None:
+    """Forget the old name ``autoshard.<name>`` (the import bound it on its parent package
+    too), so that its next import finds it again."""
+    parent, _, child = f"autoshard.{name}".rpartition(".")
+    sys.modules.pop(f"autoshard.{name}", None)
+    vars(sys.modules[parent]).pop(child, None)
+
+
+@pytest.mark.parametrize("old", sorted(old_names.OLD_NAMES))
+def test_a_modules_name_before_0_5_imports_it_with_a_warning(old):
+    """0.5 grouped the package by layer; each old name imports the module itself (a patch
+    through either name reaches the same code), saying its new name, until 0.6."""
+    new = f"autoshard.{old_names.OLD_NAMES[old]}"
+    _forget(old)
+    try:
+        with pytest.warns(FutureWarning, match=rf"autoshard\.{old} is {new} since autoshard "
+                                               rf"0\.5.*stops working in 0\.6"):
+            module = importlib.import_module(f"autoshard.{old}")
+        assert module is importlib.import_module(new)
+    finally:
+        _forget(old)
+
+
+def test_old_names_read_as_attributes_and_from_imports():
     import autoshard as package
-    from autoshard.runtime import export
+    from autoshard.core.errors import AutoshardError
 
-    with pytest.warns(DeprecationWarning, match="autoshard.load since 0.4.3"):
-        assert export.load is package.load
-    with pytest.raises(AttributeError, match="no attribute 'lode'"):
-        export.lode  # noqa: B018
+    _forget("errors")
+    with pytest.warns(FutureWarning, match="autoshard.core.errors"):
+        assert package.errors.AutoshardError is AutoshardError
+    _forget("passes.planner")
+    with pytest.warns(FutureWarning, match="autoshard.planner since"):
+        from autoshard.passes.planner import choose
+    from autoshard.planner import choose as now
+    assert choose is now
+    with pytest.raises(AttributeError, match="no attribute 'errros'"):
+        package.errros  # noqa: B018
+    _forget("errors")
+    _forget("passes.planner")
+
+
+def test_no_module_of_the_project_imports_an_old_name():
+    """The suite runs with the old names' warning as an error (pyproject.toml's
+    filterwarnings); this reads the source, imports inside functions too."""
+    old = {f"autoshard.{n}" for n in old_names.OLD_NAMES}
+    found = []
+    sources = (p for d in ("autoshard", "tests", "bench") for p in (ROOT / d).rglob("*.py"))
+    for path in sorted(sources):
+        if path.name == "test_package.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n in old]
+    assert not found, found

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.models import GPT, tiny_hf
-from autoshard.plans import WIDTH, _fit, _shorten
+from autoshard.core.models import GPT, tiny_hf
+from autoshard.core.plans import WIDTH, _fit, _shorten
 
 # fx node names (view_25, clone_2093, native_layer_norm_backward), numbered units (group12)
 NODE_NAME = re.compile(r"\b(view|clone|mm|addmm|add|mul|getitem|t|cat|embedding|arange|"
@@ -79,7 +79,7 @@ def test_the_peak_is_named_by_module(plans):
     for plan in plans.values():
         at = plan.predicted["peak_at"]
         assert not NODE_NAME.search(at) and ":" not in at
-        assert f"{autoshard.plans.fmt_bytes(plan.predicted['peak_bytes'])} at {at}" in \
+        assert f"{autoshard.core.plans.fmt_bytes(plan.predicted['peak_bytes'])} at {at}" in \
             plan.summary_table().replace("\n", " ").replace("  ", "")
 
 
@@ -94,7 +94,7 @@ def test_the_trace_names_each_collectives_unit_and_bytes(plans, tmp_path):
     for ev, entry in zip(comm, issues):
         assert ev["args"]["bytes"] == entry.bytes and ev["args"]["unit"] == entry.unit
         assert ev["name"] == (f"{entry.op} {names[entry.unit]} "
-                              f"({autoshard.plans.fmt_bytes(entry.bytes)})")
+                              f"({autoshard.core.plans.fmt_bytes(entry.bytes)})")
     compute = {e["name"] for e in events if e["ph"] == "X" and e["tid"] == 0}
     assert "blocks.3.fc (backward)" in compute and "blocks.3.fc" in compute
     assert not any(NODE_NAME.search(n) for n in compute)
@@ -117,7 +117,7 @@ def test_the_memory_plot_scales_labels_the_budget_and_marks_the_peak(plans):
     fig = _figure(plan)
     assert fig["ylabel"] == "MiB per rank"
     peak = plan.predicted["peak_bytes"]
-    fmt = autoshard.plans.fmt_bytes
+    fmt = autoshard.core.plans.fmt_bytes
     assert f"memory budget {fmt(plan.memory_budget)}" in fig["lines"]
     assert f"peak {fmt(peak)} at {plan.predicted['peak_at']}" in fig["notes"]
     assert fig["title"].endswith(f"world size 2, {len(plan.units)} units")
@@ -128,7 +128,7 @@ def test_a_far_budget_does_not_flatten_the_curve(plans):
     plan = plans["gpt"]  # the CPU profile's 24 GiB against a peak under 1 MiB
     fig = _figure(plan)
     assert fig["ylabel"] == "KiB per rank"
-    assert f"memory budget {autoshard.plans.fmt_bytes(plan.memory_budget)} (above the plot)" \
+    assert f"memory budget {autoshard.core.plans.fmt_bytes(plan.memory_budget)} (above the plot)" \
         in fig["lines"]
     assert fig["ylim"][1] < 2 * plan.predicted["peak_bytes"] / 2**10
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from autoshard import progress
+from autoshard.core import progress
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_inductor_compiles_inside_a_phase(monkeypatch):
 
 def _checkpoint_phases(rank, world, root):
     from autoshard import autoshard
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     names, phase = [], progress.phase
 

@@ -51,7 +51,7 @@ import os as _os
 import torch as _torch
 
 from autoshard import Config as _Config, autoshard as _autoshard
-from autoshard.models import GPT as _GPT, gpt_loss as loss_fn
+from autoshard.core.models import GPT as _GPT, gpt_loss as loss_fn
 
 __all__ = ["build_model", "loss_fn", "x", "y", "x_small", "loader", "model", "unsharded",
            "sharded", "opt"]

@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from autoshard import meta
+from autoshard.core import meta
 from autoshard.compiler import compile_step
-from autoshard.config import Config
-from autoshard.models import GPT, tiny_hf
-from autoshard.simulate import simulate, simulate_joint
+from autoshard.core.config import Config
+from autoshard.core.models import GPT, tiny_hf
+from autoshard.core.simulate import simulate, simulate_joint
 
 CONFIGS = {
     "gpt": (lambda: GPT(layers=3), Config()),

@@ -5,7 +5,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Replicate, Shard
 
-from autoshard.spec import ParamSpec, group_size, model_state_bytes, param_specs
+from autoshard.core.spec import ParamSpec, group_size, model_state_bytes, param_specs
 
 
 def test_an_uneven_shard_is_padded_as_fsdp2_stores_it():
@@ -88,7 +88,7 @@ def test_a_bad_description_names_what_is_wrong(kw, match):
 
 
 def test_offloading_a_fraction_hosts_the_last_parameters_whole():
-    from autoshard.spec import hosted
+    from autoshard.core.spec import hosted
 
     params = [("a", (10, 4)), ("scale", ()), ("b", (20,)), ("c", (5, 2)), ("d", (10,))]
     assert hosted(params, 0.0) == set()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoshard import Config, autoshard
+from autoshard import AutoshardError, Config, autoshard
 from harness import eager_and_sharded, run_ranks
 
 STEPS, BATCH = 3, 4
@@ -91,15 +91,17 @@ def test_precompile_captures_now_and_compile_is_torchs():
     assert sharded._compiled_call_impl is None  # not torch.compile'd
 
 
-def test_compile_with_example_inputs_is_precompile_with_a_warning():
-    """0.3's spelling, ``sharded.compile(x)``, runs ``precompile(x)`` and says so until 0.5;
-    with torch.compile's keyword arguments alone it is ``torch.nn.Module.compile``."""
+def test_compile_with_example_inputs_is_refused_naming_precompile():
+    """0.3's spelling, ``sharded.compile(x)``, warned until 0.5 and is refused since, naming
+    ``precompile``; nothing is captured. With torch.compile's keyword arguments alone it is
+    ``torch.nn.Module.compile``."""
     x = torch.randn(BATCH, 8)
     _, sharded = eager_and_sharded(Net)
-    with pytest.warns(FutureWarning, match=r"precompile\(\*example_inputs\)"):
-        assert sharded.compile(x) is sharded  # as 0.3's compile and precompile return
-    assert len(sharded._autoshard.programs) == 1  # captured now, as precompile(x) does
-    assert sharded._compiled_call_impl is None  # and not handed to torch.compile
+    with pytest.raises(AutoshardError, match=r"sharded.precompile\(\*example_inputs\)"):
+        sharded.compile(x)
+    with pytest.raises(AutoshardError, match="keyword arguments"):
+        sharded.compile(fullgraf=True)
+    assert not sharded._autoshard.programs and sharded._compiled_call_impl is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sharded.compile(backend="eager")  # torch's meaning: no warning

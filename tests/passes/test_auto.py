@@ -5,7 +5,7 @@ import torch
 
 import autoshard
 from autoshard import AutoshardError, Config, Module, Offload, Size
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 from models import build
 
 SMALL = Size(min_numel=20000)  # several units of these small models
@@ -76,7 +76,7 @@ def test_no_plan_fits_names_the_smallest_budget_that_would():
         whole = {**{f"blocks.{i}": "block" for i in range(4)}, "*": "offload"}
         finest = _plan(model, inputs, policy="per-parameter", bucket=False, recompute=whole,
                        offload_policy=Offload(params=1.0) if offload is None else offload)
-        assert autoshard.plans.fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
+        assert autoshard.core.plans.fmt_bytes(finest.predicted["peak_bytes"]) in str(e.value)
         # and that budget is enough
         _plan(model, inputs, memory_budget=finest.predicted["peak_bytes"],
               offload_policy=offload)
@@ -111,9 +111,9 @@ def test_size_policy_makes_units_of_at_least_the_minimum():
 def test_segment_costs_are_the_cost_models(world):
     """The DP's segment costs equal the cost model's collective times float for float (its
     choices follow them, ties included): mixed dtypes, a frozen and an unsharded parameter."""
-    from autoshard.cost import collective_time, get_profile
+    from autoshard.core.cost import collective_time, get_profile
     from autoshard.passes.auto import _Segments
-    from autoshard.spec import ParamSpec
+    from autoshard.core.spec import ParamSpec
 
     shapes = [(96, 64), (64,), (), (7, 5), (300, 8), (1,)]
     dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float32,

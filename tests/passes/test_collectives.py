@@ -3,9 +3,9 @@ import collections
 import pytest
 import torch
 
-from autoshard import meta
-from autoshard.graph import alias_base
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.graph import alias_base
+from autoshard.core.models import GPT
 from autoshard.passes import assign_units_pass, insert_collectives_pass, verify
 from autoshard.passes.verify import VerificationError
 from graphs import captured, run

@@ -17,11 +17,11 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard
-import autoshard.passes.planner as plan_mod
-import autoshard.passes.search as search_mod
+import autoshard.planner as plan_mod
+import autoshard.planner.search as search_mod
 from autoshard import Config, Offload, Prefetch
-from autoshard.cost import PROFILES
-from autoshard.models import GPT
+from autoshard.core.cost import PROFILES
+from autoshard.core.models import GPT
 from models import CheckpointedGPT, build
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # gradients reduced in bf16

@@ -8,7 +8,7 @@ import pathlib
 import torch
 
 import autoshard
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 
 GOLDEN = pathlib.Path(__file__).parent.parent / "golden" / "gpt_world2_schedule.txt"
 

@@ -10,9 +10,10 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 import autoshard
-from autoshard import Offload, meta
-from autoshard.cost import PROFILES, node_time, tensor_bytes
-from autoshard.models import GPT
+from autoshard import Offload
+from autoshard.core import meta
+from autoshard.core.cost import PROFILES, node_time, tensor_bytes
+from autoshard.core.models import GPT
 
 INPUTS = (torch.randint(0, 96, (8, 32)),)
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -154,7 +155,7 @@ def test_the_runtime_applies_the_fraction_the_planner_offloads_and_keeps_it():
     is stored in host memory before the first step (marked on the parameters, in place, so
     an optimizer built before it keeps them), the step equals eager's, and a later plan
     keeps that placement; the same plan as the policy asking for that fraction."""
-    from autoshard.spec import ON_HOST
+    from autoshard.core.spec import ON_HOST
 
     on, off = _plan(False, world_size=1), _plan(True, world_size=1)
     budget = (on.predicted["peak_bytes"] + off.predicted["peak_bytes"]) // 2

@@ -5,9 +5,9 @@ import dataclasses
 
 import torch
 
-from autoshard import meta
-from autoshard.graph import alias_closure
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.graph import alias_closure
+from autoshard.core.models import GPT
 from autoshard.passes import (assign_units_pass, insert_collectives_pass,
                               offload_activations_pass, prefetch_pass,
                               recompute_activations_pass, run_passes, split_pass, verify)
@@ -62,7 +62,7 @@ def test_no_blocks_is_no_change_and_no_backward_is_nothing_to_move():
 
 
 def _offloaded(profile, **prefetch):
-    from autoshard.cost import PROFILES
+    from autoshard.core.cost import PROFILES
 
     gm, ctx = captured(GPT(seq=16, layers=2), *INPUTS)
     ctx = dataclasses.replace(ctx, profile=PROFILES[profile])
@@ -123,7 +123,7 @@ def _plan(profile, budget=None, offload=None, recompute=True, layers=4, seq=256)
 
 
 def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_budget():
-    from autoshard.cost import PROFILES
+    from autoshard.core.cost import PROFILES
 
     h100 = PROFILES["h100"]
     # 1000x slower compute: recomputing a block costs more than copying its activations
@@ -162,9 +162,9 @@ def test_planner_takes_offload_or_recomputation_whichever_is_faster_within_the_b
 
 
 def test_where_the_host_is_the_device_offload_is_not_a_choice_and_saves_nothing():
-    from autoshard.passes.candidates import offload_choice, recompute_choices
+    from autoshard.planner.candidates import offload_choice, recompute_choices
     from autoshard import Config
-    from autoshard.cost import PROFILES
+    from autoshard.core.cost import PROFILES
 
     blocks = ["blocks.0", "blocks.1"]
     assert offload_choice(Config(), PROFILES["cpu"]) is False
@@ -187,9 +187,9 @@ def test_on_a_big_graph_the_search_finds_the_same_offload_plan(monkeypatch):
     """Over BIG_GRAPH nodes the first choice whose activations fit is found by bisection
     over a ladder that now holds offload choices; the plan is the one the full search
     picks."""
-    import autoshard.passes.planner as plan_mod
-    import autoshard.passes.search as search_mod
-    from autoshard.cost import PROFILES
+    import autoshard.planner as plan_mod
+    import autoshard.planner.search as search_mod
+    from autoshard.core.cost import PROFILES
 
     h100 = PROFILES["h100"]
     slow = dataclasses.replace(h100, name="h100-slow-compute", matmul_flops=h100.matmul_flops

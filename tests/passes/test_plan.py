@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.models import GPT
-from autoshard.passes.candidates import first_choices, ladder_end, recompute_choices
+from autoshard.core.models import GPT
+from autoshard.planner.candidates import first_choices, ladder_end, recompute_choices
 
 INPUTS = (torch.randint(0, 96, (16, 32)),)
 
@@ -111,9 +111,9 @@ def test_on_a_big_graph_choices_after_one_ruled_out_as_slower_are_not_built(monk
     here (communication free) the first choice fits, so every later one is slower."""
     import dataclasses
 
-    import autoshard.passes.planner as plan_mod
-    import autoshard.passes.search as search_mod
-    from autoshard.cost import PROFILES
+    import autoshard.planner as plan_mod
+    import autoshard.planner.search as search_mod
+    from autoshard.core.cost import PROFILES
 
     free = dataclasses.replace(PROFILES["h100"], name="free", alpha=0.0, beta=0.0)
 
@@ -140,8 +140,8 @@ def test_on_a_big_graph_a_ladders_last_choice_within_near_spares_those_before_it
     FSDP2's plan's step), the choices before it are recorded, not built. Here the blocks
     ladder's last is near and the offload ladder's is not (its copies are slower), so the
     offload choices are built in order; the plan is the one the full search picks."""
-    import autoshard.passes.planner as plan_mod
-    import autoshard.passes.search as search_mod
+    import autoshard.planner as plan_mod
+    import autoshard.planner.search as search_mod
 
     def search():
         return autoshard.plan(GPT(seq=64, layers=4), (torch.randint(0, 96, (8, 64)),),
@@ -169,7 +169,7 @@ def test_on_a_big_graph_a_ladders_last_choice_within_near_spares_those_before_it
 def test_the_search_pauses_the_garbage_collector_and_restores_it(monkeypatch):
     import gc
 
-    import autoshard.passes.planner as plan_mod
+    import autoshard.planner as plan_mod
 
     monkeypatch.setattr(plan_mod, "COLLECT_NODES", 1)  # a collection after every candidate
     states, real = [], gc.collect
@@ -232,7 +232,7 @@ def test_hpz_sends_its_backward_all_gathers_within_the_group():
     total = sum(u.bytes for u in plan.units)
     assert plan.predicted["sent_bytes"] == total * 3 // 4 + total // 2 + total * 3 // 4
     # the simulator prices each all-gather by its own group: 2 ranks in the backward
-    from autoshard.cost import collective_time, get_profile
+    from autoshard.core.cost import collective_time, get_profile
 
     cpu = get_profile("cpu")
     issues = [e for e in plan.schedule if e.op == "all_gather"]

@@ -8,8 +8,8 @@ import torch
 
 import autoshard
 from autoshard import Config, Prefetch
-from autoshard.models import GPT
-from autoshard.passes.planner import IMMATERIAL, NEAR, PEAK_TARGET, STEP_CAP
+from autoshard.core.models import GPT
+from autoshard.planner import IMMATERIAL, NEAR, PEAK_TARGET, STEP_CAP
 
 # a GPT whose fastest plan (one unit) peaks just above PEAK_TARGET of FSDP2's plan's
 # predicted peak
@@ -51,7 +51,7 @@ def test_the_default_takes_the_fastest_plan_within_the_target_and_says_why(plans
     slower = round(100 * (plan.predicted["step_s"] / fastest["step_s"] - 1))
     assert plan.choice == (
         f"the fastest plan peaks at {fastest['peak_bytes'] / ref_peak:.2f}x FSDP2's plan's "
-        f"predicted peak ({autoshard.plans.fmt_bytes(ref_peak)}); chose the fastest within "
+        f"predicted peak ({autoshard.core.plans.fmt_bytes(ref_peak)}); chose the fastest within "
         f"{PEAK_TARGET}x ({plan.predicted['peak_bytes'] / ref_peak:.2f}x), {slower}% slower; "
         "Config(prefer='speed') takes the fastest")
     text = " ".join(str(plan).split())
@@ -104,8 +104,8 @@ def test_offload_activations_plans_with_the_reference_and_symbolically():
 
 
 def test_auto_is_memory_on_a_cpu_and_balanced_on_a_gpu_profile(plans):
-    from autoshard.cost import PROFILES
-    from autoshard.passes.planner import preference
+    from autoshard.core.cost import PROFILES
+    from autoshard.planner import preference
 
     assert Config().prefer == "auto"
     assert preference(Config(), PROFILES["cpu"]) == "memory"
@@ -163,10 +163,10 @@ def test_balanced_builds_fsdp2s_plan_on_a_graph_too_big_to_search_whole(monkeypa
     """Past BIG_GRAPH nodes the search bisects for the first grouping that fits, which need
     not be as fast as FSDP2's plan: that plan is built as a candidate, and taken when the
     search finds nothing faster."""
-    from autoshard.passes import planner as plan_mod
+    from autoshard import planner as plan_mod
 
     monkeypatch.setattr(plan_mod, "BIG_GRAPH", 10)
-    monkeypatch.setattr("autoshard.passes.search.BIG_GRAPH", 10)
+    monkeypatch.setattr("autoshard.planner.search.BIG_GRAPH", 10)
     monkeypatch.setattr("autoshard.passes.auto.BIG_GRAPH", 10)
     plan = _plan(device_profile="h100")
     fsdp2 = _plan(device_profile="h100", policy="module", recompute=False,

@@ -3,8 +3,8 @@ import dataclasses
 import torch
 
 import autoshard
-from autoshard import meta
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.models import GPT
 from autoshard.passes import (
     assign_units_pass,
     bucket_units_pass,
@@ -19,7 +19,7 @@ from graphs import captured, run
 
 def _gpt(layers=4):
     gm, ctx = captured(GPT(layers=layers), torch.randint(0, 96, (2, 16)))
-    ctx = dataclasses.replace(ctx, profile=autoshard.cost.PROFILES["cpu"])
+    ctx = dataclasses.replace(ctx, profile=autoshard.core.cost.PROFILES["cpu"])
     return run(gm, ctx, assign_units_pass, insert_collectives_pass, policy="module")
 
 

@@ -4,9 +4,9 @@ deterministic ops run again."""
 import torch
 import torch.nn as nn
 
-from autoshard import meta
-from autoshard.graph import alias_base
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.graph import alias_base
+from autoshard.core.models import GPT
 from autoshard.passes import recompute_activations_pass, verify
 from graphs import captured, run
 from models import CNN

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autoshard import Config, autoshard, meta
+from autoshard import Config, autoshard
+from autoshard.core import meta
 from autoshard.passes import recompute_activations_pass, run_passes
 from autoshard.passes.verify import VerificationError, _check_split_recomputed
 from autoshard.passes.split import split_pass

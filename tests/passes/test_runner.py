@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 from autoshard.passes import (assign_units_pass, insert_collectives_pass, prefetch_pass,
                               run_passes, split_pass)
 from graphs import captured

@@ -1,4 +1,4 @@
-"""splice records the collectives' packing with a dispatch mode (``autoshard.graph.record``)
+"""splice records the collectives' packing with a dispatch mode (``autoshard.core.graph.record``)
 instead of make_fx; the programs must be the same node for node."""
 
 import types
@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from autoshard import depth, graph
-from autoshard._compat import make_fx
+from autoshard.compiler import depth
+from autoshard.core import graph
+from autoshard.core._compat import make_fx
 from autoshard.compiler import compile_step
-from autoshard.config import Config
-from autoshard.models import GPT, tiny_hf
+from autoshard.core.config import Config
+from autoshard.core.models import GPT, tiny_hf
 
 CONFIGS = {
     "gpt_ws4": (lambda: GPT(layers=2), 4, Config(policy="module")),
@@ -79,7 +80,7 @@ def test_values_from_meta_kernels_are_the_fake_modes(monkeypatch):
     same."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoshard import _compat
+    from autoshard.core import _compat
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     cpu = torch.device("cpu")
@@ -108,7 +109,7 @@ def test_a_value_given_twice_is_traced_as_two_arguments():
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from autoshard import _compat
+    from autoshard.core import _compat
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     v = _compat.fake_empty(mode, (4,), torch.float32, torch.device("cpu"))

@@ -1,7 +1,7 @@
 import torch
 
-from autoshard import meta
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.models import GPT
 from autoshard.passes import assign_units_pass, insert_collectives_pass, split_pass
 from graphs import captured, run
 from models import CNN

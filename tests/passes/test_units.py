@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from autoshard import Size, meta
-from autoshard.models import GPT
+from autoshard import Size
+from autoshard.core import meta
+from autoshard.core.models import GPT
 from autoshard.passes import assign_units_pass
 from graphs import captured, run
 from models import CNN, MLP

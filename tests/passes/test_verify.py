@@ -3,8 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard import meta
-from autoshard.models import GPT
+from autoshard.core import meta
+from autoshard.core.models import GPT
 from autoshard.passes import assign_units_pass, insert_collectives_pass, run_passes, verify
 from autoshard.passes.verify import VerificationError
 from graphs import captured, run
@@ -86,7 +86,7 @@ def test_a_reduction_with_another_reduce_op_than_the_spec_is_caught():
 
 def _reductions(gm):
     """Per gradient output, the collectives it went through, first first."""
-    from autoshard.graph import alias_base
+    from autoshard.core.graph import alias_base
 
     out, got = meta.output_node(gm), {}
     for v, r in zip(out.args[0], meta.output_roles(gm)):
@@ -113,7 +113,7 @@ def test_hybrid_gradients_are_reduce_scattered_then_all_reduced():
     rs_wait = ar.args[0]
     ar_wait = next(u for u in ar.users if meta.is_wait(u))
     ar_wait.replace_all_uses_with(rs_wait)
-    from autoshard.graph import alias_base
+    from autoshard.core.graph import alias_base
 
     root = alias_base(rs_wait)  # its storage, now read by the unpack: freed no more
     for f in [n for n in gm.graph.nodes if meta.is_free(n)]:

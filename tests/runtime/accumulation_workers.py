@@ -4,7 +4,7 @@ losses summed, not divided) under each strategy, the first call of each run eith
 sync or with it.
 
 Each run starts from what a new process holds: autoshard's trace cache
-(``autoshard.graph._TRACES``, the only process-wide state a compile reads) is emptied
+(``autoshard.core.graph._TRACES``, the only process-wide state a compile reads) is emptied
 first, so no earlier run of the same process decides how the next one compiles.
 
 Not ``harness.train``: the loop under test is nanoGPT's own (the micro-batch count changes
@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from autoshard import Config, autoshard, graph
-from autoshard.models import GPT, gpt_loss
+from autoshard import Config, autoshard
+from autoshard.core import graph
+from autoshard.core.models import GPT, gpt_loss
 
 VOCAB, DIM, SEQ, MICRO = 96, 32, 32, 2  # MICRO: sequences per micro-batch and rank
 LR, MAX_NORM = 0.05, 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from autoshard import Config, autoshard
-from autoshard.models import GPT, gpt_loss
+from autoshard.core.models import GPT, gpt_loss
 import harness
 from harness import Recipe
 
@@ -47,7 +47,7 @@ def train(offload: bool, rank: int = 0, world: int = 1, steps: int = 3):
 def parity_worker(rank, world, _):
     """Whether this rank's losses and parameter shards are bit for bit the same with the
     saved activations offloaded as without, and how many copies each plan made."""
-    from autoshard import meta
+    from autoshard.core import meta
 
     moved, losses, params, trained = train(True, rank, world)
     kept, ref_losses, ref_params, _ = train(False, rank, world)

@@ -35,9 +35,9 @@ def _held(g) -> dict:
     buffers allocated apart from the all-gather (the forward saves one for the backward to
     free), concatenations of gradients inductor would allocate before their first gradient,
     inputs the code takes and never reads."""
-    from autoshard import meta
+    from autoshard.core import meta
     from autoshard.runtime.inductor import functional
-    from autoshard.ops import pack_op
+    from autoshard.core.ops import pack_op
 
     f = functional(g.gm)
     nodes = list(f.graph.nodes)

@@ -87,7 +87,7 @@ def generate_worker(rank, world, _):
     """Hugging Face ``generate`` with its KV cache on a sharded Llama: each rank its own
     prompts, ``synced_gpus`` so that every rank runs the same number of forwards (as with
     FSDP2 or ZeRO-3)."""
-    from autoshard.models import tiny_hf
+    from autoshard.core.models import tiny_hf
 
     torch.manual_seed(0)
     model = tiny_hf("llama", use_cache=True).eval()

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autoshard
 from autoshard import Config
-from autoshard.models import GPT, gpt_loss
+from autoshard.core.models import GPT, gpt_loss
 from harness import Recipe, train
 
 # case -> (Config.strategy, mesh shape at export)

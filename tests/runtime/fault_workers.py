@@ -117,7 +117,7 @@ def hang_worker(rank, world, case):
     and leave Config.timeout at its default (300 s)."""
     import torch.distributed as dist
 
-    from autoshard import _compat
+    from autoshard.core import _compat
 
     timeout = 3.0
     own = case.startswith("own-group:")
@@ -292,7 +292,7 @@ def message_worker(rank, world, cases):
         elif case == "group_timeouts":  # the group autoshard makes waits Config.timeout
             from torch.distributed.device_mesh import init_device_mesh
 
-            from autoshard import _compat
+            from autoshard.core import _compat
 
             mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
             model = autoshard(Net(), mesh=mesh, config=Config(timeout=7))

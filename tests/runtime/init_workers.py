@@ -36,7 +36,7 @@ META_CASES = ["mlp", "cnn", "gpt", "hf_llama"]
 
 
 def embedding_init(module: nn.Module) -> None:
-    """What GPT.__init__ does after building its layers (autoshard.models.GPT)."""
+    """What GPT.__init__ does after building its layers (autoshard.core.models.GPT)."""
     if isinstance(module, nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
 
@@ -235,7 +235,7 @@ def meta_init_worker(rank, world, names):
 def wide_gpt() -> nn.Module:
     """A GPT whose tensors dwarf the bookkeeping (4 MiB of parameters, 0.5 MiB the largest
     module), for measuring what materialising it holds at once."""
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     return GPT(vocab=1024, dim=128, heads=4, layers=4, seq=64)
 
@@ -254,7 +254,7 @@ def profiled_peak(build) -> dict:
     the largest module."""
     from torch.profiler import ProfilerActivity, profile
 
-    from autoshard import _compat
+    from autoshard.core import _compat
 
     with torch.device("meta"):
         model = build()
@@ -323,7 +323,8 @@ def main(argv=None) -> None:
     ap.add_argument("--small", action="store_true", help="the tests' GPT instead of 1.3B")
     ap.add_argument("--world-size", type=int, default=2)
     args = ap.parse_args(argv)
-    factory = "autoshard.models:GPT" if args.small else "autoshard.examples.gpt_shapes:gpt_1_3b"
+    factory = ("autoshard.core.models:GPT" if args.small
+               else "autoshard.examples.gpt_shapes:gpt_1_3b")
     for r, res in enumerate(measure(factory, args.world_size)):
         bound = res["rss_before"] + res["kept"] + res["largest_module"]
         print(f"rank {r}: peak RSS {_gib(res['peak_rss'])} (before autoshard "

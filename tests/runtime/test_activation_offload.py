@@ -30,7 +30,7 @@ def test_offload_activations_with_the_default_planner_runs_a_step_as_eager():
     import torch
 
     from autoshard import Config, autoshard
-    from autoshard.models import GPT, gpt_loss
+    from autoshard.core.models import GPT, gpt_loss
 
     torch.manual_seed(0)
     ref, model = GPT(seq=16, layers=2), GPT(seq=16, layers=2)

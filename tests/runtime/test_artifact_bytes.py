@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.errors import AutoshardError
+from autoshard.core.errors import AutoshardError
 from autoshard.runtime import commit, dcpio, export_load
 from harness import outcome, run_ranks
 from safe_load_workers import _data, _rehash_checkpoint

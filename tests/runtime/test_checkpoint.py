@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from autoshard import autoshard
-from autoshard.models import GPT, gpt_loss
+from autoshard.core.models import GPT, gpt_loss
 from harness import run_ranks, train_step
 
 N, M = 3, 3

@@ -9,7 +9,7 @@ kernels sum in other orders than ATen's; seen: 4.8e-7 and 4.0e-6 at most).
 import pytest
 import torch
 
-from autoshard.errors import AutoshardError
+from autoshard.core.errors import AutoshardError
 from autoshard.runtime.inductor import check_order, compiled_order
 from harness import run_ranks
 from parity_workers import reference
@@ -104,7 +104,7 @@ def test_a_faked_world_runs_a_step_for_its_memory():
         "import torch, torch.distributed as dist\n"
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
         "from autoshard import autoshard\n"
-        "from autoshard.models import GPT, gpt_loss\n"
+        "from autoshard.core.models import GPT, gpt_loss\n"
         "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=8)\n"
         "m = autoshard(GPT(vocab=96, dim=32, heads=4, layers=2, seq=16))\n"
         "x = torch.randint(0, 96, (2, 16))\n"

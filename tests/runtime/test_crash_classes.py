@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import Config, autoshard
-from autoshard.options import Module, Prefetch
+from autoshard.core.options import Module, Prefetch
 from harness import run_ranks
 
 TOL = 1e-5

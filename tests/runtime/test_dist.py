@@ -37,9 +37,9 @@ def test_host_shards_stay_on_the_host_of_a_gpu_mesh():
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
-        from autoshard import _compat
+        from autoshard.core import _compat
         from autoshard.runtime import storage
-        from autoshard.spec import ON_HOST
+        from autoshard.core.spec import ON_HOST
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)
         w = torch.randn(4, 3)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard import Config, autoshard
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 from divide_workers import DIVIDE, divide_worker, reference, sum_loss
 from harness import run_ranks
 

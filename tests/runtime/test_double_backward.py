@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard import AutoshardError, Config, autoshard
-from autoshard.options import Offload
+from autoshard.core.options import Offload
 from autoshard.runtime import double
 from harness import run_ranks
 

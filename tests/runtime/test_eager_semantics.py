@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from autoshard import Config, autoshard, plan
-from autoshard.models import GPT, gpt_loss
+from autoshard.core.models import GPT, gpt_loss
 from models import CheckpointedGPT
 
 

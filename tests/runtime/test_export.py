@@ -25,12 +25,12 @@ import export_workers
 from harness import run_ranks, train_step
 
 import autoshard
-from autoshard.errors import AutoshardError
-from autoshard.models import gpt_loss
+from autoshard.core.errors import AutoshardError
+from autoshard.core.models import gpt_loss
 from autoshard.runtime import commit_files
 from autoshard.runtime import export as export_mod
 from autoshard.runtime import export_format
-from autoshard.spec import ParamSpec
+from autoshard.core.spec import ParamSpec
 
 MODULE = "autoshard_export_test_models"
 SOURCE = '''
@@ -38,7 +38,7 @@ SOURCE = '''
 import torch
 from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-from autoshard.models import GPT, tiny_hf
+from autoshard.core.models import GPT, tiny_hf
 
 
 class UserGPT(GPT):
@@ -458,7 +458,7 @@ def _load_here(rank, world, payload):
 
 
 def _tiny_gpt():
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     torch.manual_seed(0)
     return GPT(vocab=VOCAB, layers=2)
@@ -500,7 +500,7 @@ def test_a_program_key_names_no_device_type_and_older_keys_still_load(tmp_path):
     of "the device" and "the host", not of "cuda" and "cpu" (on the first GPU run the
     cross-device test failed: a GPU's key never matched a CPU's call). Exports written
     before, keyed by device type either way, still load and train the same."""
-    from autoshard import _compat
+    from autoshard.core import _compat
 
     assert _compat.autocast_state("cuda") == _compat.autocast_state("cpu")
     root = str(tmp_path / "e")

@@ -21,9 +21,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 import autoshard
-from autoshard import _compat
+from autoshard.core import _compat
 from autoshard.__main__ import main as cli
-from autoshard.errors import AutoshardError
+from autoshard.core.errors import AutoshardError
 from autoshard.runtime import commit, export, export_load, graphcost, graphio
 from harness import outcome, run_ranks
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from autoshard import autoshard
-from autoshard.models import tiny_hf
+from autoshard.core.models import tiny_hf
 from entry_workers import generate_worker
 from harness import run_ranks
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from harness import run_ranks
 
-from autoshard import meta
+from autoshard.core import meta
 from autoshard.runtime import streams
-from autoshard.ops import free_op
+from autoshard.core.ops import free_op
 
 _TO_COPY = torch.ops.aten._to_copy.default
 _HOST = torch.device("cpu")
@@ -253,7 +253,7 @@ def _profiled_on_gpu(rank, world, _):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from autoshard import Config, autoshard
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
     from bench.gpu_streams import overlap, profiled_step
 
     torch.cuda.set_device(0)

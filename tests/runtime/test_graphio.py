@@ -18,10 +18,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import models
 import autoshard
 from autoshard.compiler import compile_step
-from autoshard.config import Config
-from autoshard.errors import AutoshardError
-from autoshard.graph import aliased_arg
-from autoshard.models import GPT
+from autoshard.core.config import Config
+from autoshard.core.errors import AutoshardError
+from autoshard.core.graph import aliased_arg
+from autoshard.core.models import GPT
 from autoshard.runtime import commit
 from autoshard.runtime import export as export_mod
 from autoshard.runtime import graphio

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from autoshard import AutoshardError, Config, Module, autoshard, deferred_init
-from autoshard.models import GPT
-from autoshard.spec import ShardLayout
+from autoshard.core.models import GPT
+from autoshard.core.spec import ShardLayout
 from autoshard.runtime.dist import default_mesh
 from harness import run_ranks
 from init_workers import (DEFERRED_CASES, DEFERRED_WORLD2, META_CASES, NanoGPT, build_on_device,
@@ -535,7 +535,7 @@ def test_init_reaching_past_its_module_is_refused(mesh, fn, says):
 def test_fully_shard_submodule_is_named_and_nothing_changes(mesh):
     from torch.distributed.fsdp import fully_shard
 
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     torch.manual_seed(0)
     model = GPT()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 
 pytestmark = pytest.mark.filterwarnings("ignore:autoshard. no process group")
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts Hugging Face models (Mixtral, Qwen3-MoE, DeepSeek-V3) with transformers'
 default experts implementation, which calls ``aten._grouped_mm``. torch's meta kernel for it
-takes bf16 only; capture maps it to ``autoshard::grouped_mm`` (``autoshard/ops.py``), whose fake
-kernel serves every dtype, so these models are captured and trained in fp32 and bf16.
+takes bf16 only; capture maps it to ``autoshard::grouped_mm`` (``autoshard/core/ops.py``), whose
+fake kernel serves every dtype, so these models are captured and trained in fp32 and bf16.
 
 World size 1 (in this process): one step's gradients against eager, parameter by parameter.
 fp32 is bitwise equal, router included. In bf16 eager differs by about one bf16 rounding
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard import Config, autoshard
-from autoshard.models import tiny_hf
+from autoshard.core.models import tiny_hf
 from harness import run_ranks
 
 MODELS = ["mixtral", "qwen3_moe", "deepseek_v3"]
@@ -144,8 +144,8 @@ def test_grouped_mm_op_matches_aten():
     """The op's eager kernel is aten's; its fake kernel gives the shape, strides and dtype of
     aten's output in any floating dtype, for every operand layout (2-D x 3-D is the forward,
     2-D x 2-D the weight gradient)."""
-    from autoshard._compat import FakeTensorMode
-    from autoshard.ops import grouped_mm_op
+    from autoshard.core._compat import FakeTensorMode
+    from autoshard.core.ops import grouped_mm_op
 
     offs = torch.tensor([2, 5, 5, 8], dtype=torch.int32)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoshard import AutoshardError, autoshard
-from autoshard.models import GPT, gpt_loss
+from autoshard.core.models import GPT, gpt_loss
 from autoshard.runtime import foreach, optim
 
 

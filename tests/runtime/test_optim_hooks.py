@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from autoshard import autoshard
-from autoshard.models import GPT
+from autoshard.core.models import GPT
 from autoshard.runtime import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +23,7 @@ _LIFETIME = """
     import gc
     import torch
     from autoshard import autoshard
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
     from autoshard.runtime import optim
 
     seen = [optim.hooks_installed()]
@@ -46,7 +46,7 @@ _LIFETIME = """
 _OFF = """
     import torch
     from autoshard import Config, autoshard
-    from autoshard.models import GPT, gpt_loss
+    from autoshard.core.models import GPT, gpt_loss
     from autoshard.runtime import optim
 
     def train(strategy):

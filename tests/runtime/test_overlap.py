@@ -10,7 +10,7 @@ from harness import run_ranks
 
 def _record(rank, world, path):
     from autoshard import Config, autoshard
-    from autoshard.models import GPT, gpt_loss
+    from autoshard.core.models import GPT, gpt_loss
 
     torch.manual_seed(0)
     model = autoshard(GPT(layers=4), config=Config(policy="module"))

@@ -78,7 +78,7 @@ def test_measured_step_matches_the_plan(name, variant):
 
 def _measure_at(rank, world, payload):
     from autoshard import Config, autoshard
-    from autoshard.models import GPT, gpt_loss
+    from autoshard.core.models import GPT, gpt_loss
 
     units, batch = payload
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def test_symbolic_memory_predicts_a_larger_batch_and_the_largest_that_fits():
     import sympy
 
     import autoshard
-    from autoshard.models import GPT
+    from autoshard.core.models import GPT
 
     def make(b, s):
         return (torch.randint(0, 96, (b, s)),)

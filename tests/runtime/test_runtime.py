@@ -5,9 +5,10 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from autoshard import autoshard, meta
-from autoshard.models import GPT, gpt_loss
-from autoshard.ops import free_op
+from autoshard import autoshard
+from autoshard.core import meta
+from autoshard.core.models import GPT, gpt_loss
+from autoshard.core.ops import free_op
 
 
 def _pair():

@@ -9,7 +9,7 @@ torchtitan is not installed (``.ci/run`` installs it)."""
 import torch
 
 import autoshard
-from autoshard.passes.planner import PEAK_TARGET, STEP_CAP
+from autoshard.planner import PEAK_TARGET, STEP_CAP
 from torchtitan_workers import SEQ, VOCAB, build_model, import_torchtitan, torchtitan_or_skip
 
 torchtitan_or_skip()

@@ -142,7 +142,7 @@ def _autoshard(tt, rank, world, mesh, root):
     summed as torchtitan sets them (``set_gradient_divide_factor(1.0)``). Counts the
     captures of each entry (the model's forward, ``lm_head`` called by the loss)."""
     from autoshard import autoshard
-    from autoshard import calls
+    from autoshard.front import calls
 
     captures: dict = {}
     compile_ = calls.capture_and_compile

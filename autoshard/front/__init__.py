@@ -1,0 +1,1 @@
+"""The front door: the API, one call, files, the integrations."""
