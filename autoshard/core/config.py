@@ -122,6 +122,15 @@ class Config:
         pipeline stage); the ranks outside it train their own copy, and nothing keeps those
         in step. False (default): such a mesh is refused, since replicas across meshes would
         drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
+    tensor_parallel: what the mesh's "tp" dimension does (a mesh without one has none):
+        - "auto" (default): the planner chooses tensor parallelism per block; not built in
+          this version, so a mesh with a "tp" dimension is refused, naming "off";
+        - "off": the "tp" dimension shards as FSDP does: a ("dp", "tp") mesh shards over
+          all its ranks, a ("replicate", "shard", "tp") one is hybrid sharding with groups
+          of shard x tp ranks; the model trains as on a mesh without it;
+        - ``{module pattern: ParallelStyle}`` in ``torch.distributed.tensor.parallel``'s
+          own vocabulary (``{"layers.*.attention.wq": ColwiseParallel(), ...}``): not built
+          in this version, refused.
 
     Communication
     -------------
@@ -242,6 +251,7 @@ class Config:
     offload_policy: Optional[OffloadPolicy] = None
     strategy: str = "zero3"
     partial_mesh: bool = False
+    tensor_parallel: Union[str, Mapping] = "auto"
     compile: bool = False
     gradient_divide_factor: Optional[float] = None
     force_sum_reduction_for_comms: bool = False
@@ -304,6 +314,13 @@ class Config:
                     ", Module(classes=..., pattern=...), Size(min_numel=...), or pass "
                     "explicit units=[[fqn, ...], ...]")
         check_one_of("optimizer", self.optimizer, tuple(OPTIMIZER_STATES))
+        if isinstance(self.tensor_parallel, Mapping):
+            # a read-only copy: the caller's dict may change, and the Config may not
+            self._set("tensor_parallel", types.MappingProxyType(dict(self.tensor_parallel)))
+        else:
+            check_one_of("tensor_parallel", self.tensor_parallel, ("auto", "off"),
+                         ", or {module pattern: ParallelStyle} (torch.distributed.tensor."
+                         "parallel's vocabulary)")
         check_one_of("prefer", self.prefer, PREFER)
         raf = self.reshard_after_forward
         if not isinstance(raf, int) or isinstance(raf, bool) or raf < 1:

@@ -417,7 +417,11 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
 
     mesh: a 1-D DeviceMesh, or a 2-D one with dimensions ("replicate", "shard") for hybrid
         sharding (HSDP: sharded within each group of the "shard" dimension, replicated across
-        the groups, gradients reduce-scattered within and all-reduced across); defaults to
+        the groups, gradients reduce-scattered within and all-reduced across; torchtitan's
+        ("dp_replicate", "dp_shard") too), or one with a "tp" dimension last (("dp", "tp"),
+        ("dp_shard", "tp"), ("shard", "tp"), ("replicate", "shard", "tp"), ("dp_replicate",
+        "dp_shard", "tp")), whose "tp" dimension ``Config.tensor_parallel`` says what to do
+        with (this version: "off", sharding over it as FSDP does); defaults to
         a 1-D mesh over the default process group (initialised from a torchrun environment
         if needed; world size 1 if there is none). A 1-D mesh over some of the ranks is
         refused unless ``Config(partial_mesh=True)``.
@@ -455,6 +459,7 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
     config = _checked(model, config, param_init_fn)
     mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
     _dist.check_mesh(mesh, config.partial_mesh)
+    mesh = _dist.data_parallel_mesh(mesh, config.tensor_parallel)
     _dist.forget_earlier_meshes()
     device = _dist.mesh_device(mesh)
     st = CallState(mesh, device, config, type(model).forward, fqn_aliases(model),

@@ -242,23 +242,31 @@ def shard_rank(mesh: DeviceMesh) -> int:
     return mesh.get_local_rank(mesh.ndim - 1)
 
 
+# the meshes autoshard takes, by their dimension names: hybrid sharding's (FSDP2's, and
+# torchtitan's spelling), and those with a tensor-parallel dimension after the data-parallel ones
+HYBRID = (("replicate", "shard"), ("dp_replicate", "dp_shard"))
+WITH_TP = (("dp", "tp"), ("dp_shard", "tp"), ("shard", "tp"), ("replicate", "shard", "tp"),
+           ("dp_replicate", "dp_shard", "tp"))
+
+
+def _accepted_meshes() -> str:
+    return ("a 1-D mesh (sharding), a 2-D one named " + " or ".join(map(str, HYBRID)) +
+            " (hybrid sharding: shard within a group, replicate across groups), or one with "
+            "a tensor-parallel dimension last: " + ", ".join(map(str, WITH_TP)))
+
+
 def check_mesh(mesh: DeviceMesh, partial_ok: bool) -> None:
     """Refuse a mesh autoshard cannot shard over, saying what to pass instead: a 1-D mesh,
-    or a 2-D one named ("replicate", "shard") as FSDP2's HSDP; a 1-D mesh over fewer ranks
-    than the world unless ``partial_ok`` (``Config.partial_mesh``)."""
-    if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+    a 2-D hybrid one (``HYBRID``'s names), or one with a "tp" dimension (``WITH_TP``); a 1-D
+    mesh over fewer ranks than the world unless ``partial_ok`` (``Config.partial_mesh``)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim > 1 and names not in HYBRID + WITH_TP:
         raise ValueError(
-            f"a 2-D mesh must name its dimensions ('replicate', 'shard') as FSDP2's hybrid "
-            f"sharding does (shard within a group, replicate across groups); got "
-            f"{mesh.mesh_dim_names} for shape {tuple(mesh.shape)}. Build it with "
-            "init_device_mesh(device, (groups, ranks_per_group), mesh_dim_names=("
-            "'replicate', 'shard'))")
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"autoshard takes a 1-D mesh (sharding) or a 2-D ('replicate', 'shard') mesh "
-            f"(hybrid sharding); got a {mesh.ndim}-D mesh {tuple(mesh.shape)} "
-            f"{mesh.mesh_dim_names or ''}. For tensor or pipeline parallelism pass only the "
-            "data-parallel dimensions")
+            f"autoshard takes {_accepted_meshes()}; got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)} named {mesh.mesh_dim_names}. Build it with "
+            "init_device_mesh(device, shape, mesh_dim_names=...), e.g. (groups, "
+            "ranks_per_group) named ('replicate', 'shard'); for pipeline parallelism pass "
+            "only the data-parallel dimensions")
     world = dist.get_world_size() if dist.is_initialized() else mesh.size()
     if mesh.ndim == 1 and mesh.size() < world and not partial_ok:
         raise ValueError(
@@ -268,6 +276,33 @@ def check_mesh(mesh: DeviceMesh, partial_ok: bool) -> None:
             f"({world // mesh.size()}, {mesh.size()}), mesh_dim_names=('replicate', 'shard')) "
             "(hybrid sharding); if separate copies are intended (e.g. pipeline stages), "
             "pass Config(partial_mesh=True)")
+
+
+def data_parallel_mesh(mesh: DeviceMesh, tensor_parallel) -> DeviceMesh:
+    """The mesh autoshard shards over: ``mesh`` itself, or for one with a "tp" dimension
+    (``Config.tensor_parallel``, "off"), the same ranks with the "tp" dimension folded into
+    the shard dimension: ("dp", "tp") becomes one dimension over all its ranks, and
+    ("replicate", "shard", "tp") the hybrid mesh ("replicate", "shard") with groups of
+    shard x tp ranks. Every rank of ``mesh`` calls it (a folded mesh makes its groups)."""
+    if tuple(mesh.mesh_dim_names or ())[-1:] != ("tp",):
+        if not isinstance(tensor_parallel, str):
+            raise ValueError(
+                "Config.tensor_parallel is a tensor-parallel plan, and the mesh has no 'tp' "
+                f"dimension (it is named {mesh.mesh_dim_names}); pass a mesh whose last "
+                "dimension is 'tp', e.g. init_device_mesh(device, (dp, tp), "
+                "mesh_dim_names=('dp', 'tp'))")
+        return mesh
+    if tensor_parallel != "off":
+        raise ValueError(
+            f"Config.tensor_parallel={tensor_parallel!r} on a mesh with a 'tp' dimension "
+            f"({dict(zip(mesh.mesh_dim_names, mesh.shape))}): tensor parallelism is not built "
+            "in this version of autoshard. Pass Config(tensor_parallel='off'): the 'tp' "
+            "dimension then shards as FSDP does (the parameters sharded over all "
+            f"{mesh.size()} ranks), training as the same model does on a mesh without it")
+    groups = mesh.mesh.reshape(-1, mesh.shape[-2] * mesh.shape[-1])
+    if mesh.ndim == 2:
+        return DeviceMesh(mesh.device_type, groups.reshape(-1), mesh_dim_names=("shard",))
+    return DeviceMesh(mesh.device_type, groups, mesh_dim_names=HYBRID[0])
 
 
 _NOTE_BYTES = 2048  # on a mismatch, each rank's description (UTF-8, truncated)
