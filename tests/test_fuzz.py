@@ -24,8 +24,8 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # a few more. Before the accumulation and complex-collective fixes, 16 fails as the
 # accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
 # captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
-# the classes).
-SAMPLE = (2, 7, 14, 15, 16, 18, 38, 67, 78, 91, 95, 108, 144, 238, 2127)
+# the classes). 24 draws the (dp, tp) mesh with its tp dimension sharded over.
+SAMPLE = (2, 7, 14, 15, 16, 18, 24, 38, 67, 78, 91, 95, 108, 144, 238, 2127)
 
 
 def _regressions() -> list:
@@ -107,7 +107,8 @@ def test_the_sample_covers_every_feature():
     seen |= {f for case in _regressions() for f in fuzz.features(case["spec"])}
     for kind in fuzz.BLOCKS:
         assert f"block={kind}" in seen, kind
-    for wanted in ("world=1", "world=2", "world=3", "world=4", "mesh=hsdp", "head=tied",
+    for wanted in ("world=1", "world=2", "world=3", "world=4", "mesh=hsdp", "mesh=dp-tp",
+                   "head=tied",
                    "accumulate=2", "sync=first_and_last", "warmup=eval", "optimizer=sgd",
                    "optimizer=in_backward", "precision=autocast_bf16", "clip=0.5",
                    "param_groups=True", "zero_grad=zeros", "eval=no_grad", "hook=modify",

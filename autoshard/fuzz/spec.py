@@ -141,6 +141,9 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         # every micro-batch under detect_anomaly(), which cannot check the DTensor gradients
         # autograd.grad of parameters and create_graph hand back (refused, docs/api.md)
         loop["anomaly"] = rng.random() < 0.08 and not anomaly_excluded(loop)
+    if mesh == "1d" and world in (2, 4) and rng.random() < 0.15:
+        # a mesh with a "tp" dimension, sharded over as FSDP does (tensor_parallel="off")
+        mesh = "dp-tp"
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
@@ -235,6 +238,8 @@ def problems(spec: dict) -> list:
         out.append("world size from 1 to 8")
     if spec["mesh"] == "hsdp" and world != 4:
         out.append("the 2 x 2 HSDP mesh needs 4 ranks")
+    if spec["mesh"] == "dp-tp" and world not in (2, 4):
+        out.append("the (dp, tp) mesh of 2 tp ranks needs 2 or 4 ranks")
     if spec["mesh"] == "hsdp" and config["strategy"] not in ("zero3", "zero2"):
         out.append("a 2-D mesh takes zero3 or zero2")
     raf = config["reshard_after_forward"]

@@ -17,6 +17,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from autoshard import Config, autoshard, load_checkpoint, save
@@ -294,12 +295,13 @@ class ShardedRun:
         self.hook_values = []
         model = build_model(spec)
         mesh = None
+        kwargs = config_kwargs(spec)
         if spec["mesh"] == "hsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-
             mesh = init_device_mesh("cpu", (2, spec["world"] // 2),
                                     mesh_dim_names=("replicate", "shard"))
-        kwargs = config_kwargs(spec)
+        elif spec["mesh"] == "dp-tp":  # its "tp" dimension sharded over as FSDP does
+            mesh = init_device_mesh("cpu", (spec["world"] // 2, 2), mesh_dim_names=("dp", "tp"))
+            kwargs["tensor_parallel"] = "off"
         if spec["config"].get("units") == "blocks":
             kwargs["units"] = block_units(model)
         self.model = autoshard(model, mesh=mesh, config=Config(**kwargs))
