@@ -418,10 +418,9 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
     mesh: a 1-D DeviceMesh, or a 2-D one with dimensions ("replicate", "shard") for hybrid
         sharding (HSDP: sharded within each group of the "shard" dimension, replicated across
         the groups, gradients reduce-scattered within and all-reduced across; torchtitan's
-        ("dp_replicate", "dp_shard") too), or one with a "tp" dimension last (("dp", "tp"),
-        ("dp_shard", "tp"), ("shard", "tp"), ("replicate", "shard", "tp"), ("dp_replicate",
-        "dp_shard", "tp")), whose "tp" dimension ``Config.tensor_parallel`` says what to do
-        with (this version: "off", sharding over it as FSDP does); defaults to
+        ("dp_replicate", "dp_shard") too), or one with a "tp" dimension last (docs/api.md
+        lists them), whose "tp" dimension ``Config.tensor_parallel`` says what to do with
+        (this version: "off", sharding over it as FSDP does); defaults to
         a 1-D mesh over the default process group (initialised from a torchrun environment
         if needed; world size 1 if there is none). A 1-D mesh over some of the ranks is
         refused unless ``Config(partial_mesh=True)``.
