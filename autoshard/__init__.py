@@ -7,7 +7,14 @@ reduce-scatter and free as explicit graph nodes, and runs the result across rank
 
 import os as _os
 
+# In a source checkout ``passes/``, ``runtime/`` and ``examples/`` sit beside this package and
+# install as ``autoshard.passes``, ``autoshard.runtime`` and ``autoshard.examples``; let the
+# checkout import them the same way.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "passes")) and _os.path.isfile(
+    _os.path.join(_root, "passes", "__init__.py")
+):
+    __path__.append(_root)  # type: ignore[name-defined]
 
 
 def _version() -> str:

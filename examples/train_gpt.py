@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m autoshard.examples.train_gpt [--steps 20] [--layers 4]
 
-(in a checkout, ``torchrun --nproc-per-node 2 autoshard/examples/train_gpt.py`` is the same script).
+(in a checkout, ``torchrun --nproc-per-node 2 examples/train_gpt.py`` is the same script).
 
 Runs on CPU (gloo) or GPU (NCCL, one device per rank): autoshard sets up the process group
 from torchrun's environment. The loop is a plain PyTorch loop.

@@ -5,7 +5,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("autoshard",)
+PACKAGES = ("autoshard", "passes", "runtime")
 COMPAT = ROOT / "autoshard" / "core" / "_compat.py"
 # DTensor's internals, whatever the object is named
 PRIVATE_ATTRS = {"_local_tensor", "_spec"}

@@ -32,7 +32,7 @@ def test_demo_trains_beside_the_reference_and_shows_the_plan():
 
 def test_example_runs_under_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", "autoshard/examples/train_gpt.py", "--steps", "3", "--layers", "2"]
+           "--standalone", "examples/train_gpt.py", "--steps", "3", "--layers", "2"]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step   2  loss" in out.stdout and "2 ranks, cpu" in out.stdout

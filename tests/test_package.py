@@ -171,7 +171,8 @@ def test_no_module_of_the_project_imports_an_old_name():
     filterwarnings); this reads the source, imports inside functions too."""
     old = {f"autoshard.{n}" for n in old_names.OLD_NAMES}
     found = []
-    sources = (p for d in ("autoshard", "tests", "bench") for p in (ROOT / d).rglob("*.py"))
+    sources = (p for d in ("autoshard", "passes", "runtime", "examples", "tests", "bench")
+               for p in (ROOT / d).rglob("*.py"))
     for path in sorted(sources):
         if path.name == "test_package.py":
             continue

@@ -208,8 +208,11 @@ class Guards:
 _STDLIB = tuple(os.path.realpath(p) + os.sep for p in
                 {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 _TORCH = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
-_PACKAGE = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-_EXAMPLES = _PACKAGE + "examples" + os.sep  # models as a user writes them
+# autoshard's own code: the package, and in a checkout the passes and runtime beside it
+# (examples/, beside it too, is models as a user writes them)
+_PACKAGE = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OWN = tuple(os.path.join(d, "") for d in (_PACKAGE, *(
+    os.path.join(os.path.dirname(_PACKAGE), d) for d in ("passes", "runtime"))))
 _SITE = ("site-packages", "dist-packages")
 # libraries torch itself calls while tracing: not the model's code
 _INFRA = ("sympy", "mpmath", "typing_extensions", "numpy", "networkx", "optree", "filelock",
@@ -219,7 +222,7 @@ _INFRA = ("sympy", "mpmath", "typing_extensions", "numpy", "networkx", "optree",
 def own_file(filename: str) -> bool:
     """Whether ``filename`` is autoshard's own code (its examples are the user's)."""
     path = os.path.realpath(filename)
-    return path.startswith(_PACKAGE) and not path.startswith(_EXAMPLES)
+    return path.startswith(_OWN) and not path.startswith(os.path.join(_PACKAGE, "examples", ""))
 
 
 def _is_user_file(filename: str) -> bool:
