@@ -144,6 +144,7 @@ def test_a_modules_name_before_0_5_imports_it_with_a_warning(old):
                                                rf"0\.5.*stops working in 0\.6"):
             module = importlib.import_module(f"autoshard.{old}")
         assert module is importlib.import_module(new)
+        assert module.__spec__.name == new and module.__name__ == new  # its own, kept
     finally:
         _forget(old)
 

@@ -17,6 +17,8 @@ import sys
 import warnings
 
 REMOVED_IN = "0.6"
+# each moved module's own spec, by its name, to put back after an import through an old one
+SPECS: dict = {}
 # the name before 0.5 (below ``autoshard.``) -> its name since
 OLD_NAMES = {
     "_compat": "core._compat",
@@ -77,10 +79,14 @@ class OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         warnings.warn(f"{spec.name} is {new} since autoshard 0.5 (the package is grouped by "
                       f"layer); the old name stops working in {REMOVED_IN}", FutureWarning,
                       stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        SPECS[new] = module.__spec__  # the import machinery sets the alias's in its place
+        return module
 
     def exec_module(self, module) -> None:
-        """The module was imported under its new name already."""
+        """The module was imported under its new name already: only its own ``__spec__``,
+        which the import machinery replaced by the old name's, is put back."""
+        module.__spec__ = SPECS[module.__name__]
 
 
 def install() -> None:
