@@ -134,6 +134,8 @@ BAD = [
     ({"gradient_divide_factor": 10**400}, ValueError, "Config.gradient_divide_factor must be"),
     ({"force_sum_reduction_for_comms": None}, TypeError,
      "Config.force_sum_reduction_for_comms must be True or False"),
+    ({"tensor_parallel": "on"}, ValueError, "Config.tensor_parallel='on' is not accepted; use "
+                                            "one of 'auto', 'off', or {module pattern"),
 ]
 
 
