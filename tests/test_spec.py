@@ -152,7 +152,7 @@ def test_a_spec_document_that_is_not_one_names_what_is_wrong():
         (lambda d: d.pop("replica"), r"'w': no field replica"),
         (lambda d: d.update(colour="red"), r"'w': unknown field colour"),
         (lambda d: d.update(dtype="float99"), r"'float99' is not a torch dtype"),
-        (lambda d: d.update(placements=["Shard(1)"]), r"placement 'Shard\(1\)' is not one"),
+        (lambda d: d.update(placements=["Shard(2)"]), r"placement 'Shard\(2\)' is not one"),
         (lambda d: d.update(device="gpu"), r"device must be one of"),
     ]:
         d = dict(good)

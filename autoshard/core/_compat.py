@@ -43,8 +43,7 @@ dtensor_spec = operator.attrgetter("_spec")
 
 
 def dtensor_like(dt, local: torch.Tensor):
-    """A DTensor of ``local`` with ``dt``'s mesh, placements and global shape, recording no
-    autograd history (a gradient shard for the parameter ``dt``)."""
+    """A DTensor of ``local`` laid out as ``dt``, no autograd history (a gradient shard)."""
     return new_dtensor(local, dt._spec)
 
 
@@ -75,7 +74,8 @@ def dtensor_op_handlers():
 
 _INDUCTOR = {"inductor_config": ("torch._inductor.config", None),
              "compile_fx": ("torch._inductor.compile_fx", "compile_fx"),
-             "GraphLowering": ("torch._inductor.graph", "GraphLowering")}
+             "GraphLowering": ("torch._inductor.graph", "GraphLowering"),
+             "StridedShard": ("torch.distributed.tensor.placement_types", "_StridedShard")}
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ import math
 from typing import Optional
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 DEVICES = ("device", "host")
 # how the parameters, gradients and optimizer state are spread over the ranks
@@ -78,7 +78,14 @@ class ParamSpec:
     (``reduction``): reduce-scattered over the dimension it is sharded over, then all-reduced
     over each it is replicated over; averaged over all those ranks, or, with
     ``grad_divide``, summed and divided by it, as FSDP2's ``set_gradient_divide_factor``
-    (``force_sum``: its ``set_force_sum_reduction_for_comms``; see ``scaling``)."""
+    (``force_sum``: its ``set_force_sum_reduction_for_comms``; see ``scaling``).
+
+    With tensor parallelism (``tp``: its placement on the mesh's "tp" dimension as
+    ``parallelize_module`` put it, ``"Shard(0)"`` column-wise, ``"Shard(1)"`` row-wise,
+    ``"Replicate()"``; None: not placed by tensor parallelism), ``shape`` is this rank's
+    tensor-parallel piece, the tensor the step computes with, and everything above (the
+    mesh, the rows, the gathers and reductions) is over the data-parallel dimensions only;
+    ``global_shape`` is the parameter's own."""
 
     fqn: str
     shape: tuple
@@ -92,6 +99,8 @@ class ParamSpec:
     replica: bool = False
     grad_divide: Optional[float] = None
     force_sum: bool = False
+    tp: Optional[str] = None
+    tp_size: int = 1
 
     def __post_init__(self):
         self.shape = tuple(self.shape)
@@ -111,7 +120,18 @@ class ParamSpec:
         if self.device not in DEVICES:
             raise ValueError(f"{self.fqn}: device must be one of {DEVICES}, got "
                              f"{self.device!r}")
+        if self.tp is not None and self.tp not in _PLACEMENTS:
+            raise ValueError(f"{self.fqn}: tp must be one of {sorted(_PLACEMENTS)}, got "
+                             f"{self.tp!r}")
         self.layout = ShardLayout(self.shape, self.shards)
+
+    @property
+    def global_shape(self) -> tuple:
+        """The parameter's full shape: ``shape`` times the tensor-parallel split."""
+        if self.tp is None or not self.tp.startswith("Shard"):
+            return self.shape
+        d = _PLACEMENTS[self.tp].dim
+        return tuple(n * self.tp_size if i == d else n for i, n in enumerate(self.shape))
 
     def to_dict(self) -> dict:
         """Every field as plain JSON data: dtypes by name (``"bfloat16"``), shapes as lists,
@@ -242,11 +262,11 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-_PLACEMENTS = {"Shard(0)": Shard(0), "Replicate()": Replicate()}
+_PLACEMENTS = {"Shard(0)": Shard(0), "Shard(1)": Shard(1), "Replicate()": Replicate()}
 
 
-def _placement_name(p) -> str:
-    return "Shard(0)" if isinstance(p, Shard) else "Replicate()"
+def placement_name(p) -> str:
+    return f"Shard({p.dim})" if isinstance(p, Shard) else "Replicate()"
 
 
 def _placement(name: str):
@@ -269,7 +289,7 @@ _CODECS = {
     "compute_dtype": (_dtype_name, _dtype),
     "reduce_dtype": (_dtype_name, _dtype),
     "mesh_shape": (list, tuple),
-    "placements": (lambda ps: [_placement_name(p) for p in ps],
+    "placements": (lambda ps: [placement_name(p) for p in ps],
                    lambda names: tuple(_placement(n) for n in names)),
 }
 
@@ -311,6 +331,9 @@ def hosted(params, fraction: float) -> set:
 # CPUOffloadPolicy, ``autoshard.runtime.storage.place`` for a plan that chose offload): where a
 # parameter is stored is decided once, and every later plan reads it from here
 ON_HOST = "_autoshard_on_host"
+# set on a parameter stored on a mesh with a "tp" dimension that tensor parallelism's plan left
+# alone: replicated over "tp", and read by the step as a plain tensor, as the model read it
+NOT_PLACED = "_autoshard_not_tensor_parallel"
 
 
 def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
@@ -322,21 +345,38 @@ def param_specs(model: torch.nn.Module, mp_policy=None, mesh_shape=(1,),
     fraction of the sharded state kept in host memory (``hosted``), besides the parameters
     already stored there (``ON_HOST``); ``grad_divide`` and ``force_sum``: how every
     gradient's reduction divides (``ParamSpec.scaling``)."""
-    named = list(model.named_parameters())
-    host = hosted([(f, p.shape) for f, p in named], offload)
+    named = [(fqn, p, tensor_parallel_of(p)) for fqn, p in model.named_parameters()]
+    host = hosted([(f, shape) for f, _, (shape, _, _) in named], offload)
     specs = []
-    for fqn, p in named:
+    for fqn, p, (shape, tp, tp_size) in named:
         compute = reduce = None
         if mp_policy is not None and p.dtype.is_floating_point:
             compute, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
-        placements = placements_for(p.shape, len(mesh_shape), strategy, p.dtype)
-        specs.append(ParamSpec(fqn, tuple(p.shape), p.dtype, p.requires_grad, compute, reduce,
+        placements = placements_for(shape, len(mesh_shape), strategy, p.dtype)
+        specs.append(ParamSpec(fqn, shape, p.dtype, p.requires_grad, compute, reduce,
                                mesh_shape=tuple(mesh_shape), placements=placements,
                                device=("host" if fqn in host or getattr(p, ON_HOST, False)
                                        else "device"),
                                replica=strategy == "zero1" and shards_over_mesh(placements),
-                               grad_divide=grad_divide, force_sum=force_sum))
+                               grad_divide=grad_divide, force_sum=force_sum, tp=tp,
+                               tp_size=tp_size))
     return specs
+
+
+def tensor_parallel_of(p: torch.Tensor) -> tuple:
+    """``(shape, tp, tp_size)`` of a parameter for its ParamSpec: for a DTensor on a mesh
+    whose last dimension is "tp" (placed by ``parallelize_module``, or stored by autoshard
+    beside the data-parallel dimensions), its tensor-parallel piece's shape, its placement's
+    name on "tp" and the dimension's size; else (``NOT_PLACED`` too) its shape, None, 1."""
+    mesh = p.device_mesh if isinstance(p, DTensor) else None
+    if (mesh is None or tuple(mesh.mesh_dim_names or ())[-1:] != ("tp",)
+            or getattr(p, NOT_PLACED, False)):
+        return tuple(p.shape), None, 1
+    placement, size = p.placements[-1], mesh.shape[-1]
+    shape = list(p.shape)
+    if isinstance(placement, Shard):
+        shape[placement.dim] //= size
+    return tuple(shape), placement_name(placement), size
 
 
 def model_state_bytes(specs, optimizer_states: int) -> dict:
