@@ -9,6 +9,7 @@ import os
 import time
 import warnings
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.core import _compat
 from autoshard.core.errors import AutoshardError
+from autoshard.runtime.tensor_parallel import split_mesh
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _said_single = False
@@ -279,8 +281,9 @@ def check_mesh(mesh: DeviceMesh, partial_ok: bool) -> None:
 
 
 def data_parallel_mesh(mesh: DeviceMesh, tensor_parallel) -> DeviceMesh:
-    """The mesh autoshard shards over: ``mesh`` itself, or for one with a "tp" dimension
-    (``Config.tensor_parallel``, "off"), the same ranks with the "tp" dimension folded into
+    """The mesh autoshard shards over: ``mesh`` itself; for one with a "tp" dimension and a
+    tensor-parallel plan (``Config.tensor_parallel`` as a dict), the dimensions before "tp";
+    with ``"off"``, the same ranks with the "tp" dimension folded into
     the shard dimension: ("dp", "tp") becomes one dimension over all its ranks, and
     ("replicate", "shard", "tp") the hybrid mesh ("replicate", "shard") with groups of
     shard x tp ranks. Every rank of ``mesh`` calls it (a folded mesh makes its groups)."""
@@ -292,11 +295,15 @@ def data_parallel_mesh(mesh: DeviceMesh, tensor_parallel) -> DeviceMesh:
                 "dimension is 'tp', e.g. init_device_mesh(device, (dp, tp), "
                 "mesh_dim_names=('dp', 'tp'))")
         return mesh
+    if isinstance(tensor_parallel, Mapping):  # the data-parallel dimensions, "tp" beside
+        return split_mesh(mesh)[0]
     if tensor_parallel != "off":
         raise ValueError(
             f"Config.tensor_parallel={tensor_parallel!r} on a mesh with a 'tp' dimension "
-            f"({dict(zip(mesh.mesh_dim_names, mesh.shape))}): tensor parallelism is not built "
-            "in this version of autoshard. Pass Config(tensor_parallel='off'): the 'tp' "
+            f"({dict(zip(mesh.mesh_dim_names, mesh.shape))}): the planner does not choose "
+            "tensor parallelism in this version of autoshard. Pass a plan, e.g. "
+            "Config(tensor_parallel={'mlp.up': ColwiseParallel(), 'mlp.down': "
+            "RowwiseParallel()}), or Config(tensor_parallel='off'): the 'tp' "
             "dimension then shards as FSDP does (the parameters sharded over all "
             f"{mesh.size()} ranks), training as the same model does on a mesh without it")
     groups = mesh.mesh.reshape(-1, mesh.shape[-2] * mesh.shape[-1])

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autoshard.core import _compat
-from autoshard.core.spec import ON_HOST, param_specs
-from autoshard.runtime import optim
+from autoshard.core.spec import NOT_PLACED, ON_HOST, param_specs
+from autoshard.runtime import optim, tensor_parallel
 from autoshard.runtime.init_order import Slot, slots_of
 from autoshard.runtime.materialize import materialize
 
@@ -139,7 +139,7 @@ class StagedShards:
 
 
 def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None, *,
-                 param_init_fn=None, pin_memory: bool = True) -> StagedShards:
+                 param_init_fn=None, pin_memory: bool = True, whole=None) -> StagedShards:
     """Build this rank's DTensor parameters (its rows of each) and the buffers on ``device``,
     without changing ``model``; ``commit()`` swaps them in.
 
@@ -162,7 +162,10 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
     dimension) decide each parameter's placement: rows split over the mesh's last dimension
     and replicated over the others (a 2-D ("replicate", "shard") mesh, HSDP), or replicated
     whole (DDP); a spec on the "host" keeps the shard in host memory, pinned when the device
-    is a GPU and ``pin_memory``, and marks it ``ON_HOST``.
+    is a GPU and ``pin_memory``, and marks it ``ON_HOST``. A parameter tensor parallelism
+    placed (a spec's ``tp``) is cut from its tensor-parallel piece; given ``whole``, the
+    mesh with a "tp" dimension, every parameter is stored on it
+    (``autoshard.runtime.tensor_parallel.storage``).
     """
     last = mesh.get_local_rank(mesh.ndim - 1)
     slots = slots_of(model)
@@ -192,8 +195,8 @@ def stage_shards(model: torch.nn.Module, mesh, device: torch.device, specs=None,
         t = slot.tensor
         if slot.is_param:
             spec = specs[slot.fqn]
-            params[sid] = _shard(slot, values.get(sid), spec, mesh, _index(spec, last), device,
-                                 pin_memory)
+            params[sid] = _shard(slot, values.get(sid), spec, (mesh, whole),
+                                 _index(spec, last), device, pin_memory)
         elif sid in values:
             buffers[sid] = values[sid]
         elif t.device != device:
@@ -208,11 +211,13 @@ def _index(spec, last: int) -> int:
     return last if spec.shards > 1 else 0
 
 
-def _shard(slot: Slot, value, spec, mesh, rank: int, device: torch.device,
+def _shard(slot: Slot, value, spec, meshes: tuple, rank: int, device: torch.device,
            pin_memory: bool) -> torch.nn.Parameter:
     """The new DTensor parameter of ``slot``: this rank's rows of ``value`` (the materialised
     shard) or of the tensor, placed as ``spec`` says."""
     t, lay = slot.tensor, spec.layout
+    t = t.to_local() if isinstance(t, DTensor) else t  # tensor parallelism's piece
+    mesh, placements, shape = tensor_parallel.storage(spec, *meshes)
     if value is not None:
         local_t = value
     elif lay.sharded:
@@ -225,15 +230,16 @@ def _shard(slot: Slot, value, spec, mesh, rank: int, device: torch.device,
         if device.type == "cuda" and pin_memory:
             local_t = local_t.pin_memory()
     if spec.device == "host":
-        dt = _compat.dtensor_here(local_t, mesh, spec.placements, t.shape,
-                                  _contiguous_stride(t.shape))
+        dt = _compat.dtensor_here(local_t, mesh, placements, shape, _contiguous_stride(shape))
     else:
-        dt = DTensor.from_local(local_t, mesh, spec.placements, run_check=False,
-                                shape=t.shape, stride=_contiguous_stride(t.shape))
+        dt = DTensor.from_local(local_t, mesh, placements, run_check=False,
+                                shape=shape, stride=_contiguous_stride(shape))
     new = torch.nn.Parameter(dt, requires_grad=t.requires_grad)
     optim.mark(new)
     if spec.device == "host":
         setattr(new, ON_HOST, True)
+    if meshes[1] is not None and spec.tp is None:
+        setattr(new, NOT_PLACED, True)
     return new
 
 

@@ -1,7 +1,8 @@
 """Capture: one joint forward+backward fx graph of a model's training step.
 
 ``make_fx`` traces ``functional_call(model) + torch.autograd.grad`` over fake tensors holding
-the FULL parameter shapes, so capture costs no parameter memory and works for any model size.
+the FULL parameter shapes (with tensor parallelism, each rank's piece, as a DTensor on "tp"),
+so capture costs no parameter memory and works for any model size.
 Every placeholder and output is tagged with its role (see ``autoshard.core.meta``); forward nodes
 carry the module path that produced them and backward nodes the forward node they
 differentiate, wherever autograd records it. A trace that takes a while shows as the progress
@@ -24,6 +25,7 @@ from autoshard.core.errors import AutoshardError
 from autoshard.core.graph import alias_closure, fold_alias_pairs, written_inputs
 from autoshard.core.ops import capture_decompositions
 from autoshard.core.captured import Captured, NewState, StateIn, StateOut, TENSOR
+from autoshard.runtime import tensor_parallel
 from autoshard.compiler.capture_errors import (CheckDtypes, assert_value_checks, check_source,
                                               explain)
 
@@ -137,13 +139,8 @@ def input_names(args, kwargs) -> list:
 
 
 def capture(
-    model: torch.nn.Module,
-    forward: Callable,
-    params: list,
-    buffers: dict,
-    args: tuple,
-    kwargs: dict,
-    *,
+    model: torch.nn.Module, forward: Callable, params: list, buffers: dict, args: tuple,
+    kwargs: dict, *,
     device: torch.device,
     with_grad: bool,
     input_dtype: Optional[torch.dtype] = None,
@@ -249,7 +246,7 @@ class _Joint:
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         a, kw, shadows = self._call_inputs(xs)
-        values = dict(zip([s.fqn for s in self.params], p))
+        values = tensor_parallel.traced_values(self.model, self.params, p)
         values.update(zip(self.bnames, bclones))
         out = self._run_forward(a, kw, values, lifts)
         touts, n_user = self._outputs(out, shadows)

@@ -109,7 +109,10 @@ def _library(obj) -> str | None:
 
 def is_model_hook(mod, hook) -> bool:
     """Whether ``hook`` on ``mod`` is part of the model: code of the installed library that
-    defines ``mod``'s class (its forward may read what the hook records)."""
+    defines ``mod``'s class (its forward may read what the hook records), or a tensor
+    parallel style's input or output redistribution (``parallelize_module``'s)."""
+    if getattr(hook, "__module__", "").startswith("torch.distributed.tensor"):
+        return True
     lib = _library(hook)
     return lib is not None and lib == _library(type(mod))
 

@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import inspect
 import warnings
-from typing import Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -23,6 +23,7 @@ from autoshard.core.errors import AutoshardError
 from autoshard.core.guards import user_class_name
 from autoshard.core.plans import Plan
 from autoshard.runtime import dist as _dist, export as exporting, optim, record as recording
+from autoshard.runtime import tensor_parallel
 from autoshard.runtime.checkpoint import localize_state_dict
 from autoshard.runtime.storage import check_shardable, fqn_aliases, full_state_dict, stage_shards
 from autoshard.core.spec import param_specs
@@ -105,6 +106,12 @@ class ShardedModule(torch.nn.Module):
         at this or another world size. ``inference``: also compile and store each training
         signature's eval-mode, no-gradient program. See ``autoshard.runtime.export``."""
         st = self._autoshard
+        if isinstance(st.config.tensor_parallel, Mapping):
+            raise AutoshardError(
+                "export of a model with a tensor-parallel plan is not built in this version "
+                "(its graphs hold the 'tp' group's collectives); save its state with "
+                "autoshard.save(path, model), which loads on any mesh, or export the model "
+                "sharded with Config(tensor_parallel='off')")
         exporting.export(self, st, path,
                          add_programs=(lambda: _precompile_eval(self, st)) if inference else None)
 
@@ -456,23 +463,17 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
     object, now a ``ShardedModule``.
     """
     config = _checked(model, config, param_init_fn)
-    mesh = mesh if mesh is not None else _dist.default_mesh(config.timeout)
-    _dist.check_mesh(mesh, config.partial_mesh)
-    mesh = _dist.data_parallel_mesh(mesh, config.tensor_parallel)
+    whole = mesh if mesh is not None else _dist.default_mesh(config.timeout)
+    _dist.check_mesh(whole, config.partial_mesh)
+    mesh = _dist.data_parallel_mesh(whole, config.tensor_parallel)
     _dist.forget_earlier_meshes()
     device = _dist.mesh_device(mesh)
     st = CallState(mesh, device, config, type(model).forward, fqn_aliases(model),
-                agreement=_dist.Agreement(mesh, config.timeout))
+                agreement=_dist.Agreement(whole, config.timeout))  # every rank, "tp" too
     _agree_on_model(st.agreement, model, config)
     example = _example(example_inputs, device)
-    # each parameter's placement, decided once; every new tensor is built before anything
-    # changes, then swapped in, and undone on failure
-    specs = param_specs(model, mesh_shape=tuple(mesh.shape), offload=offloads(config),
-                        strategy="zero3" if config.strategy == "auto" else config.strategy)
-    staged = stage_shards(model, mesh, device, specs, param_init_fn=param_init_fn,
-                          pin_memory=getattr(config.offload_policy, "pin_memory", True))
     cls = type(model)
-    undo = staged.commit()
+    undo = _stage(model, st, whole, param_init_fn)
     try:
         model.__class__ = _sharded_class(cls)
         model._autoshard = st
@@ -491,6 +492,32 @@ def autoshard(model: torch.nn.Module, *, mesh=None, config: Optional[Config] = N
         model.__dict__.pop("_autoshard", None)
         raise
     return model
+
+
+def _stage(model, st, whole, param_init_fn) -> Callable[[], None]:
+    """Place the model's parameters: tensor parallelism's plan applied over ``whole``'s "tp"
+    dimension (``Config.tensor_parallel`` as a dict), then each parameter's shard built
+    (its placement decided once) and swapped in. Everything is built before the shards
+    change the model; returns ``undo()``, which puts back what was there."""
+    config, mesh = st.config, st.mesh
+    plan = config.tensor_parallel
+    undo_tp = (tensor_parallel.apply(model, whole, plan) if isinstance(plan, Mapping)
+               else lambda: None)
+    try:
+        specs = param_specs(model, mesh_shape=tuple(mesh.shape), offload=offloads(config),
+                            strategy="zero3" if config.strategy == "auto" else config.strategy)
+        staged = stage_shards(model, mesh, st.device, specs, param_init_fn=param_init_fn,
+                              pin_memory=getattr(config.offload_policy, "pin_memory", True),
+                              whole=whole if isinstance(plan, Mapping) else None)
+        undo = staged.commit()
+    except BaseException:
+        undo_tp()
+        raise
+
+    def undo_all():
+        undo()
+        undo_tp()
+    return undo_all
 
 
 def _example(example_inputs, device):

@@ -2,8 +2,8 @@
 meshes with a tensor-parallel dimension, whose "tp" dimension shards as FSDP does under
 ``Config(tensor_parallel="off")``. Each trains equal to eager data parallelism over the 4
 ranks (1e-5 absolute, 3 AdamW steps). What is not built (tensor parallelism chosen by the
-planner, or given as a plan) and any other mesh are refused before the model changes, naming
-what to pass."""
+planner) and any other mesh are refused before the model changes, naming what to pass (a plan
+given as a dict: tests/runtime/test_tensor_parallel.py)."""
 
 import pytest
 import torch
@@ -80,9 +80,7 @@ def test_a_mesh_trains_as_eager_data_parallelism_over_its_ranks(name):
 
 # what each call is refused with: a mesh shape, its names, the Config's tensor_parallel
 REFUSED = {
-    "auto": ((2, 2), ("dp", "tp"), "auto", "tensor parallelism is not built"),
-    "plan": ((2, 2), ("dp", "tp"), {"0": ColwiseParallel()},
-             "tensor parallelism is not built"),
+    "auto": ((2, 2), ("dp", "tp"), "auto", "the planner does not choose tensor parallelism"),
     "plan-without-tp": ((2, 2), ("replicate", "shard"), {"0": ColwiseParallel()},
                         "the mesh has no 'tp' dimension"),
     "other-names": ((2, 2), ("data", "tp"), "off", "autoshard takes a 1-D mesh"),

@@ -1,0 +1,164 @@
+"""Tensor parallelism beside FSDP: a plan in ``torch.distributed.tensor.parallel``'s own
+vocabulary (``{"layers.*.attention.wq": ColwiseParallel(), ...}``, as torchtitan writes it)
+applied with torch's ``parallelize_module`` over the mesh's "tp" dimension, and the 2-D layouts
+of the parameters it places.
+
+The styles' input and output redistributions run inside the module hooks
+``parallelize_module`` registers; capture traces them (each tensor-parallel parameter enters
+the traced step as a DTensor on the "tp" dimension), so their all-reduces, all-gathers and
+reduce-scatters of activations are ``_c10d_functional`` nodes of the captured graph. FSDP
+then shards each parameter's tensor-parallel piece over the data-parallel dimensions only, and
+stores it as torch stores FSDP2 + TP: a DTensor on the whole mesh whose "tp" placement is the
+style's (``Shard(0)`` column-wise, ``Shard(1)`` row-wise) and whose data-parallel placement is
+``Shard(0)`` (``_StridedShard(0)`` over a column-wise ``Shard(0)``, as FSDP2 writes it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable, Mapping
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from autoshard.core import _compat
+from autoshard.core.errors import AutoshardError
+from autoshard.core.spec import NOT_PLACED
+
+# the styles whose layouts autoshard stores under FSDP, and the modules each may place
+_LAYOUTS = {ColwiseParallel: (torch.nn.Linear, torch.nn.Embedding),
+            RowwiseParallel: (torch.nn.Linear, torch.nn.Embedding)}
+
+
+def split_mesh(mesh: DeviceMesh) -> tuple:
+    """``(data-parallel mesh, tp mesh)`` of a mesh whose last dimension is "tp": the
+    dimensions before it (one, or hybrid sharding's two) and "tp"."""
+    names = tuple(mesh.mesh_dim_names)
+    dp = mesh[names[0]] if len(names) == 2 else mesh[names[:-1]]
+    return dp, mesh["tp"]
+
+
+def _matches(name: str, key: str) -> bool:
+    """Whether module ``name`` is one ``parallelize_module`` places for plan ``key``: each
+    dotted atom matched as ``fnmatch`` matches it."""
+    parts, atoms = name.split("."), key.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a)
+                                            for p, a in zip(parts, atoms))
+
+
+def _dividing(mod, style, tp: int) -> str | None:
+    """What ``tp`` does not divide that ``style`` would split on ``mod``, else None."""
+    if isinstance(mod, torch.nn.Linear):
+        dim, n = (("out_features", mod.out_features) if isinstance(style, ColwiseParallel)
+                  else ("in_features", mod.in_features))
+    else:
+        dim, n = (("embedding_dim", mod.embedding_dim) if isinstance(style, ColwiseParallel)
+                  else ("num_embeddings", mod.num_embeddings))
+    return None if n % tp == 0 else f"its {dim} ({n})"
+
+
+def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
+    """Refuse a plan ``parallelize_module`` would fail on, or would place in a layout
+    autoshard does not store, naming the module and the fix: a key no module matches, a
+    style other than ``ColwiseParallel`` / ``RowwiseParallel``, one on a module that is not
+    a Linear or an Embedding, a size ``tp`` does not divide. Returns module name -> style."""
+    names = [n for n, _ in model.named_modules() if n]
+    placed = {}
+    for key, style in plan.items():
+        found = [n for n in names if _matches(n, key)]
+        if not found:
+            near = ", ".join(n for n in names if n.split(".")[-1] == key.split(".")[-1])[:200]
+            raise AutoshardError(
+                f"Config.tensor_parallel names {key!r}, and no module of the model matches "
+                f"it{f' (modules of that name: {near})' if near else ''}; name modules as "
+                "model.named_modules() does ('*' for one level, e.g. 'layers.*.mlp.up')")
+        kinds = next((k for s, k in _LAYOUTS.items() if type(style) is s), None)
+        if kinds is None:
+            raise AutoshardError(
+                f"Config.tensor_parallel[{key!r}] is {type(style).__name__}: this version "
+                "stores the layouts of ColwiseParallel() and RowwiseParallel() (with their "
+                "default layouts) under FSDP; give one of those, or leave the module out")
+        for n in found:
+            mod = model.get_submodule(n)
+            if not isinstance(mod, kinds):
+                raise AutoshardError(
+                    f"Config.tensor_parallel[{key!r}] places module '{n}', a "
+                    f"{type(mod).__name__}: {type(style).__name__} splits the weight of an "
+                    "nn.Linear or nn.Embedding; name the Linear layers inside it instead")
+            bad = _dividing(mod, style, tp)
+            if bad is not None:
+                raise AutoshardError(
+                    f"Config.tensor_parallel[{key!r}]: the tp dimension's {tp} ranks do not "
+                    f"divide {bad} of module '{n}' ({type(mod).__name__}); leave it out of "
+                    "the plan, or use a tp size that divides it")
+            placed[n] = style
+    return placed
+
+
+def apply(model: torch.nn.Module, mesh: DeviceMesh, plan: Mapping) -> Callable[[], None]:
+    """``parallelize_module(model, mesh["tp"], plan)`` after ``check_plan``; returns
+    ``undo()``, which puts back every parameter object and hook it replaced or added."""
+    tp_mesh = split_mesh(mesh)[1]
+    check_plan(model, plan, tp_mesh.size())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise AutoshardError(
+                f"'{name}' is on the meta device: Config.tensor_parallel places a model "
+                "built on its device in this version; build it there (or load its weights) "
+                "before autoshard()")
+    saved = [(m, dict(m._parameters), dict(m._forward_pre_hooks),
+              dict(m._forward_hooks)) for m in model.modules()]
+
+    def undo():
+        for m, params, pre, post in saved:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._forward_pre_hooks.clear()
+            m._forward_pre_hooks.update(pre)
+            m._forward_hooks.clear()
+            m._forward_hooks.update(post)
+
+    try:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, dict(plan))
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def storage(spec, mesh: DeviceMesh, whole=None) -> tuple:
+    """``(mesh, placements, global shape)`` a parameter of ``spec`` is stored with: on the
+    data-parallel ``mesh`` as ``spec.placements`` say, or in a model tensor parallelism
+    placed on the ``whole`` mesh, its "tp" placement last (FSDP2 + TP's layout: ``Replicate``
+    for a parameter the plan left alone, which is marked ``NOT_PLACED``)."""
+    if whole is None:
+        return mesh, spec.placements, spec.shape
+    tp = _placement(spec) if spec.tp is not None else Replicate()
+    strided = isinstance(tp, Shard) and tp.dim == 0
+    dp = tuple(_compat.StridedShard(0, split_factor=spec.tp_size)
+               if strided and isinstance(p, Shard) else p for p in spec.placements)
+    return whole, (*dp, tp), spec.global_shape
+
+
+def _placement(spec):
+    """The placement on "tp" of a parameter tensor parallelism placed."""
+    return Shard(int(spec.tp[6])) if spec.tp.startswith("Shard") else Replicate()
+
+
+def traced_values(model: torch.nn.Module, specs, tensors) -> dict:
+    """FQN -> what the traced step reads for each parameter of ``specs``: its traced tensor
+    (of ``tensors``), or for one tensor parallelism placed a DTensor of it on the model's
+    "tp" dimension, laid out as the style placed it, which the style's hooks redistribute."""
+    out = {}
+    for spec, t in zip(specs, tensors):
+        if spec.tp is not None:
+            mesh = model.get_parameter(spec.fqn).device_mesh["tp"]
+            shape = spec.global_shape
+            t = DTensor.from_local(t, mesh, (_placement(spec),), run_check=False, shape=shape,
+                                   stride=torch.empty(shape, device="meta").stride())
+        out[spec.fqn] = t
+    return out
