@@ -67,6 +67,10 @@ class ScheduleEntry:
     ranks: int = 0
 
 
+# the unit of a tensor-parallel collective (of activations over "tp", in no unit)
+TP_UNIT = -1
+
+
 @dataclasses.dataclass
 class Plan:
     """What autoshard will run and what it predicts, as plain data (JSON round trip)."""
@@ -172,7 +176,7 @@ class Plan:
         names = {u.index: u.name for u in self.units}
         if ops is None:
             ops = {e.op for e in self.schedule} - (set() if frees else {"free"})
-        rows = [(i, e.region, f"{e.unit}:{names.get(e.unit, '?')}",
+        rows = [(i, e.region, "-" if e.unit == TP_UNIT else f"{e.unit}:{names.get(e.unit, '?')}",
                  f"{e.op} ({e.ranks} ranks)" if e.ranks else e.op, fmt_bytes(e.bytes),
                  _where(e),
                  e.serves or "-")

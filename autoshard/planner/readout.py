@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from autoshard.core import meta
 from autoshard.passes.offload import offloaded_bytes
-from autoshard.core.plans import Plan, ScheduleEntry, UnitInfo, module_label
+from autoshard.core.plans import TP_UNIT, Plan, ScheduleEntry, UnitInfo, module_label
 
 
 _SHOWN = {
@@ -28,14 +29,22 @@ _SHOWN = {
 }
 
 
+# the collectives tensor parallelism's styles traced into the step (activations over "tp")
+_TP = {torch.ops._c10d_functional.all_reduce.default: "all_reduce",
+       torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+       torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+       torch.ops._c10d_functional.wait_tensor.default: "wait"}
+
+
 def read_schedule(graphs) -> list:
-    """ScheduleEntry per communication node of ``graphs`` (forward first, then backward)."""
+    """ScheduleEntry per communication node of ``graphs`` (forward first, then backward):
+    FSDP's, and tensor parallelism's over "tp" (``op`` "all_reduce (tp)", of no unit)."""
     entries = []
     for gm in graphs:
         if gm is None:
             continue
         where = node_modules(gm)
-        serves = _served(gm, where)
+        serves, tp_serves = _served(gm, where), {}
         prev = None
         for n in gm.graph.nodes:
             kind = _comm(n)
@@ -58,6 +67,15 @@ def read_schedule(graphs) -> list:
                         ranks=meta.tag(n, meta.GROUP, 0) if kind == meta.AG_ISSUE else 0,
                     )
                 )
+            elif kind is None and n.op == "call_function" and n.target in _TP:
+                # serves: the module whose output (or gradient) it carries
+                src = n.args[0]
+                tp_serves[n] = tp_serves.get(src) or where.get(src, "")
+                size = meta.val_bytes(src if _TP[n.target] == "all_reduce" else n)
+                entries.append(ScheduleEntry(
+                    region=meta.tag(n, meta.REGION), unit=TP_UNIT, op=f"{_TP[n.target]} (tp)",
+                    bytes=size, after=prev.name if prev is not None else "(start)",
+                    module=where[prev] if prev is not None else "", serves=tp_serves[n]))
             elif _is_compute(n):
                 prev = n
     return entries
