@@ -78,8 +78,13 @@ def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
         if kinds is None:
             raise AutoshardError(
                 f"Config.tensor_parallel[{key!r}] is {type(style).__name__}: this version "
-                "stores the layouts of ColwiseParallel() and RowwiseParallel() (with their "
-                "default layouts) under FSDP; give one of those, or leave the module out")
+                "stores the layouts of ColwiseParallel and RowwiseParallel under FSDP; give "
+                "one of those, or leave the module out")
+        if not getattr(style, "use_local_output", True):
+            raise AutoshardError(
+                f"Config.tensor_parallel[{key!r}] has use_local_output=False: the modules "
+                "after it would read DTensors, which this version does not trace; leave it "
+                "True (the default)")
         for n in found:
             mod = model.get_submodule(n)
             if not isinstance(mod, kinds):
@@ -93,8 +98,21 @@ def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
                     f"Config.tensor_parallel[{key!r}]: the tp dimension's {tp} ranks do not "
                     f"divide {bad} of module '{n}' ({type(mod).__name__}); leave it out of "
                     "the plan, or use a tp size that divides it")
+            _refuse_tied(model, n, key)
             placed[n] = style
     return placed
+
+
+def _refuse_tied(model: torch.nn.Module, name: str, key: str) -> None:
+    """Refuse placing module ``name`` whose parameter is also another module's (a head tied
+    to the embedding): ``parallelize_module`` would replace it in one of them only."""
+    own = {id(p) for p in model.get_submodule(name).parameters()}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in own and not fqn.startswith(name + "."):
+            raise AutoshardError(
+                f"Config.tensor_parallel[{key!r}] places module '{name}', whose parameter is "
+                f"also '{fqn}' (tied): parallelize_module would untie them; leave '{name}' "
+                "out of the plan")
 
 
 def apply(model: torch.nn.Module, mesh: DeviceMesh, plan: Mapping) -> Callable[[], None]:
@@ -149,16 +167,30 @@ def _placement(spec):
     return Shard(int(spec.tp[6])) if spec.tp.startswith("Shard") else Replicate()
 
 
-def traced_values(model: torch.nn.Module, specs, tensors) -> dict:
+def trace_layouts(model: torch.nn.Module, specs) -> dict:
+    """FQN -> (the "tp" mesh, placement, global shape, stride) of each parameter of
+    ``specs`` tensor parallelism placed: how the traced step reads it (``traced_values``).
+    Taken before tracing: a sub-mesh made while tracing reads the mesh's ranks as a traced
+    tensor (torch 2.11)."""
+    out = {}
+    for spec in specs:
+        if spec.tp is not None:
+            shape = spec.global_shape
+            out[spec.fqn] = (model.get_parameter(spec.fqn).device_mesh["tp"], _placement(spec),
+                             shape, torch.empty(shape, device="meta").stride())
+    return out
+
+
+def traced_values(layouts: dict, specs, tensors) -> dict:
     """FQN -> what the traced step reads for each parameter of ``specs``: its traced tensor
-    (of ``tensors``), or for one tensor parallelism placed a DTensor of it on the model's
-    "tp" dimension, laid out as the style placed it, which the style's hooks redistribute."""
+    (of ``tensors``), or for one tensor parallelism placed (``layouts``: ``trace_layouts``)
+    a DTensor of it on "tp", laid out as the style placed it, which the style's hooks
+    redistribute."""
     out = {}
     for spec, t in zip(specs, tensors):
-        if spec.tp is not None:
-            mesh = model.get_parameter(spec.fqn).device_mesh["tp"]
-            shape = spec.global_shape
-            t = DTensor.from_local(t, mesh, (_placement(spec),), run_check=False, shape=shape,
-                                   stride=torch.empty(shape, device="meta").stride())
+        if spec.fqn in layouts:
+            mesh, placement, shape, stride = layouts[spec.fqn]
+            t = DTensor.from_local(t, mesh, (placement,), run_check=False, shape=shape,
+                                   stride=stride)
         out[spec.fqn] = t
     return out

@@ -170,7 +170,8 @@ def capture(
     joint = _Joint(model=model, forward=forward, params=list(params), bnames=list(buffers),
                    in_spec=in_spec, in_consts=_input_consts(leaves), objects=objects,
                    device=device, with_grad=with_grad, input_dtype=input_dtype,
-                   output_dtype=output_dtype, traced_hooks=traced_hooks, lifted=lifted)
+                   output_dtype=output_dtype, traced_hooks=traced_hooks, lifted=lifted,
+                   tp=tensor_parallel.trace_layouts(model, params))
     grad_mode = torch.is_grad_enabled()
     gm = _trace(joint, [*fparams, *fbufs, *finputs], args, kwargs)
     _refuse_outputs(model, joint.rec)
@@ -233,6 +234,7 @@ class _Joint:
     output_dtype: Optional[torch.dtype]
     traced_hooks: frozenset
     lifted: tuple
+    tp: dict  # tensor parallelism's layouts (tensor_parallel.trace_layouts)
     rec: dict = dataclasses.field(default_factory=_new_record)
     stack: list = dataclasses.field(default_factory=list)
 
@@ -246,7 +248,7 @@ class _Joint:
         bclones = [t.clone() for t in b]
         rec["clones"] = list(_compat.current_trace_graph().nodes)[-n_b:] if n_b else []
         a, kw, shadows = self._call_inputs(xs)
-        values = tensor_parallel.traced_values(self.model, self.params, p)
+        values = tensor_parallel.traced_values(self.tp, self.params, p)
         values.update(zip(self.bnames, bclones))
         out = self._run_forward(a, kw, values, lifts)
         touts, n_user = self._outputs(out, shadows)

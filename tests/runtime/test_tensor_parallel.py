@@ -210,6 +210,9 @@ REFUSED = {
                            "do not divide its out_features (5) of module 'up'"),
     "other-style": ({"up": SequenceParallel()}, "is SequenceParallel"),
     "meta-device": ({"up": ColwiseParallel()}, "is on the meta device"),
+    "tied": ({"down": RowwiseParallel()}, "whose parameter is also 'tied.weight' (tied)"),
+    "dtensor-output": ({"up": ColwiseParallel(use_local_output=False)},
+                       "has use_local_output=False"),
 }
 
 
@@ -220,6 +223,10 @@ def _refused(rank, world, name):
         model = _Odd()
     if name == "meta-device":
         model.up = nn.Linear(8, 6, device="meta")
+    if name == "tied":
+        model.down = nn.Linear(6, 8)
+        model.tied = nn.Linear(6, 8)
+        model.tied.weight = model.down.weight
     before = {k: v.clone() for k, v in model.state_dict().items()}
     said = outcome(lambda: autoshard(model, mesh=_mesh(), config=Config(tensor_parallel=plan)))
     kept = all(type(p) is nn.Parameter for p in model.parameters()) and all(
