@@ -24,8 +24,9 @@ REGRESSIONS = os.path.join(HERE, "fuzz_regressions.json")
 # a few more. Before the accumulation and complex-collective fixes, 16 fails as the
 # accumulation regression does, 91 as the ddp one and 78 as the complex one; before every rank
 # captured again when one rank's guards failed, 16 and 108 errored (docs/correctness.md lists
-# the classes). 24 draws the (dp, tp) mesh with its tp dimension sharded over.
-SAMPLE = (2, 7, 14, 15, 16, 18, 24, 38, 67, 78, 91, 95, 108, 144, 238, 2127)
+# the classes). 24 draws the (dp, tp) mesh with its tp dimension sharded over, 62 a
+# tensor-parallel plan over it.
+SAMPLE = (2, 7, 14, 15, 16, 18, 24, 38, 62, 67, 78, 91, 95, 108, 144, 238, 2127)
 
 
 def _regressions() -> list:
@@ -62,7 +63,8 @@ def test_the_late_draws_keep_every_earlier_draw(monkeypatch):
     """The crash classes' draws (two forwards or backwards, a prefetch byte bound, a batch
     norm block, an inference-mode evaluation, Module(classes=...)) come after every other
     draw and change only their own keys: without them, each seed makes what it made. The
-    (dp, tp) mesh, drawn last of all, only ever replaces a 1-D one."""
+    (dp, tp) mesh, drawn last of all (its tp dimension sharded over, or a tensor-parallel
+    plan over it), only ever replaces a 1-D one."""
     late = {"loop": ("twice", "eval", "penalty", "anomaly"),
             "config": ("prefetch", "verify", "policy", "strategy", "reshard_after_forward")}
     changed = 0
@@ -73,7 +75,7 @@ def test_the_late_draws_keep_every_earlier_draw(monkeypatch):
             earlier = fuzz.generate(seed)
         changed += spec != earlier
         for s in (spec, earlier):
-            s["mesh"] = "1d" if s["mesh"] == "dp-tp" else s["mesh"]
+            s["mesh"] = "1d" if s["mesh"] in ("dp-tp", "tp-plan") else s["mesh"]
         spec["model"]["blocks"] = [b for b in spec["model"]["blocks"]
                                    if b["kind"] not in fuzz_spec.LATE_BLOCKS]
         for part, keys in late.items():
@@ -111,6 +113,7 @@ def test_the_sample_covers_every_feature():
     for kind in fuzz.BLOCKS:
         assert f"block={kind}" in seen, kind
     for wanted in ("world=1", "world=2", "world=3", "world=4", "mesh=hsdp", "mesh=dp-tp",
+                   "mesh=tp-plan",
                    "head=tied",
                    "accumulate=2", "sync=first_and_last", "warmup=eval", "optimizer=sgd",
                    "optimizer=in_backward", "precision=autocast_bf16", "clip=0.5",

@@ -39,8 +39,8 @@ from typing import Callable, Optional
 
 import torch
 
-from autoshard.fuzz.spec import (CONFIG_DEFAULTS, LOOP_DEFAULTS, features, generate, precision_of,
-                                 problems, same_value)
+from autoshard.fuzz.spec import (CONFIG_DEFAULTS, LOOP_DEFAULTS, data_rank, features, generate,
+                                 precision_of, problems, same_value)
 from autoshard.fuzz.train import ReferenceRun, ShardedRun, drive
 # autoshard.fuzz's public names (docs/api.md), whichever module holds them
 from autoshard.fuzz.model import (FuzzAttention, FuzzComplex, FuzzConv, FuzzDouble,  # noqa: F401
@@ -249,24 +249,25 @@ def compare(spec: dict, ref: dict, ranks: list) -> list:
     tol_scalar, tol_param, tol_grad = TOLERANCE[precision_of(spec)]
     out = []
     for rank, got in enumerate(ranks):
+        mine = data_rank(spec, rank)  # whose rows this rank read, in the reference
         if len(got["records"]) != len(ref["records"]):
             out.append(f"rank {rank}: {len(got['records'])} records, the reference "
                        f"{len(ref['records'])}")
             continue
         for (kind, step, micro, values), (gk, gs, gm, value) in zip(ref["records"],
                                                                      got["records"]):
-            d = _delta(torch.tensor(value), torch.tensor(values[rank]), 1.0)
+            d = _delta(torch.tensor(value), torch.tensor(values[mine]), 1.0)
             if (kind, step, micro) != (gk, gs, gm) or not d <= tol_scalar:
                 out.append(f"rank {rank}: {kind} at step {step} micro {micro}: {value:.7g}, "
-                           f"the reference {values[rank]:.7g} (relative {d:.2e} > "
+                           f"the reference {values[mine]:.7g} (relative {d:.2e} > "
                            f"{tol_scalar:.0e})")
-        hooks, ref_hooks = got["hooks"], ref["hooks"][rank]
+        hooks, ref_hooks = got["hooks"], ref["hooks"][mine]
         if len(hooks) != len(ref_hooks) or any(
                 _delta(torch.tensor(a), torch.tensor(b), 1.0) > tol_scalar
                 for a, b in zip(hooks, ref_hooks)):
             out.append(f"rank {rank}: forward hook saw {_short(hooks)}, the reference "
                        f"{_short(ref_hooks)}")
-        for name, b in ref["buffers"][rank].items():
+        for name, b in ref["buffers"][mine].items():
             got_b = got["buffers"].get(name)
             d = float("inf") if got_b is None else _delta(got_b, b, 1.0)
             if not d <= tol_param:

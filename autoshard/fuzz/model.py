@@ -9,10 +9,13 @@ for the eager reference.
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autoshard.front.factory import load_factory
 
 
@@ -243,3 +246,24 @@ def build_model(spec: dict) -> nn.Module:
     if "factory" in model:
         return load_factory(model["factory"])()
     return FuzzNet(model)
+
+
+def tensor_parallel_plan(model: nn.Module, seed: int) -> dict:
+    """A tensor-parallel plan of 2 tp ranks drawn from ``seed`` (every rank draws the same)
+    over the model's Linear layers, each placed or not, that computes what the model does
+    alone: column-wise gathering its output (``output_layouts=Replicate()``) where 2 divide
+    its out_features, row-wise splitting its input (``input_layouts=Replicate()``) where 2
+    divide its in_features; never a layer whose weight is tied to another's."""
+    rng = random.Random(seed * 7919 + 17)
+    shared = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        shared[id(p)] = shared.get(id(p), 0) + 1
+    plan = {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or any(shared[id(p)] > 1 for p in mod.parameters()):
+            continue
+        styles = ([ColwiseParallel(output_layouts=Replicate())] * (mod.out_features % 2 == 0)
+                  + [RowwiseParallel(input_layouts=Replicate())] * (mod.in_features % 2 == 0))
+        if styles and rng.random() < 0.6:
+            plan[name] = rng.choice(styles)
+    return plan

@@ -141,14 +141,22 @@ def generate(seed: int, *, world_sizes=(1, 2, 3, 4), factory: Optional[str] = No
         # every micro-batch under detect_anomaly(), which cannot check the DTensor gradients
         # autograd.grad of parameters and create_graph hand back (refused, docs/api.md)
         loop["anomaly"] = rng.random() < 0.08 and not anomaly_excluded(loop)
-    if mesh == "1d" and world in (2, 4) and rng.random() < 0.15:
-        # a mesh with a "tp" dimension, sharded over as FSDP does (tensor_parallel="off")
-        mesh = "dp-tp"
+    mesh = _draw_tp_mesh(rng, mesh, world)
     spec = {"seed": seed, "world": world, "mesh": mesh, "model": model, "loop": loop,
             "config": config}
     _fix(spec)
     assert not problems(spec), (problems(spec), spec)
     return spec
+
+
+def _draw_tp_mesh(rng: random.Random, mesh: str, world: int) -> str:
+    """The mesh, drawn last of all: a 1-D one at 2 or 4 ranks may become a ("dp", "tp") mesh
+    of 2 tp ranks, its "tp" dimension sharded over as FSDP does (``tensor_parallel="off"``,
+    "dp-tp"), or (drawn after it) with a tensor-parallel plan over it
+    (``autoshard.fuzz.model.tensor_parallel_plan``, "tp-plan")."""
+    if mesh == "1d" and world in (2, 4) and rng.random() < 0.15:
+        return "dp-tp" if rng.random() < 0.5 else "tp-plan"
+    return mesh
 
 
 def _draw_client_patterns(rng: random.Random, model: dict, loop: dict, config: dict) -> None:
@@ -238,7 +246,7 @@ def problems(spec: dict) -> list:
         out.append("world size from 1 to 8")
     if spec["mesh"] == "hsdp" and world != 4:
         out.append("the 2 x 2 HSDP mesh needs 4 ranks")
-    if spec["mesh"] == "dp-tp" and world not in (2, 4):
+    if spec["mesh"] in ("dp-tp", "tp-plan") and world not in (2, 4):
         out.append("the (dp, tp) mesh of 2 tp ranks needs 2 or 4 ranks")
     if spec["mesh"] == "hsdp" and config["strategy"] not in ("zero3", "zero2"):
         out.append("a 2-D mesh takes zero3 or zero2")
@@ -336,6 +344,17 @@ def penalty_excluded(model: dict, loop: dict, config: dict) -> Optional[str]:
 
 def anomaly_excluded(loop: dict) -> bool:
     return bool(loop.get("penalty")) or loop.get("autograd") == "grad"
+
+
+def data_world(spec: dict) -> int:
+    """The data-parallel ranks: each reads its own rows of a batch. A tensor-parallel plan's
+    2 tp ranks read the same ones."""
+    return spec["world"] // 2 if spec["mesh"] == "tp-plan" else spec["world"]
+
+
+def data_rank(spec: dict, rank: int) -> int:
+    """Whose rows rank ``rank`` reads: its rank on the data-parallel dimension."""
+    return rank // 2 if spec["mesh"] == "tp-plan" else rank
 
 
 def precision_of(spec: dict) -> str:

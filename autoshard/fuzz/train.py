@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from autoshard import Config, autoshard, load_checkpoint, save
 from autoshard.core._compat import tree_leaves
 from autoshard.front.factory import default_inputs, load_factory
-from autoshard.fuzz.model import FuzzOutput, block_class, build_model
-from autoshard.fuzz.spec import LR, MODULE_CLASSES, SEQ, module_class_kind
+from autoshard.fuzz.model import FuzzOutput, block_class, build_model, tensor_parallel_plan
+from autoshard.fuzz.spec import (LR, MODULE_CLASSES, SEQ, data_rank, data_world,
+                                 module_class_kind)
 from autoshard.core.options import Module, Offload, Prefetch
 
 
@@ -39,7 +40,7 @@ def _seq(loop: dict, step: int) -> int:
 def global_batch(spec: dict, model: nn.Module, step: int, micro: int) -> tuple:
     """(inputs, targets) of every rank at (step, micro), rows rank-major; targets None for a
     factory model (its loss is a fixed projection of the outputs)."""
-    loop, world = spec["loop"], spec["world"]
+    loop, world = spec["loop"], data_world(spec)
     rows, seq = world * loop["batch"], _seq(loop, max(step, 0))
     seed = (spec["seed"] * 1_000_003 + (step + 7) * 1_009 + micro) % 2**62
     if "factory" in spec["model"]:
@@ -53,7 +54,7 @@ def global_batch(spec: dict, model: nn.Module, step: int, micro: int) -> tuple:
 
 def rank_batch(spec: dict, batch: tuple, rank: int) -> tuple:
     inputs, targets = batch
-    world = spec["world"]
+    world = data_world(spec)
 
     def part(x):
         return x.chunk(world)[rank].contiguous() if isinstance(x, torch.Tensor) else x
@@ -299,9 +300,11 @@ class ShardedRun:
         if spec["mesh"] == "hsdp":
             mesh = init_device_mesh("cpu", (2, spec["world"] // 2),
                                     mesh_dim_names=("replicate", "shard"))
-        elif spec["mesh"] == "dp-tp":  # its "tp" dimension sharded over as FSDP does
+        elif spec["mesh"] in ("dp-tp", "tp-plan"):
             mesh = init_device_mesh("cpu", (spec["world"] // 2, 2), mesh_dim_names=("dp", "tp"))
-            kwargs["tensor_parallel"] = "off"
+            # its "tp" dimension sharded over as FSDP does, or a plan over it
+            kwargs["tensor_parallel"] = "off" if spec["mesh"] == "dp-tp" else \
+                tensor_parallel_plan(model, spec["seed"])
         if spec["config"].get("units") == "blocks":
             kwargs["units"] = block_units(model)
         self.model = autoshard(model, mesh=mesh, config=Config(**kwargs))
@@ -312,7 +315,7 @@ class ShardedRun:
 
     def _batch(self, step, micro):
         return rank_batch(self.spec, global_batch(self.spec, self.model, step, micro),
-                          self.rank)
+                          data_rank(self.spec, self.rank))
 
     def micro(self, step, micro, sync):
         if self.spec["loop"]["accumulate"] > 1:
@@ -414,7 +417,7 @@ class ReferenceRun:
 
     def __init__(self, spec: dict):
         self.spec = spec
-        self.world = spec["world"]
+        self.world = data_world(spec)
         self.model = build_model(spec)
         self.records = []
         self.hook_values = [[] for _ in range(self.world)]
