@@ -84,7 +84,9 @@ def _op_facts(target) -> tuple:
     facts = _OP_FACTS.get(id(target))
     if facts is None or facts[0] is not target:
         writes = ()
-        if isinstance(target, _compat.OpOverload):
+        # detach_ changes a tensor's autograd metadata, never its values (DTensor.from_local
+        # traced under inference mode emits one on a parameter's view)
+        if isinstance(target, _compat.OpOverload) and target is not torch.ops.aten.detach_.default:
             writes = tuple((i, a.name) for i, a in enumerate(target._schema.arguments)
                            if a.alias_info is not None and a.alias_info.is_write)
         facts = _OP_FACTS[id(target)] = (target, _alias_slots(target), writes,
