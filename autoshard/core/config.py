@@ -124,13 +124,15 @@ class Config:
         drift apart silently; use a 2-D ("replicate", "shard") mesh for that.
     tensor_parallel: what the mesh's "tp" dimension does (a mesh without one has none):
         - "auto" (default): the planner chooses tensor parallelism per block; not built in
-          this version, so a mesh with a "tp" dimension is refused, naming "off";
+          this version, so a mesh with a "tp" dimension is refused, naming the other two;
         - "off": the "tp" dimension shards as FSDP does: a ("dp", "tp") mesh shards over
           all its ranks, a ("replicate", "shard", "tp") one is hybrid sharding with groups
           of shard x tp ranks; the model trains as on a mesh without it;
         - ``{module pattern: ParallelStyle}`` in ``torch.distributed.tensor.parallel``'s
-          own vocabulary (``{"layers.*.attention.wq": ColwiseParallel(), ...}``): not built
-          in this version, refused.
+          own vocabulary (``{"layers.*.attention.wq": ColwiseParallel(), ...}``), taken as
+          given: ``parallelize_module`` applies it over "tp", then FSDP shards over the
+          dimensions before it (docs/tensor_parallel.md). ``ColwiseParallel`` and
+          ``RowwiseParallel`` on Linear and Embedding layers.
 
     Communication
     -------------
