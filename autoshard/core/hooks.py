@@ -43,13 +43,23 @@ from typing import Any
 
 import torch
 import torch.nn.modules.module as _mm
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle as _RemovableHandle
 
-from autoshard.core._compat import tree_flatten, tree_unflatten
+from autoshard.core._compat import dtensor_spec, new_dtensor, tree_flatten, tree_unflatten
 from autoshard.core.errors import AutoshardError
 
 _PRE, _FWD = "pre", "fwd"
 _SLOT = object()  # a tensor's place among a tap's leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class _DTensorSlot:
+    """A DTensor's place among a tap's leaves (a tensor-parallel module's input, as its
+    style's pre-hook made it): the step outputs its local tensor, and ``replay`` hands the
+    hook a DTensor of it laid out as ``spec`` says, as eager would."""
+
+    spec: Any
 
 
 class Replaces(Exception):
@@ -206,9 +216,10 @@ def tapping(model, traced: frozenset, taps: list, tensors: list, backward_taps: 
     def note(mod, kind, tree):
         leaves, spec = tree_flatten(tree)
         ts = [x for x in leaves if isinstance(x, torch.Tensor)]
-        consts = [_SLOT if isinstance(x, torch.Tensor) else x for x in leaves]
+        consts = [(_DTensorSlot(dtensor_spec(x)) if isinstance(x, DTensor) else _SLOT)
+                  if isinstance(x, torch.Tensor) else x for x in leaves]
         taps.append(Tap(mod, kind, spec, consts, len(ts)))
-        tensors.extend(t.detach() for t in ts)
+        tensors.extend((t.to_local() if isinstance(t, DTensor) else t).detach() for t in ts)
 
     first_id = _RemovableHandle.next_id
     try:
@@ -270,7 +281,9 @@ def replay(taps: list, tensors: list, traced: frozenset) -> None:
         if not hooks:
             continue
         tt = iter(ts)
-        tree = tree_unflatten([next(tt) if c is _SLOT else c for c in tap.consts], tap.spec)
+        tree = tree_unflatten([next(tt) if c is _SLOT else new_dtensor(next(tt), c.spec)
+                               if isinstance(c, _DTensorSlot) else c for c in tap.consts],
+                              tap.spec)
         for _, hook, with_kwargs, key in hooks:
             if tap.kind == _PRE:
                 args, kwargs = tree
