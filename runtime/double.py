@@ -97,6 +97,10 @@ def refusal(program, kept: Kept) -> Optional[str]:
     if mixed:
         return (f"under mixed precision ({mixed[0]} is computed in another dtype than it is "
                 "stored in; the joint graph holds no casts)")
+    placed = [p.fqn for p in specs if p.tp is not None]
+    if placed:
+        return (f"with tensor parallelism ({placed[0]}: the step's tensor-parallel "
+                "collectives have no derivative of their own to differentiate again)")
     hosted = [p.fqn for p in specs if p.device == "host"]
     if hosted:
         return f"with parameters offloaded to host memory ({hosted[0]})"

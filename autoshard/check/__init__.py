@@ -91,6 +91,12 @@ def check(model: torch.nn.Module, example_inputs, *, loss_fn: Optional[Callable]
             raise ValueError(f"parameter {fqn} is on the meta device: check() runs a real "
                              "step and needs real parameter values")
     mesh = mesh if mesh is not None else _dist.default_mesh()
+    if mesh.ndim > 1:
+        raise ValueError(
+            f"check() compares on a 1-D mesh, and this one is {mesh.ndim}-D "
+            f"{dict(zip(mesh.mesh_dim_names or (), mesh.shape))}: pass a 1-D mesh over the "
+            "same ranks (init_device_mesh(device, (world,))): check() does not take hybrid "
+            "or tensor-parallel meshes in this version")
     with torch.enable_grad():  # a training step, whatever the caller's grad mode
         return _check(model, example_inputs, loss_fn, mesh, config, atol, rtol, localise, seed)
 

@@ -294,3 +294,39 @@ def _flavour(rank, world, name):
 def test_strategies_and_recomputation_beside_a_plan_train_as_the_default_does(name):
     base = run_ranks(WORLD, _flavour, None)
     assert run_ranks(WORLD, _flavour, name) == [pytest.approx(b, abs=TOL) for b in base]
+
+
+def _around_a_plan(rank, world, _):
+    """What else a user does with a model under a plan: a forward hook on a placed module
+    (it sees the DTensor input the style made, as in eager), a penalty on the gradients
+    (refused), ``autoshard.check`` on the 2-D mesh (refused)."""
+    import autoshard
+
+    recipe, plan = MODELS["gpt"]
+    mesh = _mesh()
+    idx = _tokens(0)[0]
+    model = autoshard.autoshard(recipe.build(), mesh=mesh, config=Config(tensor_parallel=plan))
+    seen = []
+    model.blocks[0].out.register_forward_hook(
+        lambda mod, args, out: seen.append((type(args[0]).__name__, tuple(args[0].shape),
+                                            tuple(args[0].to_local().shape))))
+    _gpt_loss(model, idx).backward()
+    once = list(seen)  # one step's calls
+
+    def penalty():
+        loss = _gpt_loss(model, idx)
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+
+    checked = outcome(lambda: autoshard.check(recipe.build(), (idx[:, :-1],), mesh=mesh))
+    return {"seen": once, "penalty": outcome(penalty), "check": checked}
+
+
+def test_hooks_see_what_eager_shows_and_what_is_not_built_is_refused():
+    for out in run_ranks(WORLD, _around_a_plan, None):
+        # the row-wise layer's input: this rank's half of the features (Shard(-1))
+        assert out["seen"] == [("DTensor", (8, 7, 128), (8, 7, 64))], out["seen"]
+        assert out["penalty"].startswith("AutoshardError") and \
+            "not built with tensor parallelism" in out["penalty"], out["penalty"]
+        assert out["check"].startswith("escaped ValueError") and \
+            "compares on a 1-D mesh" in out["check"], out["check"]
