@@ -330,3 +330,13 @@ def test_hooks_see_what_eager_shows_and_what_is_not_built_is_refused():
             "not built with tensor parallelism" in out["penalty"], out["penalty"]
         assert out["check"].startswith("escaped ValueError") and \
             "compares on a 1-D mesh" in out["check"], out["check"]
+
+
+@pytest.mark.slow
+def test_the_benchmark_against_fsdp2_with_tp_runs():
+    from bench import tensor_parallel as bench
+
+    out = bench.main(["--steps", "2", "--reps", "2", "--layers", "1", "--batch", "2",
+                      "--seq", "16"])
+    assert set(out) == {"autoshard", "fsdp2+tp"}
+    assert all(r["ms"] > 0 and r["peak"] > 0 for r in out.values())
