@@ -28,9 +28,10 @@ from autoshard.core.spec import ParamSpec, placements_for, shards_over_mesh
 FORMAT = "autoshard-export"
 # 2: the files under a data folder the manifest names; state by module path. 3: every
 # strategy and 2-D meshes: each ParamSpec whole (ParamSpec.to_dict, its replica included), the
-# mesh's shape, and the process group each mesh dimension's collectives name
-VERSION = 3
-READS = (1, 2, 3)
+# mesh's shape, and the process group each mesh dimension's collectives name. 4: a ParamSpec
+# says what tensor parallelism placed (``tp``, ``tp_size``)
+VERSION = 4
+READS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 CHECKPOINT = "checkpoint"
 # output classes an export may name: rebuilt by importing them (a library, not the model's
@@ -119,9 +120,12 @@ def _output_class(name: str):
 
 
 def spec_from_doc(d: dict, version: int) -> ParamSpec:
-    """A stored parameter description: ``ParamSpec.to_dict``'s from version 3; before, the
-    fields as they were written (placements ``"S0"`` / ``"R"``, no ``replica``: those exports
-    hold only strategies without replicas; version 1 also no ``grad_divide``, ``force_sum``)."""
+    """A stored parameter description: ``ParamSpec.to_dict``'s from version 3 (before 4
+    without ``tp`` and ``tp_size``: no tensor parallelism); before, the fields as they were
+    written (placements ``"S0"`` / ``"R"``, no ``replica``: those exports hold only
+    strategies without replicas; version 1 also no ``grad_divide``, ``force_sum``)."""
+    if version < 4:
+        d = dict(d, tp=d.get("tp"), tp_size=d.get("tp_size", 1))
     if version < 3:
         d = dict(d, placements=["Shard(0)" if p == "S0" else "Replicate()"
                                 for p in d["placements"]])
