@@ -153,8 +153,8 @@ def _mean_over_dp(outs, key=None) -> list:
     return [sum(per[r][s] for r in range(0, WORLD, TP)) / DP for s in range(len(per[0]))]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n != "gpt"))
-                                  for n in sorted(MODELS)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_plan_trains_as_eager_data_parallelism_and_as_fsdp2_with_tp(name):
     recipe, _ = MODELS[name]
     ref_losses, ref_state = reference(recipe, DP, after_backward=_clip(DP * MICRO - 1))
@@ -322,6 +322,7 @@ def _around_a_plan(rank, world, _):
     return {"seen": once, "penalty": outcome(penalty), "check": checked}
 
 
+@pytest.mark.slow
 def test_hooks_see_what_eager_shows_and_what_is_not_built_is_refused():
     for out in run_ranks(WORLD, _around_a_plan, None):
         # the row-wise layer's input: this rank's half of the features (Shard(-1))
