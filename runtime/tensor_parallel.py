@@ -48,22 +48,40 @@ def _matches(name: str, key: str) -> bool:
                                             for p, a in zip(parts, atoms))
 
 
-def _dividing(mod, style, tp: int) -> str | None:
-    """What ``tp`` does not divide that ``style`` would split on ``mod``, else None."""
+# the attribute an attention module keeps its head size in: Llama, Qwen, Mistral and most
+# decoders; BERT and ViT; T5
+_HEAD_SIZES = ("head_dim", "attention_head_size", "key_value_proj_dim")
+
+
+def _head_size(model: torch.nn.Module, name: str) -> int | None:
+    """The head size of the attention module holding module ``name``, if it keeps one."""
+    parent = model.get_submodule(name.rpartition(".")[0])
+    size = next((getattr(parent, a) for a in _HEAD_SIZES if hasattr(parent, a)), None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _dividing(mod, style, tp: int, head: int | None) -> str | None:
+    """What ``tp`` does not divide that ``style`` would split on ``mod`` (the features, or
+    the heads of an attention projection, ``head`` features each), else None."""
     if isinstance(mod, torch.nn.Linear):
         dim, n = (("out_features", mod.out_features) if isinstance(style, ColwiseParallel)
                   else ("in_features", mod.in_features))
     else:
         dim, n = (("embedding_dim", mod.embedding_dim) if isinstance(style, ColwiseParallel)
                   else ("num_embeddings", mod.num_embeddings))
-    return None if n % tp == 0 else f"its {dim} ({n})"
+    if n % tp:
+        return f"its {dim} ({n})"
+    if isinstance(mod, torch.nn.Linear) and head and n % head == 0 and (n // head) % tp:
+        return f"the {n // head} heads of its {dim} ({n} = {n // head} x head size {head})"
+    return None
 
 
 def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
     """Refuse a plan ``parallelize_module`` would fail on, or would place in a layout
     autoshard does not store, naming the module and the fix: a key no module matches, a
     style other than ``ColwiseParallel`` / ``RowwiseParallel``, one on a module that is not
-    a Linear or an Embedding, a size ``tp`` does not divide. Returns module name -> style."""
+    a Linear or an Embedding, a size ``tp`` does not divide (features, or an attention
+    projection's heads). Returns module name -> style."""
     names = [n for n, _ in model.named_modules() if n]
     placed = {}
     for key, style in plan.items():
@@ -92,12 +110,13 @@ def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
                     f"Config.tensor_parallel[{key!r}] places module '{n}', a "
                     f"{type(mod).__name__}: {type(style).__name__} splits the weight of an "
                     "nn.Linear or nn.Embedding; name the Linear layers inside it instead")
-            bad = _dividing(mod, style, tp)
+            bad = _dividing(mod, style, tp, _head_size(model, n))
             if bad is not None:
                 raise AutoshardError(
                     f"Config.tensor_parallel[{key!r}]: the tp dimension's {tp} ranks do not "
-                    f"divide {bad} of module '{n}' ({type(mod).__name__}); leave it out of "
-                    "the plan, or use a tp size that divides it")
+                    f"divide {bad} of module '{n}' ({type(mod).__name__}); each rank must "
+                    "hold whole rows and whole heads: leave it out of the plan, or use a tp "
+                    "size that divides it (grouped-query attention's key/value heads too)")
             _refuse_tied(model, n, key)
             placed[n] = style
     return placed

@@ -191,15 +191,24 @@ def test_the_parameters_have_fsdp2_with_tp_layouts_and_the_schedule_shows_tp():
     assert len(tp_rows) == 2 * len(issues) and all(e["bytes"] > 0 for e in tp_rows)
 
 
+class _Heads(nn.Module):
+    """An attention's key projection: 3 heads of 4 features, as HF keeps its head size."""
+    def __init__(self):
+        super().__init__()
+        self.head_dim = 4
+        self.k_proj = nn.Linear(8, 12)
+
+
 class _Odd(nn.Module):
     def __init__(self):
         super().__init__()
         self.up = nn.Linear(8, 5)
         self.act = nn.Tanh()
         self.down = nn.Linear(5, 8)
+        self.attn = _Heads()
 
     def forward(self, x):
-        return self.down(self.act(self.up(x)))
+        return self.down(self.act(self.up(x))) + self.attn.k_proj(x)[..., :8]
 
 
 # plan -> what the refusal names
@@ -208,6 +217,9 @@ REFUSED = {
     "not-a-linear": ({"act": ColwiseParallel()}, "places module 'act', a Tanh"),
     "tp-does-not-divide": ({"up": ColwiseParallel()},
                            "do not divide its out_features (5) of module 'up'"),
+    "tp-does-not-divide-heads": ({"attn.k_proj": ColwiseParallel()},
+                                 "do not divide the 3 heads of its out_features (12 = 3 x "
+                                 "head size 4) of module 'attn.k_proj'"),
     "other-style": ({"up": SequenceParallel()}, "is SequenceParallel"),
     "meta-device": ({"up": ColwiseParallel()}, "is on the meta device"),
     "tied": ({"down": RowwiseParallel()}, "whose parameter is also 'tied.weight' (tied)"),
