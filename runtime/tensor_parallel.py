@@ -106,10 +106,15 @@ def check_plan(model: torch.nn.Module, plan: Mapping, tp: int) -> dict:
         for n in found:
             mod = model.get_submodule(n)
             if not isinstance(mod, kinds):
+                fix = ("name the Linear layers inside it instead"
+                       if any(isinstance(m, torch.nn.Linear) for m in mod.modules()) else
+                       "it holds no Linear layer (a mixture of experts keeps its experts as "
+                       "stacked weights, and tensor parallelism inside experts is not built "
+                       "in this version): leave it out of the plan, and FSDP alone shards it")
                 raise AutoshardError(
                     f"Config.tensor_parallel[{key!r}] places module '{n}', a "
                     f"{type(mod).__name__}: {type(style).__name__} splits the weight of an "
-                    "nn.Linear or nn.Embedding; name the Linear layers inside it instead")
+                    f"nn.Linear or nn.Embedding; {fix}")
             bad = _dividing(mod, style, tp, _head_size(model, n))
             if bad is not None:
                 raise AutoshardError(

@@ -85,7 +85,8 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **con
     """A Hugging Face model at a tiny random configuration, built from its config (no weights
     fetched); dropout off, no KV cache. ``config`` overrides fields of the model's config.
 
-    - ``gpt2``, ``llama``: causal LMs; ``bert``: a masked LM;
+    - ``gpt2``, ``llama``, ``qwen2`` (biases on the attention's q/k/v): causal LMs; ``bert``:
+      a masked LM;
     - ``t5``: an encoder-decoder (``layers`` each side);
     - ``vit``: an image classifier over ``vocab`` classes, 16 x 16 images in 4 x 4 patches;
     - ``mixtral``, ``qwen3_moe``, ``deepseek_v3``: mixture-of-experts causal LMs with 4
@@ -116,6 +117,11 @@ def tiny_hf(name: str, vocab: int = 96, layers: int = 2, hidden: int = 64, **con
             num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
             max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
             pad_token_id=0)),
+        "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config, dict(
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+            max_position_embeddings=64, use_cache=False, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, tie_word_embeddings=False)),
         "bert": (T.BertForMaskedLM, T.BertConfig, dict(
             hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
             intermediate_size=2 * hidden, vocab_size=vocab, hidden_dropout_prob=0.0,

@@ -10,6 +10,7 @@ FSDP2 + TP's layouts; the tensor-parallel collectives are in the schedule; a pla
 cannot store is refused before the model changes, naming the module and the fix."""
 
 import dataclasses
+import fnmatch
 import json
 
 import pytest
@@ -42,9 +43,11 @@ def _gpt():
     return GPT(vocab=96, dim=32, heads=4, layers=2, seq=8)
 
 
-def _llama():
-    torch.manual_seed(0)
-    return tiny_hf("llama", vocab=96, layers=2, hidden=32)
+def _hf(name):
+    def build():
+        torch.manual_seed(0)
+        return tiny_hf(name, vocab=96, layers=2, hidden=32)
+    return build
 
 
 def _tokens(step):
@@ -62,21 +65,46 @@ def _llama_loss(model, idx):
     return F.cross_entropy(logits.reshape(-1, 96), idx[:, 1:].reshape(-1))
 
 
-# model -> (recipe, the plan: Megatron's pairs, as torchtitan writes them)
+def _bert_loss(model, idx):
+    """A masked LM's loss over every position (the encoder sees the whole sequence)."""
+    logits = model(input_ids=idx).logits
+    return F.cross_entropy(logits.reshape(-1, 96), idx.roll(1, 1).reshape(-1))
+
+
+def _recipe(build, loss):
+    return Recipe(build=build, data=_tokens, loss=loss, steps=3, accumulate=MICRO,
+                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.02))
+
+
+# Megatron's pairs as torchtitan writes them for a decoder layer of HF's
+ATTENTION = {"model.layers.*.self_attn.q_proj": ColwiseParallel(),
+             "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+             "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+             "model.layers.*.self_attn.o_proj": RowwiseParallel()}
+MLP = {"model.layers.*.mlp.gate_proj": ColwiseParallel(),
+       "model.layers.*.mlp.up_proj": ColwiseParallel(),
+       "model.layers.*.mlp.down_proj": RowwiseParallel()}
+
+
+# model -> (recipe, the plan: Megatron's pairs, as torchtitan writes them); Qwen2's q/k/v
+# carry biases; Mixtral's fused experts are no Linear layers, so only its attention is placed
+# (FSDP alone shards the experts); BERT is an encoder
 MODELS = {
-    "gpt": (Recipe(build=_gpt, data=_tokens, loss=_gpt_loss, steps=3, accumulate=MICRO,
-                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.02)),
+    "gpt": (_recipe(_gpt, _gpt_loss),
             {"blocks.*.fc": ColwiseParallel(), "blocks.*.out": RowwiseParallel()}),
-    "llama": (Recipe(build=_llama, data=_tokens, loss=_llama_loss, steps=3, accumulate=MICRO,
-                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.02)),
-              {"model.layers.*.self_attn.q_proj": ColwiseParallel(),
-               "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-               "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-               "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-               "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-               "model.layers.*.mlp.up_proj": ColwiseParallel(),
-               "model.layers.*.mlp.down_proj": RowwiseParallel()}),
+    "llama": (_recipe(_hf("llama"), _llama_loss), {**ATTENTION, **MLP}),
+    "qwen2": (_recipe(_hf("qwen2"), _llama_loss), {**ATTENTION, **MLP}),
+    "mixtral": (_recipe(_hf("mixtral"), _llama_loss), ATTENTION),
+    "bert": (_recipe(_hf("bert"), _bert_loss),
+             {"bert.encoder.layer.*.attention.self.query": ColwiseParallel(),
+              "bert.encoder.layer.*.attention.self.key": ColwiseParallel(),
+              "bert.encoder.layer.*.attention.self.value": ColwiseParallel(),
+              "bert.encoder.layer.*.attention.output.dense": RowwiseParallel(),
+              "bert.encoder.layer.*.intermediate.dense": ColwiseParallel(),
+              "bert.encoder.layer.*.output.dense": RowwiseParallel()}),
 }
+# where each model keeps its blocks, which FSDP2 wraps one by one
+BLOCKS = {"gpt": "blocks", "bert": "bert.encoder.layer"}
 
 
 def _clip(last: int):
@@ -134,7 +162,7 @@ def _fsdp2_tp(rank, world, name):
 
     def shard(model):
         parallelize_module(model, mesh["tp"], plan)
-        blocks = model.blocks if name == "gpt" else model.model.layers
+        blocks = model.get_submodule(BLOCKS.get(name, "model.layers"))
         for block in blocks:
             fully_shard(block, mesh=mesh["dp"])
         return fully_shard(model, mesh=mesh["dp"])
@@ -153,12 +181,26 @@ def _mean_over_dp(outs, key=None) -> list:
     return [sum(per[r][s] for r in range(0, WORLD, TP)) / DP for s in range(len(per[0]))]
 
 
+def _split_on_tp(placements: dict) -> set:
+    """The parameters whose "tp" placement splits them."""
+    return {k for k, pl in placements.items() if not pl[-1].is_replicate()}
+
+
+def _placed_by(model, plan) -> set:
+    """The parameters a plan splits: the weights of the modules it places, and the biases
+    of the column-wise ones (a row-wise layer's bias is added after the sum, whole)."""
+    return {f"{n}.{p}" for n, mod in model.named_modules() for key, style in plan.items()
+            if fnmatch.fnmatchcase(n, key) for p, _ in mod.named_parameters()
+            if p == "weight" or isinstance(style, ColwiseParallel)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_plan_trains_as_eager_data_parallelism_and_as_fsdp2_with_tp(name):
     recipe, _ = MODELS[name]
     ref_losses, ref_state = reference(recipe, DP, after_backward=_clip(DP * MICRO - 1))
     outs = run_ranks(WORLD, _train, name)
+    assert _split_on_tp(outs[0]["placements"]) == _placed_by(recipe.build(), MODELS[name][1])
     losses = _mean_over_dp(outs, "losses")
     assert losses == pytest.approx(ref_losses, abs=TOL)
     for out in outs:
@@ -220,6 +262,9 @@ REFUSED = {
     "tp-does-not-divide-heads": ({"attn.k_proj": ColwiseParallel()},
                                  "do not divide the 3 heads of its out_features (12 = 3 x "
                                  "head size 4) of module 'attn.k_proj'"),
+    "experts": ({"model.layers.*.mlp.experts": ColwiseParallel()},
+                "a MixtralExperts: ColwiseParallel splits the weight of an nn.Linear or "
+                "nn.Embedding; it holds no Linear layer"),
     "other-style": ({"up": SequenceParallel()}, "is SequenceParallel"),
     "meta-device": ({"up": ColwiseParallel()}, "is on the meta device"),
     "tied": ({"down": RowwiseParallel()}, "whose parameter is also 'tied.weight' (tied)"),
@@ -232,19 +277,19 @@ def _refused(rank, world, name):
     plan, _ = REFUSED[name]
     torch.manual_seed(0)
     with torch.device("meta" if name == "meta-device" else "cpu"):
-        model = _Odd()
+        model = tiny_hf("mixtral", hidden=32) if name == "experts" else _Odd()
     if name == "meta-device":
         model.up = nn.Linear(8, 6, device="meta")
     if name == "tied":
         model.down = nn.Linear(6, 8)
         model.tied = nn.Linear(6, 8)
         model.tied.weight = model.down.weight
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before, cls = {k: v.clone() for k, v in model.state_dict().items()}, type(model)
     said = outcome(lambda: autoshard(model, mesh=_mesh(), config=Config(tensor_parallel=plan)))
     kept = all(type(p) is nn.Parameter for p in model.parameters()) and all(
         v.is_meta or torch.equal(v, before[k]) for k, v in model.state_dict().items())
     hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
-    return {"said": said, "kept": kept and type(model) is _Odd and hooks == 0}
+    return {"said": said, "kept": kept and type(model) is cls and hooks == 0}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
