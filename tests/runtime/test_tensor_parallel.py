@@ -311,7 +311,8 @@ def _saved_and_loaded(rank, world, path):
     train(model, dataclasses.replace(recipe, steps=1), mesh["dp"].get_local_rank(), DP,
           local=True)
     autoshard.save(path, model)
-    saved, out = _full(model), {}
+    saved = _full(model)  # every rank: full_tensor() is a collective
+    out = {"saved": saved if rank == 0 else None}
     for name, (shape, names, config) in {
             "1-D": ((WORLD,), ("dp",), None),
             "(1, 4)": ((1, WORLD), ("dp", "tp"), Config(tensor_parallel=plan))}.items():
@@ -324,10 +325,25 @@ def _saved_and_loaded(rank, world, path):
     return out
 
 
+def _loaded_alone(rank, world, path):
+    """The checkpoint loaded into the model on one rank, unplanned: its full state."""
+    import autoshard
+
+    model = autoshard.autoshard(MODELS["gpt"][0].build())
+    autoshard.load_checkpoint(path, model)
+    return _full(model)
+
+
 @pytest.mark.slow
-def test_a_checkpoint_saved_at_2x2_loads_on_a_1d_mesh_and_at_1x4(tmp_path):
-    for out in run_ranks(WORLD, _saved_and_loaded, str(tmp_path / "ckpt")):
-        assert out == {"1-D": 0.0, "(1, 4)": 0.0}
+def test_a_checkpoint_saved_at_2x2_loads_on_a_1d_mesh_at_1x4_and_on_one_rank(tmp_path):
+    path = str(tmp_path / "ckpt")
+    outs = run_ranks(WORLD, _saved_and_loaded, path)
+    for out in outs:
+        assert {k: v for k, v in out.items() if k != "saved"} == {"1-D": 0.0, "(1, 4)": 0.0}
+    alone, saved = run_ranks(1, _loaded_alone, path)[0], outs[0]["saved"]
+    assert alone.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(alone[k], v), k
 
 
 # Config fields beside a plan -> trains as the plan does under the default Config
@@ -351,6 +367,28 @@ def _flavour(rank, world, name):
 def test_strategies_and_recomputation_beside_a_plan_train_as_the_default_does(name):
     base = run_ranks(WORLD, _flavour, None)
     assert run_ranks(WORLD, _flavour, name) == [pytest.approx(b, abs=TOL) for b in base]
+
+
+def _three_d(rank, world, shape):
+    """The GPT's plan on a 3-D mesh: hybrid sharding over the data-parallel dimensions
+    (torchtitan's names), tensor parallelism over "tp"."""
+    recipe, plan = MODELS["gpt"]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp = mesh["dp_replicate", "dp_shard"]._flatten()
+    model, losses = train_sharded(
+        dataclasses.replace(recipe, accumulate=1),
+        lambda m: autoshard(m, mesh=mesh, config=Config(tensor_parallel=plan)),
+        dp.get_local_rank(), DP, local=True)
+    return {"losses": losses, "mesh": {tuple(p.device_mesh.shape) for p in model.parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+def test_a_plan_on_a_3d_mesh_trains_as_on_2d(shape):
+    base = run_ranks(WORLD, _flavour, None)
+    for out, b in zip(run_ranks(WORLD, _three_d, shape), base):
+        assert out["losses"] == pytest.approx(b, abs=TOL)
+        assert out["mesh"] == {shape}
 
 
 def _around_a_plan(rank, world, _):
