@@ -218,3 +218,32 @@ def traced_values(layouts: dict, specs, tensors) -> dict:
                                    stride=stride)
         out[spec.fqn] = t
     return out
+
+
+def check_same_inputs(agreement, tensors: list, tp: int, what: str) -> None:
+    """Refuse a step whose "tp" ranks of one data-parallel rank were given different
+    inputs: tensor parallelism splits one batch's computation over them, so each must hold
+    the same batch, and with different ones the all-reduces would sum halves of different
+    samples, silently. A sampler over the world (``DistributedSampler``, the Trainer's,
+    accelerate's) gives each rank its own. Checked when a step is captured: a digest of
+    every tensor input's bytes, all-gathered over the whole mesh (whose last dimension is
+    "tp", so each run of ``tp`` ranks shares a data-parallel rank)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach()
+        digest.update(repr((tuple(t.shape), t.dtype)).encode())
+        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    notes = agreement.notes(what, digest.hexdigest()[:32])
+    for start in range(0, len(notes), tp):
+        if len(set(notes[start:start + tp])) > 1:
+            ranks = agreement.ranks[start:start + tp]
+            raise AutoshardError(
+                f"the 'tp' ranks {ranks} of one data-parallel rank were given different "
+                "inputs: tensor parallelism splits one batch over them, so each must get the "
+                "same batch (a sampler over every rank, such as DistributedSampler's default, "
+                "the Trainer's or accelerate's, gives each rank its own). Sample over the "
+                "data-parallel dimension only: DistributedSampler(data, num_replicas="
+                "mesh['dp'].size(), rank=mesh['dp'].get_local_rank()), the same on every "
+                "'tp' rank")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from autoshard.compiler.capture import flat_inputs, input_names, tracing
 from autoshard.core.config import Config
 from autoshard.core.errors import AutoshardError
 from autoshard.core.guards import user_class_name
-from autoshard.runtime import dist as _dist, optim, optim as _optim
+from autoshard.runtime import dist as _dist, optim, optim as _optim, tensor_parallel
 from autoshard.runtime.executor import Program
 from autoshard.runtime.replicas import refresh_replicas
 from autoshard.runtime.storage import fqn_aliases, move_to_host
@@ -183,6 +183,9 @@ def call(module, st: CallState, args, kwargs):
                          exact=lambda: repr(key), flag=found is None)
     st.agreement.step = step
     tensors = flat_inputs(leaves)
+    if again and isinstance(st.config.tensor_parallel, Mapping):
+        tensor_parallel.check_same_inputs(st.agreement, tensors, st.agreement.mesh.shape[-1],
+                                          f"step {step}: the inputs on the 'tp' ranks")
     objects = [x for x in leaves if carried.is_carried(x)]
     for attempt in range(2):  # again only if a hook turned out to change values
         if attempt:

@@ -429,6 +429,30 @@ def test_a_plan_on_a_3d_mesh_trains_as_on_2d(shape):
         assert out["mesh"] == {shape}
 
 
+def _own_batches(rank, world, _):
+    """Each of the 4 ranks given its own batch (a sampler over the world), as a Trainer does
+    without knowing the mesh: refused at the first step on every rank; then the same batch
+    on the two "tp" ranks of each data-parallel rank trains."""
+    recipe, plan = MODELS["gpt"]
+    mesh = _mesh()
+    model = autoshard(recipe.build(), mesh=mesh, config=Config(tensor_parallel=plan))
+    idx = _tokens(0)[0]
+    said = outcome(lambda: _gpt_loss(model, idx.chunk(WORLD)[rank]).backward())
+    grads = [p.grad for p in model.parameters()]
+    then = outcome(lambda: _gpt_loss(model, idx.chunk(DP)[mesh["dp"].get_local_rank()])
+                   .backward())
+    return {"said": said, "no_grads": all(g is None for g in grads), "then": then}
+
+
+@pytest.mark.slow
+def test_tp_ranks_given_different_batches_are_refused():
+    for out in run_ranks(WORLD, _own_batches, None):
+        assert out["said"].startswith("AutoshardError") and \
+            "were given different inputs" in out["said"] and \
+            "num_replicas=mesh['dp'].size()" in out["said"], out["said"]
+        assert out["no_grads"] and out["then"] == "ok", out
+
+
 def _around_a_plan(rank, world, _):
     """What else a user does with a model under a plan: a forward hook on a placed module
     (it sees the DTensor input the style made, as in eager), a penalty on the gradients
