@@ -429,6 +429,26 @@ def test_a_plan_on_a_3d_mesh_trains_as_on_2d(shape):
         assert out["mesh"] == {shape}
 
 
+def _generate(rank, world, _):
+    """Hugging Face's greedy ``generate`` through the Llama under its plan, and through the
+    unsharded model: the tokens of each."""
+    recipe, plan = MODELS["llama"]
+    idx = _tokens(0)[0][:2, :5]
+    mask = torch.ones_like(idx)
+    out = {"eager": recipe.build().eval().generate(input_ids=idx, attention_mask=mask,
+                                                   max_new_tokens=4, do_sample=False)}
+    model = autoshard(recipe.build(), mesh=_mesh(), config=Config(tensor_parallel=plan))
+    out["sharded"] = model.eval().generate(input_ids=idx, attention_mask=mask,
+                                           max_new_tokens=4, do_sample=False)
+    return {k: v.tolist() for k, v in out.items()}
+
+
+@pytest.mark.slow
+def test_generate_under_a_plan_gives_eagers_tokens():
+    for out in run_ranks(WORLD, _generate, None):
+        assert out["sharded"] == out["eager"] and len(out["eager"][0]) == 9, out
+
+
 def _own_batches(rank, world, _):
     """Each of the 4 ranks given its own batch (a sampler over the world), as a Trainer does
     without knowing the mesh: refused at the first step on every rank; then the same batch
