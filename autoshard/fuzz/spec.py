@@ -219,6 +219,8 @@ def _fix(spec: dict) -> None:
         loop["clip"] = None
     if loop["clip"] is None:
         loop["clip_norm"] = None
+    if spec["mesh"] == "tp-plan":  # the mesh is drawn last; a penalty is refused with it
+        loop["penalty"] = None
     if config["mp"] is not None:  # the reference casts for forward only, not for an entry
         loop["entry"] = False
     if any(b["kind"] == "float64" for b in spec["model"].get("blocks", ())):
@@ -272,6 +274,8 @@ def problems(spec: dict) -> list:
                    "for backward(inputs=...) to name (docs/api.md)")
     if loop.get("penalty") and (why := penalty_excluded(model, loop, config)):
         out.append(why)
+    if loop.get("penalty") and spec["mesh"] == "tp-plan":
+        out.append("a double backward is refused with tensor parallelism (docs/api.md)")
     if loop.get("anomaly") and anomaly_excluded(loop):
         out.append("detect_anomaly() is refused with autograd.grad of parameters and "
                    "create_graph (it cannot check DTensor gradients for NaN)")
