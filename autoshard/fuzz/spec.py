@@ -272,10 +272,8 @@ def problems(spec: dict) -> list:
     if how == "inputs" and hooked and loop["accumulate"] > 1:
         out.append("without gradient sync a hooked parameter is no input of the step's graph "
                    "for backward(inputs=...) to name (docs/api.md)")
-    if loop.get("penalty") and (why := penalty_excluded(model, loop, config)):
+    if loop.get("penalty") and (why := penalty_excluded(model, loop, config, spec["mesh"])):
         out.append(why)
-    if loop.get("penalty") and spec["mesh"] == "tp-plan":
-        out.append("a double backward is refused with tensor parallelism (docs/api.md)")
     if loop.get("anomaly") and anomaly_excluded(loop):
         out.append("detect_anomaly() is refused with autograd.grad of parameters and "
                    "create_graph (it cannot check DTensor gradients for NaN)")
@@ -325,10 +323,12 @@ def same_value(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def penalty_excluded(model: dict, loop: dict, config: dict) -> Optional[str]:
+def penalty_excluded(model: dict, loop: dict, config: dict, mesh: str = "1d") -> Optional[str]:
     """Why loop "penalty" (``create_graph=True``) is not drawn with this case: what
     autoshard refuses for it (docs/api.md), what would step or reduce twice, and what eager
-    cannot differentiate twice."""
+    cannot differentiate twice. ``mesh``: drawn after the penalty (``_fix`` drops it)."""
+    if mesh == "tp-plan":
+        return "a double backward is refused with tensor parallelism (docs/api.md)"
     if any(b["kind"] == "attention" for b in model.get("blocks", ())):
         return ("eager's CPU attention kernel has no double backward (derivative for "
                 "_scaled_dot_product_flash_attention_for_cpu_backward is not implemented)")
