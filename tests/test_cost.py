@@ -28,6 +28,40 @@ def test_ring_collective_time():
     assert collective_time(8 * 2**20, 8, p) == 7 * p.alpha + 7 / 8 * 8 * 2**20 * p.beta
 
 
+def _tp_collectives(rank, world, _):
+    """Tensor parallelism's collectives as a style's redistribution traces them, over a
+    group of 2: each one's predicted time on the h100 profile, and what a ring of its bytes
+    over 2 ranks takes."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    name = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+
+    def step(x):
+        r = c10d.wait_tensor(c10d.all_reduce(x, "sum", name))
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(r, 2, name))
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(g, "sum", 2, name))
+
+    gm = make_fx(step)(torch.ones(64, 32))
+    h100, whole = PROFILES["h100"], 64 * 32 * 4
+    got = {str(n.target).split(".")[1]: node_time(n, h100) for n in gm.graph.nodes
+           if n.op == "call_function"}
+    return got, {"all_reduce": collective_time(whole, 2, h100, rounds=2),
+                 "all_gather_into_tensor": collective_time(2 * whole, 2, h100),
+                 "reduce_scatter_tensor": collective_time(2 * whole, 2, h100),
+                 "wait_tensor": 0.0}
+
+
+def test_tensor_parallel_collectives_are_priced_as_rings_over_their_group():
+    """They used to be priced as a copy of their bytes at memory bandwidth, leaving out the
+    link and its latency."""
+    from harness import run_ranks
+
+    for got, want in run_ranks(2, _tp_collectives, None):
+        assert got == pytest.approx(want, rel=1e-12), (got, want)
+
+
 def test_a_group_spanning_nodes_moves_at_the_inter_node_rate():
     """h100: 8 GPUs per node; a ring over 16 consecutive ranks, or over 2 ranks 8 apart (a
     replicate dimension), crosses nodes and moves at ``inter_beta``; a ring over 8 ranks, or

@@ -275,6 +275,8 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         return 0.0
     if not isinstance(node.target, _compat.OpOverload):  # getitem: picks an output
         return 0.0
+    if node.target in meta.TP_COLLECTIVES:
+        return _tp_time(node, profile)
     if meta.tag(node, meta.COMM) == meta.AG_CHUNK:  # reads and writes its chunk only
         return 2 * tensor_bytes(node.meta.get("val")) / profile.mem_bandwidth
     if meta.tag(node, meta.COMM) in (meta.ACT_D2H, meta.ACT_H2D) and profile.host_bandwidth:
@@ -290,6 +292,20 @@ def _node_time(node: fx.Node, profile: DeviceProfile) -> float:
         work = node.meta[_WORK] = (_flops(node), moved)
     flops, moved = work
     return max(flops / (profile.matmul_flops * profile.efficiency), moved / profile.mem_bandwidth)
+
+
+def _tp_time(node: fx.Node, profile: DeviceProfile) -> float:
+    """A tensor-parallel collective on the compute stream (the next op reads its result): a
+    ring over the "tp" group, consecutive ranks inside a node (the mesh's last dimension), of
+    the whole buffer (an all-gather's output, the others' input); its wait adds nothing. With
+    no group to size it by, a copy of its bytes."""
+    kind, n = meta.TP_COLLECTIVES[node.target], meta.tp_group_size(node)
+    if kind == "wait":
+        return 0.0
+    whole = tensor_bytes((node if kind == "all_gather" else node.args[0]).meta.get("val"))
+    if n is None:
+        return 2 * whole / profile.mem_bandwidth
+    return collective_time(whole, n, profile, rounds=2 if kind == "all_reduce" else 1)
 
 
 _WORK = "autoshard_work"  # node.meta key: (flops, bytes moved), computed once per node

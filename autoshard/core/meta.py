@@ -137,6 +137,34 @@ def group_size(issue: fx.Node) -> int:
     return issue.args[1] if kind == AG_ISSUE else issue.args[2]
 
 
+# tensor parallelism's collectives, traced from the styles' redistributions (not tagged:
+# no pass rewrites them), by kind
+_c10d = torch.ops._c10d_functional
+TP_COLLECTIVES = {_c10d.all_reduce.default: "all_reduce",
+                  _c10d.all_gather_into_tensor.default: "all_gather",
+                  _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+                  _c10d.wait_tensor.default: "wait"}
+
+
+def tp_group_size(node: fx.Node) -> Optional[int]:
+    """The ranks a tensor-parallel collective runs over: its op's ``group_size`` argument,
+    or for an all-reduce (which names its group only) the size of the process group of that
+    name; None where no such group exists (a graph planned without one)."""
+    kind = TP_COLLECTIVES.get(node.target)
+    if kind == "all_gather":
+        return node.args[1]
+    if kind == "reduce_scatter":
+        return node.args[2]
+    if kind != "all_reduce":
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._resolve_process_group(node.args[2]).size()
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
 def is_wait(node: fx.Node) -> bool:
     return tag(node, COMM) in WAITS
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.fx as fx
 
 from autoshard.core import meta
@@ -30,10 +29,7 @@ _SHOWN = {
 
 
 # the collectives tensor parallelism's styles traced into the step (activations over "tp")
-_TP = {torch.ops._c10d_functional.all_reduce.default: "all_reduce",
-       torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
-       torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
-       torch.ops._c10d_functional.wait_tensor.default: "wait"}
+_TP = meta.TP_COLLECTIVES
 
 
 def read_schedule(graphs) -> list:
