@@ -38,7 +38,7 @@ SLOW = tuple(f"tests/{m}.py" for m in (
     "runtime/test_export", "runtime/test_commit", "runtime/test_checkpoint",
     "runtime/test_kernels", "runtime/test_moe", "runtime/test_faults",
     "test_readme", "test_depth", "test_cli", "test_teardown", "test_gpu_check",
-    "runtime/test_export_reload_2d"))
+    "runtime/test_export_reload_2d", "runtime/test_compile", "passes/test_remat_inplace"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
