@@ -28,10 +28,6 @@ _SHOWN = {
 }
 
 
-# the collectives tensor parallelism's styles traced into the step (activations over "tp")
-_TP = meta.TP_COLLECTIVES
-
-
 def read_schedule(graphs) -> list:
     """ScheduleEntry per communication node of ``graphs`` (forward first, then backward):
     FSDP's, and tensor parallelism's over "tp" (``op`` "all_reduce (tp)", of no unit)."""
@@ -63,13 +59,13 @@ def read_schedule(graphs) -> list:
                         ranks=meta.tag(n, meta.GROUP, 0) if kind == meta.AG_ISSUE else 0,
                     )
                 )
-            elif kind is None and n.op == "call_function" and n.target in _TP:
+            elif kind is None and n.op == "call_function" and n.target in meta.TP_COLLECTIVES:
                 # serves: the module whose output (or gradient) it carries
-                src = n.args[0]
+                tp_kind, src = meta.TP_COLLECTIVES[n.target], n.args[0]
                 tp_serves[n] = tp_serves.get(src) or where.get(src, "")
-                size = meta.val_bytes(src if _TP[n.target] == "all_reduce" else n)
+                size = meta.val_bytes(src if tp_kind == "all_reduce" else n)
                 entries.append(ScheduleEntry(
-                    region=meta.tag(n, meta.REGION), unit=TP_UNIT, op=f"{_TP[n.target]} (tp)",
+                    region=meta.tag(n, meta.REGION), unit=TP_UNIT, op=f"{tp_kind} (tp)",
                     bytes=size, after=prev.name if prev is not None else "(start)",
                     module=where[prev] if prev is not None else "", serves=tp_serves[n]))
             elif _is_compute(n):
